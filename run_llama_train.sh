@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Launches training on this machine with torchrun.
+#
+#   ./run_llama_train.sh [--section.key value ...]     extra arguments override the config
+#
+# Env:
+#   NGPU         processes to start (default: number of visible GPUs, else 2 CPU processes)
+#   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml)
+#   LOG_RANK     ranks whose output is shown, comma-separated (default: 0)
+#   OMP_NUM_THREADS  CPU threads per process (default: cores / NGPU, at least 1)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+./scripts/setup_env.sh
+py=".venv/bin/python"
+if [[ -n "${TORCHTITAN_VENV:-}" ]]; then py="$TORCHTITAN_VENV/bin/python"; fi
+
+CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
+LOG_RANK="${LOG_RANK:-0}"
+if [[ -z "${NGPU:-}" ]]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  NGPU=$(( gpus > 0 ? gpus : 2 ))
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
+
+# Check the config once, before any process starts: a bad option gets one line and exit code 2.
+"$py" -m torchtitan.config_manager --job.config_file "$CONFIG_FILE" "$@"
+for arg in "$@"; do
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exit 0; fi
+done
+
+exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

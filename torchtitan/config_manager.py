@@ -1,0 +1,476 @@
+"""JobConfig: typed configuration sections, merged as defaults < TOML file < command line.
+
+Each TOML section is one dataclass; each field's `help` metadata is the `--help` text.
+Unknown sections or keys, wrong types and impossible values raise `ConfigError`, which the
+entry points turn into one line on stderr and exit code 2. This module imports no torch so
+that `run_llama_train.sh` can validate a config in milliseconds, before torchrun starts.
+
+Field names follow the late-2024 torchtitan TOML schema so existing configs run unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; its message is one line naming the option."""
+
+
+def opt(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
+    """Declares a config field with its help text (and optional allowed values)."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file with the job's settings (command-line options override it).")
+    dump_folder: str = opt("./outputs", "Folder for everything a run writes: logs, TensorBoard, checkpoints, traces.")
+    description: str = opt("default job", "Free-text description of the job, printed at start-up.")
+    use_for_integration_test: bool = opt(False, "Marks a config as part of the integration-test set.")
+    print_args: bool = opt(False, "Print the fully merged configuration at start-up.")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Record torch.profiler traces every profile_freq steps.")
+    save_traces_folder: str = opt("profile_traces", "Trace folder, relative to job.dump_folder.")
+    profile_freq: int = opt(10, "Steps between profiler traces.")
+    enable_memory_snapshot: bool = opt(False, "Dump CUDA memory snapshots (CUDA only).")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Print one metrics line every log_freq steps (the first step is always logged).")
+    enable_tensorboard: bool = opt(False, "Write TensorBoard scalars under job.dump_folder/save_tb_folder.")
+    disable_color_printing: bool = opt(False, "Print metrics without ANSI colours.")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    rank_0_only: bool = opt(True, "Write TensorBoard from the logging rank only (else one sub-folder per rank).")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Registered model name (see torchtitan.models).")
+    flavor: str = opt("debugmodel", "Model size/shape, one of the registered model's flavors.")
+    norm_type: str = opt("rmsnorm", "Normalization layer.", choices=["rmsnorm", "layernorm", "np_layernorm"])
+    tokenizer_path: str = opt("tests/assets/placeholder/tokenizer.model", "Tokenizer file.")
+    vocab_size_divisible_by: int = opt(1, "Pad the vocabulary (embedding and output rows) up to a multiple of this.")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer.", choices=["AdamW", "Adam"])
+    lr: float = opt(8e-4, "Peak learning rate.")
+    beta1: float = opt(0.9, "Adam beta1.")
+    beta2: float = opt(0.95, "Adam beta2.")
+    eps: float = opt(1e-8, "Adam epsilon.")
+    weight_decay: float = opt(0.1, "Decoupled (AdamW) or L2 (Adam) weight decay.")
+    fused: bool = opt(False, "Use the fused kernel (CUDA); otherwise the multi-tensor foreach path.")
+
+
+@dataclass
+class Training:
+    dataset: str = opt("placeholder", "Registered text source name.")
+    dataset_path: str = opt("", "Local file or folder overriding the registered dataset's location.")
+    dataset_shards: int = opt(
+        -1,
+        "Document shards the dataset is split into; -1 = one per data-parallel rank. Each rank reads "
+        "dataset_shards / dp shards and takes an equal slice of its batch from each, so two runs with the "
+        "same dataset_shards and global batch see identical data whatever their data-parallel degree.",
+    )
+    batch_size: int = opt(8, "Batch size per data-parallel rank and micro-step.")
+    seq_len: int = opt(2048, "Tokens per sequence.")
+    warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.")
+    decay_type: str = opt("linear", "Learning-rate decay after warm-up.", choices=["linear", "cosine", "constant"])
+    lr_min: float = opt(0.0, "Learning rate at the end of decay, as a fraction of optimizer.lr.")
+    max_norm: float = opt(1.0, "Clip the global gradient norm to this value (<= 0 disables clipping).")
+    steps: int = opt(10000, "Optimizer steps to train.")
+    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step; gradients sync on the last only.")
+    data_parallel_replicate_degree: int = opt(1, "Replicas (DDP, or HSDP's outer dim when sharding too).")
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = every rank not used by another degree.")
+    enable_cpu_offload: bool = opt(False, "Offload FSDP parameters, gradients and optimizer state to CPU.")
+    tensor_parallel_degree: int = opt(1, "Tensor-parallel degree.")
+    disable_loss_parallel: bool = opt(False, "Gather full logits instead of computing the loss vocab-sharded (TP).")
+    disable_sequence_parallel: bool = opt(False, "TP without sequence parallelism for norms (all-reduce mode).")
+    fsdp_reshard_after_forward: str = opt(
+        "default",
+        "When FSDP frees gathered parameters: default (after forward, except the root), always, never (ZeRO-2-like).",
+        choices=["default", "always", "never"],
+    )
+    mixed_precision_param: str = opt(
+        "auto", "FSDP parameter/compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        choices=["auto", "bfloat16", "float32"],
+    )
+    mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype.", choices=["float32", "bfloat16"])
+    ddp_bucket_cap_mb: int = opt(100, "DDP gradient bucket size in MB.")
+    compile: bool = opt(False, "torch.compile each transformer block.")
+    gc_freq: int = opt(50, "Run Python's garbage collector every gc_freq steps (automatic GC is disabled).")
+    seed: int = opt(-1, "Random seed; -1 = a fixed default (0) so runs repeat.")
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower; for parity and debugging).")
+
+
+@dataclass
+class Experimental:
+    pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree.")
+    pipeline_parallel_split_points: list[str] = opt([], "Module names where stages start, e.g. layers.4,layers.8.")
+    pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule name.")
+    pipeline_parallel_schedule_csv: str = opt("", "CSV file describing a custom pipeline schedule.")
+    pipeline_parallel_microbatches: int = opt(-1, "Microbatches per step; -1 = the pipeline degree.")
+    context_parallel_degree: int = opt(1, "Context-parallel degree (sequence split across ranks).")
+    context_parallel_rotate_method: str = opt("allgather", "How CP exchanges keys/values.", choices=["allgather", "alltoall"])
+    enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
+    enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = opt(False, "Save and auto-resume checkpoints.")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    interval_type: str = opt("steps", "Unit of checkpoint.interval.", choices=["steps"])
+    interval: int = opt(500, "Steps between checkpoints.")
+    model_weights_only: bool = opt(False, "Final checkpoint holds model weights only (for inference/fine-tuning).")
+    export_dtype: str = opt("float32", "Dtype of a weights-only export.", choices=["float32", "bfloat16", "float16"])
+    create_seed_checkpoint: bool = opt(False, "Write the freshly initialised model as step 0 and exit (one process).")
+    async_mode: str = opt("disabled", "Asynchronous saving.", choices=["disabled", "async", "async_with_pinned_mem"])
+    keep_latest_k: int = opt(0, "Keep only the newest k checkpoints (0 = keep all).")
+    load_step: int = opt(-1, "Step to load (-1 = the newest complete checkpoint).")
+    initial_load_path: str = opt(
+        "", "Checkpoint (e.g. a seed checkpoint's step-0 folder) whose model weights initialise a run that "
+        "has no checkpoint of its own yet; any parallel layout can load it."
+    )
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("selective", "Activation checkpointing.", choices=["none", "full", "selective"])
+    selective_ac_option: str = opt("2", "Selective AC: an integer k checkpoints every k-th block; 'op' is op-level.")
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = opt(False, "Float8 linear layers through torchao (CUDA only).")
+    enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8.")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "Compute float8 scales for all parameters at once.")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout for process-group initialisation and the first step.")
+    train_timeout_seconds: int = opt(100, "Collective timeout after the first step.")
+    trace_buf_size: int = opt(20000, "NCCL flight-recorder entries (0 disables).")
+
+
+@dataclass
+class MemoryEstimation:
+    enabled: bool = opt(False, "Estimate peak memory with fake tensors before training.")
+    disable_fake_mode: bool = opt(False, "Estimate with real tensors.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    training: Training = field(default_factory=Training)
+    experimental: Experimental = field(default_factory=Experimental)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading values
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else f"; known: {', '.join(sorted(known))}"
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Checks a TOML value (typed) or a command-line string against the field type."""
+    if typing.get_origin(typ) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        (item_typ,) = typing.get_args(typ)
+        return [_coerce(v, item_typ, where) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    raise AssertionError(f"unsupported config type {typ} for {where}")
+
+
+def _set(config: JobConfig, section: str, key: str, raw: Any, source: str) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section [{section}] in {source}{_suggest(section, sections)}")
+    fields = _fields(sections[section])
+    if key not in fields:
+        raise ConfigError(f"unknown option {section}.{key} in {source}{_suggest(key, fields)}")
+    typ, f = fields[key]
+    value = _coerce(raw, typ, f"{section}.{key} ({source})")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(
+            f"{section}.{key} ({source}) must be one of {', '.join(map(str, choices))}, got {value!r}"
+        )
+    setattr(getattr(config, section), key, value)
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path} (set --job.config_file)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file is a directory: {path}") from None
+    except tomllib.TOMLDecodeError as e:  # the message carries "(at line N, column M)"
+        raise ConfigError(f"malformed TOML in {path}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog="torchtitan.train",
+        description="Train a model. Precedence: defaults < TOML (--job.config_file) < these options. "
+        "Lists are comma-separated; booleans may be given as a bare flag or with true/false.",
+        usage="python -m torchtitan.train [--section.key VALUE ...]",
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,  # only options actually given appear in the namespace
+    )
+    defaults = JobConfig()
+    for section, section_cls in _sections().items():
+        group = parser.add_argument_group(f"[{section}]")
+        for key, (typ, f) in _fields(section_cls).items():
+            default = getattr(getattr(defaults, section), key)
+            shown = ",".join(default) if isinstance(default, list) else default
+            text = f"{f.metadata['help']} (default: {shown!r})"
+            if f.metadata.get("choices"):
+                text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
+            kwargs: dict[str, Any] = {"dest": f"{section}.{key}", "help": text.replace("%", "%%")}
+            if typ is bool:
+                kwargs.update(nargs="?", const="true", metavar="BOOL")
+            else:
+                kwargs.update(metavar=typing.get_origin(typ).__name__.upper() if typing.get_origin(typ) else typ.__name__.upper())
+            group.add_argument(f"--{section}.{key}", **kwargs)
+    return parser
+
+
+def _cli_overrides(argv: Sequence[str]) -> dict[str, Any]:
+    parser = _build_parser()
+    known, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        bad = unknown[0]
+        name = bad.split("=", 1)[0]
+        if name.startswith("--") and "." in name:
+            section, key = name[2:].split(".", 1)
+            sections = _sections()
+            if section not in sections:
+                raise ConfigError(f"unknown config section in {name}{_suggest(section, sections)}")
+            raise ConfigError(f"unknown option {name}{_suggest(key, _fields(sections[section]))}")
+        raise ConfigError(f"unexpected argument {bad!r}; options look like --section.key value")
+    return vars(known)
+
+
+def help_text() -> str:
+    return _build_parser().format_help()
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-option validation: every check that needs no process group lives here.
+
+# Options declared for schema compatibility whose features arrive in later work. Each refuses
+# clearly instead of being silently ignored.
+_NOT_YET = {
+    ("training", "tensor_parallel_degree"): lambda v: v != 1,
+    ("experimental", "pipeline_parallel_degree"): lambda v: v != 1,
+    ("experimental", "context_parallel_degree"): lambda v: v != 1,
+    ("experimental", "enable_async_tensor_parallel"): bool,
+    ("experimental", "enable_compiled_autograd"): bool,
+    ("training", "compile"): bool,
+    ("model", "vocab_size_divisible_by"): lambda v: v != 1,
+    ("training", "enable_cpu_offload"): bool,
+    ("float8", "enable_float8_linear"): bool,
+    ("checkpoint", "model_weights_only"): bool,
+    ("checkpoint", "keep_latest_k"): lambda v: v != 0,
+    ("memory_estimation", "enabled"): bool,
+    ("profiling", "enable_memory_snapshot"): bool,
+}
+
+
+def validate(config: JobConfig) -> None:
+    """Rejects impossible values and combinations, naming the option to change."""
+    t, m, o = config.training, config.metrics, config.optimizer
+    positive = {
+        "training.batch_size": t.batch_size,
+        "training.seq_len": t.seq_len,
+        "training.steps": t.steps,
+        "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "training.data_parallel_replicate_degree": t.data_parallel_replicate_degree,
+        "training.tensor_parallel_degree": t.tensor_parallel_degree,
+        "training.gc_freq": t.gc_freq,
+        "metrics.log_freq": m.log_freq,
+        "profiling.profile_freq": config.profiling.profile_freq,
+        "model.vocab_size_divisible_by": config.model.vocab_size_divisible_by,
+        "experimental.pipeline_parallel_degree": config.experimental.pipeline_parallel_degree,
+        "experimental.context_parallel_degree": config.experimental.context_parallel_degree,
+        "comm.init_timeout_seconds": config.comm.init_timeout_seconds,
+        "comm.train_timeout_seconds": config.comm.train_timeout_seconds,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if t.data_parallel_shard_degree == 0 or t.data_parallel_shard_degree < -1:
+        raise ConfigError(f"training.data_parallel_shard_degree must be >= 1 or -1, got {t.data_parallel_shard_degree}")
+    if t.dataset_shards == 0 or t.dataset_shards < -1:
+        raise ConfigError(f"training.dataset_shards must be >= 1 or -1, got {t.dataset_shards}")
+    if not o.lr > 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
+    if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1:
+        raise ConfigError(f"optimizer.beta1 and beta2 must lie in [0, 1), got {o.beta1}, {o.beta2}")
+    if o.eps <= 0 or o.weight_decay < 0:
+        raise ConfigError("optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if not 0 <= t.lr_min <= 1:
+        raise ConfigError(f"training.lr_min is a fraction of optimizer.lr and must lie in [0, 1], got {t.lr_min}")
+    c = config.checkpoint
+    if c.interval < 1:
+        raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
+    if c.async_mode != "disabled":
+        raise ConfigError("checkpoint.async_mode other than 'disabled' is not implemented yet in this version")
+    ac = config.activation_checkpoint
+    if ac.mode == "selective":
+        opt_value = ac.selective_ac_option
+        if opt_value == "op":
+            raise ConfigError(
+                "activation_checkpoint.selective_ac_option 'op' is not implemented yet; use an integer k "
+                "(checkpoint every k-th block) or activation_checkpoint.mode full"
+            )
+        if not opt_value.isdigit() or int(opt_value) < 1:
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {opt_value!r}"
+            )
+    if t.data_parallel_replicate_degree > 1 and t.data_parallel_shard_degree == 1:
+        raise ConfigError(
+            "pure replicated data parallelism (DDP: training.data_parallel_replicate_degree > 1 with "
+            "data_parallel_shard_degree 1) is not implemented yet; use data_parallel_shard_degree > 1 (HSDP) or -1"
+        )
+    for (section, key), active in _NOT_YET.items():
+        if active(getattr(getattr(config, section), key)):
+            raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
+    """Builds the JobConfig from defaults, the TOML file named by --job.config_file, and argv."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = _cli_overrides(argv)
+    config = JobConfig()
+    config_file = overrides.get("job.config_file", "")
+    if config_file:
+        for section, values in _load_toml(config_file).items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"'{section}' in {config_file} must be a [section] table, got a value")
+            for key, value in values.items():
+                _set(config, section, key, value, config_file)
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".", 1)
+        _set(config, section, key, value, "command line")
+    validate(config)
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m torchtitan.config_manager [options]`: validates without importing torch.
+
+    The launcher runs this before torchrun so that --help and bad options answer at once,
+    with one line and exit code 2, instead of once per rank behind torchrun's error report.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    try:
+        parse_args(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Model registry. Importing this package registers the built-in model families."""
+
+from torchtitan.models import llama  # noqa: F401  (registers llama2 and llama3)
+from torchtitan.models.train_spec import TrainSpec, get_train_spec, register_train_spec, registered_names
+
+__all__ = ["TrainSpec", "get_train_spec", "register_train_spec", "registered_names"]

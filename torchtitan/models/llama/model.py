@@ -1,0 +1,216 @@
+"""Llama 2 / Llama 3 decoder in plain single-device PyTorch.
+
+Parallelism reaches this model only from outside, by module name. A few idioms keep that
+possible without any parallel branches here:
+- head counts are recovered with `view(..., -1, head_dim)` so tensor parallelism can shard heads;
+- blocks live in a ModuleDict keyed by their original index, so names survive pipeline splits;
+- embedding, final norm and output may be None, so a pipeline stage can drop them;
+- `init_weights()` is separate from `__init__`, so the model can be built on the meta device,
+  sharded, materialised with `to_empty()` and only then initialised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.norms import build_norm, reset_norm
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency scaling: long wavelengths are slowed down, short ones kept."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None = n_heads (no grouped-query attention)
+    vocab_size: int = 32000  # replaced by the tokenizer's size when training
+    multiple_of: int = 256  # feed-forward hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    norm_type: str = "rmsnorm"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_word_embeddings: bool = False
+    # Scale each block's output-projection init by its depth (else by the total depth).
+    depth_init: bool = True
+
+
+def precompute_rope(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """Returns (max_seq_len, head_dim // 2, 2): cos and sin of every position's rotation angles."""
+    head_dim = args.dim // args.n_heads
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    if args.rope_scaling is not None:
+        freqs = _scale_rope_freqs(freqs, args.rope_scaling)
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    # Between the two wavelengths, blend smoothly between scaled and unscaled frequencies.
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotates adjacent feature pairs of x (batch, seq, heads, head_dim) by rope (seq, head_dim/2, 2).
+
+    Pairs are adjacent (Meta's layout), so the rotation is one complex multiply.
+    """
+    rotation = torch.view_as_complex(rope.float().contiguous()).unsqueeze(1)  # (seq, 1, head_dim/2)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads or args.n_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
+        grouped = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """SwiGLU hidden size: 2/3 of 4*dim (to keep FLOPs of a 4x MLP), scaled, rounded up."""
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+        self.attention_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
+        self.ffn_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def init_weights(self) -> None:
+        reset_norm(self.attention_norm)
+        reset_norm(self.ffn_norm)
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama decoder: token embedding -> blocks -> norm -> output projection (logits)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.dim % args.n_heads:
+            raise ValueError(f"dim {args.dim} must be divisible by n_heads {args.n_heads}")
+        if args.n_heads % (args.n_kv_heads or args.n_heads):
+            raise ValueError(f"n_heads {args.n_heads} must be a multiple of n_kv_heads {args.n_kv_heads}")
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from args, so checkpoints stay free of it.
+        self.register_buffer("rope_cache", precompute_rope(args), persistent=False)
+
+    @classmethod
+    def from_model_args(cls, args: ModelArgs) -> "Transformer":
+        return cls(args)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re)initialises every parameter and buffer; call after `to_empty()` on meta-built models."""
+        with torch.device(buffer_device or self.rope_cache.device):
+            self.rope_cache = precompute_rope(self.args)
+        with torch.no_grad():
+            if self.tok_embeddings is not None:
+                nn.init.normal_(self.tok_embeddings.weight)
+            for layer in self.layers.values():
+                layer.init_weights()
+            if self.norm is not None:
+                reset_norm(self.norm)
+            if self.output is not None and not self.args.tie_word_embeddings:
+                std = self.args.dim**-0.5
+                nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) ints -> logits (batch, seq, vocab). A pipeline stage without the
+        embedding receives hidden states instead, and one without the output returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cache[: h.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per non-embedding parameter plus causal-free attention
+        scores (the common convention, so MFU figures compare with other stacks)."""
+        n_params = sum(p.numel() for p in self.parameters())
+        if self.tok_embeddings is not None:
+            n_params -= self.tok_embeddings.weight.numel() * (0 if self.args.tie_word_embeddings else 1)
+        a = self.args
+        return int(6 * n_params + 12 * a.n_layers * a.n_heads * (a.dim // a.n_heads) * seq_len)

@@ -1,0 +1,112 @@
+"""Optimizers and learning-rate schedules, one of each per model part (pipeline stage)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan.config_manager import JobConfig
+
+_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+class OptimizersContainer(Stateful):
+    """Steps one optimizer per model part as if they were one; checkpointed by parameter name."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any]):
+        self.model_parts = model_parts
+        self.optimizers = [optimizer_cls(part.parameters(), **kwargs) for part in model_parts]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Fully qualified parameter names make the state independent of the parallel layout.
+        merged: dict[str, Any] = {}
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, optimizer))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, optimizer, optim_state_dict=state_dict)
+
+
+def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
+    o = job_config.optimizer
+    kwargs = {
+        "lr": o.lr,
+        "betas": (o.beta1, o.beta2),
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+        # fused needs a device kernel; foreach (multi-tensor) is the portable fast path.
+        "fused": o.fused,
+        "foreach": not o.fused,
+    }
+    return OptimizersContainer(model_parts, _OPTIMIZERS[o.name], kwargs)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:
+    """Multiplier of the peak lr after `step` scheduler steps: linear warm-up, then decay to lr_min.
+
+    Warm-up starts above zero ((step+1)/(warmup+1)) so the very first update is not wasted.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_steps = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    if decay_type == "linear":
+        remaining = 1.0 - progress
+    elif decay_type == "cosine":
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif decay_type == "constant":
+        remaining = 1.0
+    else:
+        raise ValueError(f"unknown decay_type {decay_type!r}")
+    return lr_min + (1.0 - lr_min) * remaining
+
+
+class LRSchedulersContainer(Stateful):
+    """One LambdaLR per optimizer, stepped together; they always share one position."""
+
+    def __init__(self, optimizers: OptimizersContainer, factor_fn):
+        self.schedulers = [LambdaLR(opt, factor_fn) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.schedulers[0].last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for scheduler in self.schedulers:
+            scheduler.last_epoch = state_dict["last_epoch"]
+            scheduler._last_lr = [  # keep get_last_lr() true before the next step
+                base * scheduler.lr_lambdas[0](scheduler.last_epoch) for base in scheduler.base_lrs
+            ]
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+                group["lr"] = lr
+
+
+def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) -> LRSchedulersContainer:
+    t = job_config.training
+    factor = functools.partial(
+        lr_factor, warmup_steps=t.warmup_steps, total_steps=t.steps, decay_type=t.decay_type, lr_min=t.lr_min
+    )
+    return LRSchedulersContainer(optimizers, factor)

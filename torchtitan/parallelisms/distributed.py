@@ -1,0 +1,96 @@
+"""Process-group start-up, device choice, seeding and the collectives the training loop needs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_distributed(dev_type: str, init_timeout_seconds: int) -> torch.device:
+    """Joins the process group (when launched with more than one rank) and picks this rank's device.
+
+    On CUDA, NCCL carries GPU tensors and gloo any CPU tensors; on CPU everything uses gloo.
+    """
+    if dev_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size() > 1 and not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
+    return device
+
+
+def set_timeout(seconds: int) -> None:
+    """Shortens the collective timeout once start-up (first compiles, checkpoint loads) is over,
+    so a hung rank is reported in seconds rather than after the generous start-up timeout."""
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    """Seeds every generator identically on all ranks; optionally forces deterministic kernels."""
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        # cuBLAS needs a fixed workspace to be deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def clip_grad_norm_(
+    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Clips gradients to a global L2 norm and returns that norm.
+
+    With DTensor gradients (FSDP/TP) the norm is reduced over every mesh dim the gradients are
+    sharded on; with pipeline stages each rank holds only its stages' gradients, so the squared
+    norms are also summed across pp. max_norm <= 0 only measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_mesh is not None:
+        total = total**2
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        total = total.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+def mean_across(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
+    """Mean of a scalar over a mesh (for logging); the value itself on a single process."""
+    if mesh is None:
+        return value.item()
+    value = value.detach().to(torch.float64, copy=True)  # gloo has no AVG: sum, then divide
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return value.item() / mesh.size()
+
+
+def max_across(value: float, mesh: DeviceMesh | None) -> float:
+    if mesh is None:
+        return value
+    t = torch.tensor(value, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return t.item()

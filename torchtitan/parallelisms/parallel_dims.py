@@ -1,0 +1,133 @@
+"""ParallelDims: the one source of truth for parallel degrees, and the world mesh built from them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan.config_manager import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Mesh dimension order, outermost first. Pipeline stages talk least often, so pp is outermost;
+# tp talks every layer, so it is innermost (ranks that are neighbours on one host).
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened views of several dims, each named for its use.
+FLATTENED_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),  # data loading: ranks that read different data
+    "dp_shard_cp": ("dp_shard", "cp"),  # FSDP: ranks that share one parameter shard set
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss averaging
+}
+_OPTION = {
+    "dp_replicate": "training.data_parallel_replicate_degree",
+    "dp_shard": "training.data_parallel_shard_degree",
+    "cp": "experimental.context_parallel_degree",
+    "tp": "training.tensor_parallel_degree",
+    "pp": "experimental.pipeline_parallel_degree",
+}
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int  # -1 = every rank left over by the other degrees
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    enable_loss_parallel: bool
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in MESH_DIM_ORDER:
+            value = getattr(self, name)
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                raise ConfigError(f"{_OPTION[name]} must be >= 1{' or -1' if name == 'dp_shard' else ''}, got {value}")
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others or self.world_size < others:
+                raise ConfigError(
+                    f"no ranks left for training.data_parallel_shard_degree = -1: the other degrees multiply to "
+                    f"{others}, which does not divide the world size {self.world_size}"
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            degrees = " x ".join(f"{name} {getattr(self, name)}" for name in MESH_DIM_ORDER)
+            raise ConfigError(
+                f"parallel degrees {degrees} = {product} must equal the world size {self.world_size}; "
+                "change the degrees or the number of processes (NGPU), or set "
+                "training.data_parallel_shard_degree = -1 to use the remaining ranks"
+            )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Builds the named world mesh (size-1 dims left out) and its FLATTENED_VIEWS.
+
+        The meshes are kept here and handed out by name through `get_mesh`. A single process
+        needs no mesh: the world mesh is None and every `get_mesh` answers None.
+        """
+        self._meshes: dict[str, DeviceMesh] = {}
+        names = [n for n in MESH_DIM_ORDER if getattr(self, n) > 1]
+        if not names:
+            return None
+        shape = [getattr(self, n) for n in names]
+        world = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        self._meshes = {"world": world, **{n: world[n] for n in names}}
+        for flat_name, members in FLATTENED_VIEWS.items():
+            present = tuple(n for n in members if n in names)
+            if present:
+                # Flattened meshes are kept by name here: slicing them back out of the world
+                # mesh is deprecated in PyTorch.
+                self._meshes[flat_name] = world[present]._flatten(mesh_dim_name=flat_name)
+        logger.info(f"built world mesh {dict(zip(names, shape))} on {device_type}")
+        return world
+
+    def get_mesh(self, name: str) -> DeviceMesh | None:
+        """The world mesh, one of its dims, or a flattened view by name; None when of size 1."""
+        meshes = getattr(self, "_meshes", None)
+        if meshes is None:
+            raise RuntimeError("ParallelDims.build_mesh() must be called before get_mesh()")
+        if name not in meshes and name not in ("world", *MESH_DIM_ORDER, *FLATTENED_VIEWS):
+            raise KeyError(f"unknown mesh name {name!r}")
+        return meshes.get(name)
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.tp > 1 and self.enable_loss_parallel
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks that each read different data."""
+        return self.dp_replicate * self.dp_shard

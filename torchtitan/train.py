@@ -1,0 +1,179 @@
+"""Entry point: `python -m torchtitan.train [--section.key value ...]` on every rank (torchrun).
+
+Reads as the build sequence: config -> mesh -> data -> meta model -> parallelize -> materialise
+-> optimizer -> checkpoint -> loop. Everything model-specific comes from the model's TrainSpec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import sys
+import time
+from typing import Iterator
+
+import torch
+
+from torchtitan.checkpoint import CheckpointManager, TrainState
+from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args
+from torchtitan.datasets.text_dataset import DatasetError
+from torchtitan.datasets.tokenizer import TokenizerError
+from torchtitan.logging import init_logger
+from torchtitan.metrics import MetricsLogger, StepMetrics
+from torchtitan.models import TrainSpec, get_train_spec
+from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger("torchtitan")
+
+DEFAULT_SEED = 0
+# Errors caused by the user's input: reported as one line with exit code 2, never a traceback.
+USER_ERRORS = (ConfigError, DatasetError, TokenizerError, FileNotFoundError)
+
+
+def build_parallel_dims(job_config: JobConfig) -> ParallelDims:
+    t, e = job_config.training, job_config.experimental
+    return ParallelDims(
+        dp_replicate=t.data_parallel_replicate_degree,
+        dp_shard=t.data_parallel_shard_degree,
+        cp=e.context_parallel_degree,
+        tp=t.tensor_parallel_degree,
+        pp=e.pipeline_parallel_degree,
+        world_size=tt_dist.world_size(),
+        enable_loss_parallel=not t.disable_loss_parallel,
+    )
+
+
+def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: int):
+    m = job_config.model
+    if m.flavor not in train_spec.config:
+        raise ConfigError(
+            f"unknown model.flavor {m.flavor!r} for model {m.name!r}; choose from {', '.join(train_spec.config)}"
+        )
+    return dataclasses.replace(
+        train_spec.config[m.flavor], vocab_size=vocab_size, max_seq_len=job_config.training.seq_len, norm_type=m.norm_type
+    )
+
+
+def train(job_config: JobConfig) -> None:
+    t = job_config.training
+    parallel_dims = build_parallel_dims(job_config)
+    device_type = tt_dist.device_type()
+    device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
+    parallel_dims.build_mesh(device_type)
+    tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)
+    if job_config.job.print_args:
+        logger.info(f"job config: {job_config.to_dict()}")
+    if job_config.checkpoint.create_seed_checkpoint and tt_dist.world_size() > 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint must run on one process (NGPU=1)")
+
+    # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same.
+    train_spec = get_train_spec(job_config.model.name)
+    tokenizer = train_spec.build_tokenizer_fn(job_config)
+    dp_mesh = parallel_dims.get_mesh("dp")
+    dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree)
+
+    # Model: built on the meta device (no memory), parallelized, then materialised per rank.
+    model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
+    with torch.device("meta"):
+        model = train_spec.model_cls.from_model_args(model_args)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = model.flops_per_token(t.seq_len)
+    logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, vocab {model_args.vocab_size}")
+    model = train_spec.parallelize_fn(model, parallel_dims, job_config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
+    model_parts = [model]
+
+    optimizers = train_spec.build_optimizers_fn(model_parts, job_config)
+    lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
+    train_state = TrainState()
+    checkpoint = CheckpointManager(job_config, model_parts, optimizers, lr_schedulers, dataloader, train_state)
+    if job_config.checkpoint.create_seed_checkpoint:
+        checkpoint.save(step=0, force=True)
+        logger.info("seed checkpoint written; exiting")
+        return
+    checkpoint.load()
+
+    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank())
+    try:
+        train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
+                   iter(dataloader), train_state, checkpoint, metrics, device, dp_degree)
+    finally:
+        metrics.close()
+
+
+def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
+               data_iter: Iterator, train_state: TrainState, checkpoint: CheckpointManager,
+               metrics: MetricsLogger, device: torch.device, dp_degree: int) -> None:
+    t = job_config.training
+    accum = t.gradient_accumulation_steps
+    params = [p for part in model_parts for p in part.parameters()]
+    loss_mesh = parallel_dims.get_mesh("dp_cp")
+    # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
+    gc.disable()
+    gc.collect(1)
+    window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
+    logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
+                f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
+    while train_state.step < t.steps:
+        train_state.step += 1
+        step = train_state.step
+        if step % t.gc_freq == 0:
+            gc.collect(1)
+        optimizers.zero_grad()
+        step_loss = torch.zeros((), device=device)
+        for micro in range(accum):
+            data_start = time.perf_counter()
+            inputs, labels = next(data_iter)
+            window_data_seconds += time.perf_counter() - data_start
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            window_tokens += labels.numel()
+            if accum > 1 and parallel_dims.fsdp_enabled:
+                # Reduce gradients only after the last micro-batch.
+                for part in model_parts:
+                    part.set_requires_gradient_sync(micro == accum - 1)
+            loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
+            loss.backward()
+            step_loss += loss.detach()
+        grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.get_mesh("pp"))
+        lr = lr_schedulers.get_last_lr()
+        optimizers.step()
+        lr_schedulers.step()
+        train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
+
+        if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps:
+            loss_value = tt_dist.mean_across(step_loss, loss_mesh)
+            elapsed = time.perf_counter() - window_start
+            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, window_tokens, elapsed, window_data_seconds))
+            window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
+        checkpoint.save(step, force=step == t.steps)
+        if step == 1:
+            tt_dist.set_timeout(job_config.comm.train_timeout_seconds)
+    logger.info("training done")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    init_logger()
+    try:
+        train(parse_args(argv))
+    except USER_ERRORS as e:
+        if tt_dist.rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
