@@ -24,7 +24,7 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 
 # Check the config once, before any process starts: a bad option gets one line and exit code 2.
-"$py" -m torchtitan.config_manager --job.config_file "$CONFIG_FILE" "$@"
+WORLD_SIZE="$NGPU" "$py" -m torchtitan.config_manager --job.config_file "$CONFIG_FILE" "$@"
 for arg in "$@"; do
   if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exit 0; fi
 done

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class Metrics:
     disable_color_printing: bool = opt(False, "Print metrics without ANSI colours.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
     rank_0_only: bool = opt(True, "Write TensorBoard from the logging rank only (else one sub-folder per rank).")
+    save_jsonl: bool = opt(True, "Append each logged step's metrics to job.dump_folder/metrics.jsonl (rank 0), for plots and parity checks.")
 
 
 @dataclass
@@ -135,6 +137,7 @@ class Experimental:
     context_parallel_rotate_method: str = opt("allgather", "How CP exchanges keys/values.", choices=["allgather", "alltoall"])
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
     enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
+    custom_import: str = opt("", "Python module imported at start-up, e.g. one that registers a new model.")
 
 
 @dataclass
@@ -223,15 +226,18 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Checks a TOML value (typed) or a command-line string against the field type."""
+def _coerce(value: Any, typ: Any, where: str, from_text: bool) -> Any:
+    """Checks a value against the field type. TOML values are typed and must match exactly;
+    command-line values arrive as text (from_text) and are parsed."""
     if typing.get_origin(typ) is list:
-        if isinstance(value, str):
+        if from_text and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}")
         (item_typ,) = typing.get_args(typ)
-        return [_coerce(v, item_typ, where) for v in value]
+        return [_coerce(v, item_typ, where, from_text) for v in value]
+    if isinstance(value, str) and not from_text and typ is not str:
+        raise ConfigError(f"{where} must be a {typ.__name__.replace('bool', 'boolean')}, not the string {value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -265,7 +271,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     raise AssertionError(f"unsupported config type {typ} for {where}")
 
 
-def _set(config: JobConfig, section: str, key: str, raw: Any, source: str) -> None:
+def _set(config: JobConfig, section: str, key: str, raw: Any, source: str, from_text: bool) -> None:
     sections = _sections()
     if section not in sections:
         raise ConfigError(f"unknown config section [{section}] in {source}{_suggest(section, sections)}")
@@ -273,7 +279,7 @@ def _set(config: JobConfig, section: str, key: str, raw: Any, source: str) -> No
     if key not in fields:
         raise ConfigError(f"unknown option {section}.{key} in {source}{_suggest(key, fields)}")
     typ, f = fields[key]
-    value = _coerce(raw, typ, f"{section}.{key} ({source})")
+    value = _coerce(raw, typ, f"{section}.{key} ({source})", from_text)
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(
@@ -292,6 +298,10 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file is a directory: {path}") from None
     except tomllib.TOMLDecodeError as e:  # the message carries "(at line N, column M)"
         raise ConfigError(f"malformed TOML in {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,9 +340,25 @@ def _build_parser() -> _Parser:
     return parser
 
 
+def _attach_negative_numbers(argv: Sequence[str]) -> list[str]:
+    """`--optimizer.lr -1e-3` -> `--optimizer.lr=-1e-3`: argparse would read -1e-3 as an option."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and token.startswith("-"):
+            try:
+                float(token)
+            except ValueError:
+                pass
+            else:
+                out[-1] = f"{out[-1]}={token}"
+                continue
+        out.append(token)
+    return out
+
+
 def _cli_overrides(argv: Sequence[str]) -> dict[str, Any]:
     parser = _build_parser()
-    known, unknown = parser.parse_known_args(list(argv))
+    known, unknown = parser.parse_known_args(_attach_negative_numbers(argv))
     if unknown:
         bad = unknown[0]
         name = bad.split("=", 1)[0]
@@ -446,10 +472,10 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
             if not isinstance(values, dict):
                 raise ConfigError(f"'{section}' in {config_file} must be a [section] table, got a value")
             for key, value in values.items():
-                _set(config, section, key, value, config_file)
+                _set(config, section, key, value, config_file, from_text=False)
     for dotted, value in overrides.items():
         section, key = dotted.split(".", 1)
-        _set(config, section, key, value, "command line")
+        _set(config, section, key, value, "command line", from_text=True)
     validate(config)
     return config
 
@@ -465,7 +491,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(help_text())
         return 0
     try:
-        parse_args(argv)
+        config = parse_args(argv)
+        if "WORLD_SIZE" in os.environ:  # the launcher passes the number of ranks it will start
+            from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
+
+            parallel_dims_from_config(config, int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -473,4 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, so ConfigError raised by other torchtitan modules is the
+    # same class as the one caught here (not a twin defined in __main__).
+    from torchtitan.config_manager import main as _main
+
+    sys.exit(_main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -86,6 +87,10 @@ class MetricsLogger:
         self.colors = _Colors(not job_config.metrics.disable_color_printing)
         self.writer = None
         m = job_config.metrics
+        self.jsonl = None
+        if m.save_jsonl and rank == 0:
+            os.makedirs(job_config.job.dump_folder, exist_ok=True)
+            self.jsonl = open(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), "a")
         if m.enable_tensorboard and (rank == 0 or not m.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 
@@ -116,8 +121,13 @@ class MetricsLogger:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(f"train/{name}", value, s.step)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": s.step, **values}) + "\n")
+            self.jsonl.flush()
         return values
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -8,12 +8,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config_manager import JobConfig
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 
@@ -34,14 +39,15 @@ class OptimizersContainer(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         # Fully qualified parameter names make the state independent of the parallel layout.
+        # Flattened ("state.<param>.<key>") so the parts' entries never collide when merged.
         merged: dict[str, Any] = {}
         for part, optimizer in zip(self.model_parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, optimizer))
+            merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for part, optimizer in zip(self.model_parts, self.optimizers):
-            set_optimizer_state_dict(part, optimizer, optim_state_dict=state_dict)
+            set_optimizer_state_dict(part, optimizer, optim_state_dict=state_dict, options=_FLAT)
 
 
 def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
 import sys
 import time
+import warnings
 from typing import Iterator
 
 import torch
@@ -23,46 +25,45 @@ from torchtitan.logging import init_logger
 from torchtitan.metrics import MetricsLogger, StepMetrics
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
-from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 
 logger = logging.getLogger("torchtitan")
 
 DEFAULT_SEED = 0
+# torchdata calls an API that PyTorch has deprecated; nothing for users to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+# DTensor's CPU random ops initialise each shard from the same generator state, so a sharded CPU
+# init differs from a single-process one; runs that must match start from a seed checkpoint
+# (docs/parity.md), which makes this warning noise.
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
 # Errors caused by the user's input: reported as one line with exit code 2, never a traceback.
 USER_ERRORS = (ConfigError, DatasetError, TokenizerError, FileNotFoundError)
 
 
-def build_parallel_dims(job_config: JobConfig) -> ParallelDims:
-    t, e = job_config.training, job_config.experimental
-    return ParallelDims(
-        dp_replicate=t.data_parallel_replicate_degree,
-        dp_shard=t.data_parallel_shard_degree,
-        cp=e.context_parallel_degree,
-        tp=t.tensor_parallel_degree,
-        pp=e.pipeline_parallel_degree,
-        world_size=tt_dist.world_size(),
-        enable_loss_parallel=not t.disable_loss_parallel,
-    )
+def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
+    if flavor not in train_spec.config:
+        raise ConfigError(
+            f"unknown model.flavor {flavor!r} for model {train_spec.name!r}; choose from {', '.join(train_spec.config)}"
+        )
 
 
 def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: int):
     m = job_config.model
-    if m.flavor not in train_spec.config:
-        raise ConfigError(
-            f"unknown model.flavor {m.flavor!r} for model {m.name!r}; choose from {', '.join(train_spec.config)}"
-        )
-    return dataclasses.replace(
-        train_spec.config[m.flavor], vocab_size=vocab_size, max_seq_len=job_config.training.seq_len, norm_type=m.norm_type
-    )
+    flavor = train_spec.config[m.flavor]
+    # vocab_size is required of every model's args; the others are set where the model has them.
+    updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": m.norm_type}
+    return dataclasses.replace(flavor, **{k: v for k, v in updates.items() if k == "vocab_size" or hasattr(flavor, k)})
 
 
 def train(job_config: JobConfig) -> None:
     t = job_config.training
-    parallel_dims = build_parallel_dims(job_config)
+    parallel_dims = parallel_dims_from_config(job_config, tt_dist.world_size())
     device_type = tt_dist.device_type()
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
     tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)
+    if job_config.experimental.custom_import:
+        importlib.import_module(job_config.experimental.custom_import)  # registers extra models
     if job_config.job.print_args:
         logger.info(f"job config: {job_config.to_dict()}")
     if job_config.checkpoint.create_seed_checkpoint and tt_dist.world_size() > 1:
@@ -70,6 +71,7 @@ def train(job_config: JobConfig) -> None:
 
     # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same.
     train_spec = get_train_spec(job_config.model.name)
+    check_flavor(train_spec, job_config.model.flavor)
     tokenizer = train_spec.build_tokenizer_fn(job_config)
     dp_mesh = parallel_dims.get_mesh("dp")
     dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)

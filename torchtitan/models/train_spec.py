@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from torchtitan.config_manager import ConfigError
+
 # Builder signatures (kept as plain callables so a model can reuse or replace any of them):
 #   parallelize_fn(model, parallel_dims, job_config) -> model  (meshes via parallel_dims.get_mesh)
 #   pipelining_fn(model, parallel_dims, job_config, device, model_args, loss_fn)
@@ -48,7 +50,7 @@ def register_train_spec(spec: TrainSpec) -> None:
 
 def get_train_spec(name: str) -> TrainSpec:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        raise ConfigError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torchtitan.config_manager import ConfigError, JobConfig
 
-from torchtitan.config_manager import ConfigError
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ class ParallelDims:
         The meshes are kept here and handed out by name through `get_mesh`. A single process
         needs no mesh: the world mesh is None and every `get_mesh` answers None.
         """
+        # Imported here so that validation alone (the launcher's pre-flight check) needs no torch.
+        from torch.distributed.device_mesh import init_device_mesh
+
         self._meshes: dict[str, DeviceMesh] = {}
         names = [n for n in MESH_DIM_ORDER if getattr(self, n) > 1]
         if not names:
@@ -131,3 +136,16 @@ class ParallelDims:
     def dp_degree(self) -> int:
         """Data-parallel ranks that each read different data."""
         return self.dp_replicate * self.dp_shard
+
+
+def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> ParallelDims:
+    t, e = job_config.training, job_config.experimental
+    return ParallelDims(
+        dp_replicate=t.data_parallel_replicate_degree,
+        dp_shard=t.data_parallel_shard_degree,
+        cp=e.context_parallel_degree,
+        tp=t.tensor_parallel_degree,
+        pp=e.pipeline_parallel_degree,
+        world_size=world_size,
+        enable_loss_parallel=not t.disable_loss_parallel,
+    )

@@ -1,15 +1,14 @@
 """Llama 2 and Llama 3: flavors (published shapes) and their TrainSpec registrations."""
 
-import torch.nn.functional as F
-
 from torchtitan.datasets.text_dataset import build_text_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
+from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
 from torchtitan.models.llama.parallelize_llama import parallelize_llama
 from torchtitan.models.train_spec import TrainSpec, register_train_spec
 from torchtitan.optimizer import build_lr_schedulers, build_optimizers
 
-__all__ = ["ModelArgs", "Transformer", "parallelize_llama", "llama2_configs", "llama3_configs", "cross_entropy_loss"]
+__all__ = ["ModelArgs", "Transformer", "parallelize_llama", "llama2_configs", "llama3_configs"]
 
 llama2_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16),
@@ -25,11 +24,6 @@ llama3_configs = {
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA3),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA3),
 }
-
-
-def cross_entropy_loss(logits, labels):
-    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 for _name, _configs in (("llama2", llama2_configs), ("llama3", llama3_configs)):

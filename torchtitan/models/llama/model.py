@@ -185,6 +185,9 @@ class Transformer(nn.Module):
         """(Re)initialises every parameter and buffer; call after `to_empty()` on meta-built models."""
         with torch.device(buffer_device or self.rope_cache.device):
             self.rope_cache = precompute_rope(self.args)
+        if self.args.tie_word_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # to_empty() gives every parameter its own storage, which unties them.
+            self.output.weight = self.tok_embeddings.weight
         with torch.no_grad():
             if self.tok_embeddings is not None:
                 nn.init.normal_(self.tok_embeddings.weight)

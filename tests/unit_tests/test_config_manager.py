@@ -1,0 +1,224 @@
+"""Tests for torchtitan.config_manager: merging defaults < TOML < CLI, errors, --help, shipped configs."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config_manager import ConfigError, JobConfig, help_text, main, parse_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_world_size(monkeypatch):
+    # main() also checks the parallel degrees when the launcher exports WORLD_SIZE.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def write_toml(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def test_defaults_when_no_args():
+    config = parse_args([])
+    assert config == JobConfig()
+    assert config.training.steps == 10000
+    assert config.optimizer.name == "AdamW"
+    assert config.optimizer.lr == pytest.approx(8e-4)
+    assert config.metrics.enable_tensorboard is False
+    assert config.experimental.pipeline_parallel_split_points == []
+
+
+def test_list_defaults_are_not_shared_between_configs():
+    a, b = JobConfig(), JobConfig()
+    a.experimental.pipeline_parallel_split_points.append("layers.1")
+    assert b.experimental.pipeline_parallel_split_points == []
+
+
+def test_toml_overrides_defaults_and_cli_overrides_toml(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1e-3\nname = 'Adam'\n")
+    from_toml = parse_args(["--job.config_file", path])
+    assert (from_toml.training.steps, from_toml.training.seq_len) == (7, 64)
+    assert from_toml.optimizer.lr == pytest.approx(1e-3)
+    assert from_toml.optimizer.name == "Adam"
+    assert from_toml.training.batch_size == JobConfig().training.batch_size  # untouched default
+
+    # The CLI wins whatever the order of --job.config_file among the options.
+    for argv in (["--job.config_file", path, "--training.steps", "9"], ["--training.steps", "9", "--job.config_file", path]):
+        merged = parse_args(argv)
+        assert merged.training.steps == 9
+        assert merged.training.seq_len == 64
+        assert merged.optimizer.lr == pytest.approx(1e-3)
+
+
+def test_space_and_equals_forms():
+    assert parse_args(["--training.steps", "5"]).training.steps == 5
+    assert parse_args(["--training.steps=6"]).training.steps == 6
+    assert parse_args(["--optimizer.lr=0.5"]).optimizer.lr == pytest.approx(0.5)
+    assert parse_args(["--job.description", "hello world"]).job.description == "hello world"
+
+
+def test_bool_forms():
+    assert parse_args(["--metrics.enable_tensorboard"]).metrics.enable_tensorboard is True
+    assert parse_args(["--metrics.enable_tensorboard", "false"]).metrics.enable_tensorboard is False
+    assert parse_args(["--metrics.enable_tensorboard=true"]).metrics.enable_tensorboard is True
+    assert parse_args(["--metrics.rank_0_only", "false"]).metrics.rank_0_only is False
+    # A bare flag followed by another option does not swallow it.
+    config = parse_args(["--metrics.enable_tensorboard", "--training.steps", "3"])
+    assert config.metrics.enable_tensorboard is True and config.training.steps == 3
+
+
+def test_list_option_from_cli_and_toml(tmp_path):
+    cli = parse_args(["--experimental.pipeline_parallel_split_points", "layers.2,layers.4"])
+    assert cli.experimental.pipeline_parallel_split_points == ["layers.2", "layers.4"]
+    path = write_toml(tmp_path, '[experimental]\npipeline_parallel_split_points = ["layers.1", "layers.3"]\n')
+    toml = parse_args(["--job.config_file", path])
+    assert toml.experimental.pipeline_parallel_split_points == ["layers.1", "layers.3"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+BAD_CLI = [
+    (["--trainng.steps", "3"], ["training", "did you mean"]),
+    (["--training.stpes", "3"], ["'steps'", "did you mean"]),
+    (["--training.steps", "abc"], ["training.steps", "integer"]),
+    (["--training.steps"], ["training.steps"]),
+    (["--metrics.enable_tensorboard", "maybe"], ["metrics.enable_tensorboard"]),
+    (["--optimizer.name", "SGD"], ["optimizer.name", "SGD"]),
+    (["--job.config_file", "/nonexistent/dir/job.toml"], ["/nonexistent/dir/job.toml"]),
+    (["--optimizer.lr", "0"], ["optimizer.lr"]),
+    (["--optimizer.lr", "-1"], ["optimizer.lr"]),
+    (["--optimizer.lr", "-1e-3"], ["optimizer.lr must be > 0"]),  # negative number, not an option
+    (["--training.seq_len", "0"], ["training.seq_len"]),
+    (["--training.steps", "0"], ["training.steps"]),
+    (["--training.batch_size", "0"], ["training.batch_size"]),
+    (["--training.data_parallel_shard_degree", "-2"], ["training.data_parallel_shard_degree"]),
+    (["--training.data_parallel_shard_degree", "0"], ["training.data_parallel_shard_degree"]),
+    (["--training.tensor_parallel_degree", "2"], ["training.tensor_parallel_degree", "not implemented yet"]),
+    (["--training.compile"], ["training.compile", "not implemented yet"]),
+    (["stray"], ["stray"]),
+]
+
+BAD_TOML = [
+    ("[training]\nstpes = 3\n", ["training.stpes", "'steps'"]),
+    ("[trainng]\nsteps = 3\n", ["trainng", "'training'"]),
+    ('[training]\nsteps = "ten"\n', ["training.steps", "ten"]),
+    ("[training]\nsteps = 3.5\n", ["training.steps"]),
+    ("[metrics]\nenable_tensorboard = 1\n", ["metrics.enable_tensorboard"]),
+    ("[experimental]\npipeline_parallel_split_points = [1, 2]\n", ["pipeline_parallel_split_points"]),
+    ('[optimizer]\nname = "SGD"\n', ["optimizer.name", "SGD"]),
+    ("steps = 3\n[training]\nseq_len = 8\n", ["steps", "table"]),
+    ("[training]\nsteps = 0\n", ["training.steps"]),
+    ('[training]\nsteps = "10"\n', ["training.steps", "not the string '10'"]),  # TOML values are typed
+    ('[metrics]\nenable_tensorboard = "yes"\n', ["metrics.enable_tensorboard", "boolean"]),
+]
+
+
+def assert_one_line_error(capsys, argv, fragments):
+    with pytest.raises(ConfigError) as raised:
+        parse_args(argv)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("config error: ")
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err
+
+
+@pytest.mark.parametrize("argv,fragments", BAD_CLI, ids=[" ".join(a) for a, _ in BAD_CLI])
+def test_bad_cli_input(capsys, argv, fragments):
+    assert_one_line_error(capsys, argv, fragments)
+
+
+@pytest.mark.parametrize("text,fragments", BAD_TOML)
+def test_bad_toml_input(tmp_path, capsys, text, fragments):
+    assert_one_line_error(capsys, ["--job.config_file", write_toml(tmp_path, text)], fragments)
+
+
+def test_malformed_toml_names_the_line(tmp_path, capsys):
+    path = write_toml(tmp_path, "[training]\nsteps = 3\nseq_len = = 4\n")
+    assert_one_line_error(capsys, ["--job.config_file", path], [path])
+    with pytest.raises(ConfigError) as raised:
+        parse_args(["--job.config_file", path])
+    assert re.search(r"line\D{0,3}3\b", str(raised.value)), str(raised.value)
+
+
+def test_config_file_that_is_not_utf8(tmp_path, capsys):
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe[training]\n")
+    assert_one_line_error(capsys, ["--job.config_file", str(path)], [str(path), "UTF-8"])
+
+
+def test_config_file_that_is_a_directory(tmp_path, capsys):
+    assert_one_line_error(capsys, ["--job.config_file", str(tmp_path)], [str(tmp_path)])
+
+
+def assert_one_line_error_from_main(capsys, argv, fragments):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("config error: ") and len(err.strip().splitlines()) == 1
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_main_checks_degrees_against_launcher_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main([]) == 0
+    assert main(["--training.data_parallel_shard_degree", "4"]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert_one_line_error_from_main(capsys, ["--training.data_parallel_shard_degree", "2"], ["world size 3"])
+
+
+# ----------------------------------------------------------------------------- help
+
+
+def test_help_lists_sections_options_and_defaults(capsys):
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse line wrapping
+    for f in dataclasses.fields(JobConfig):
+        assert f"[{f.name}]" in out
+    assert "--training.steps" in out
+    assert "default: 10000" in out
+    assert "--optimizer.name" in out and "default: 'AdamW'" in out
+    assert "--training.decay_type" in out and "choices: linear, cosine, constant" in out
+    assert main(["-h"]) == 0
+
+
+def test_help_text_names_every_field():
+    text = help_text()
+    defaults = JobConfig()
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            option = f"--{section.name}.{f.name}"
+            assert re.search(re.escape(option) + r"(?![\w.])", text), option
+
+
+# ----------------------------------------------------------------------------- shipped files, imports
+
+
+def test_shipped_train_configs_parse():
+    paths = sorted((REPO_ROOT / "train_configs").glob("*.toml"))
+    assert paths
+    for path in paths:
+        config = parse_args(["--job.config_file", str(path)])
+        assert isinstance(config, JobConfig)
+
+
+def test_config_manager_does_not_import_torch():
+    code = "import sys, torchtitan.config_manager; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
