@@ -434,6 +434,8 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
     if not 0 <= t.lr_min <= 1:
         raise ConfigError(f"training.lr_min is a fraction of optimizer.lr and must lie in [0, 1], got {t.lr_min}")
+    if config.profiling.enable_profiling and config.profiling.profile_freq < 2:
+        raise ConfigError("profiling.profile_freq must be >= 2 (one warm-up step, one recorded step)")
     c = config.checkpoint
     if c.interval < 1:
         raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")

@@ -25,6 +25,7 @@ from torchtitan.logging import init_logger
 from torchtitan.metrics import MetricsLogger, StepMetrics
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.profiling import maybe_enable_profiling
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 
 logger = logging.getLogger("torchtitan")
@@ -103,15 +104,16 @@ def train(job_config: JobConfig) -> None:
 
     metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank())
     try:
-        train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
-                   iter(dataloader), train_state, checkpoint, metrics, device, dp_degree)
+        with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
+            train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
+                       iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler)
     finally:
         metrics.close()
 
 
 def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                data_iter: Iterator, train_state: TrainState, checkpoint: CheckpointManager,
-               metrics: MetricsLogger, device: torch.device, dp_degree: int) -> None:
+               metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None) -> None:
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -154,6 +156,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, window_tokens, elapsed, window_data_seconds))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
         checkpoint.save(step, force=step == t.steps)
+        if profiler is not None:
+            profiler.step()
         if step == 1:
             tt_dist.set_timeout(job_config.comm.train_timeout_seconds)
     logger.info("training done")

@@ -39,3 +39,4 @@ def test_launcher_help_lists_options():
     result = _launch(["--help"])
     assert result.returncode == 0
     assert "--training.tensor_parallel_degree" in result.stdout
+

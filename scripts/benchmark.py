@@ -1,0 +1,69 @@
+"""Measures training throughput of a config: tokens/s per device, TFLOP/s, MFU, peak memory.
+
+    .venv/bin/python scripts/benchmark.py --config debug_model --nproc 2 --steps 12 [-- overrides...]
+
+Runs the real trainer (torchrun when --nproc > 1), logging every step, and averages the steps
+after --warmup. Figures come from the trainer's own metrics (metrics.jsonl of rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(config: str, nproc: int, steps: int, overrides: list[str], threads: int) -> list[dict]:
+    path = Path(config) if config.endswith(".toml") else REPO_ROOT / "train_configs" / f"{config}.toml"
+    with tempfile.TemporaryDirectory() as dump:
+        args = ["--job.config_file", str(path), "--training.steps", str(steps), "--metrics.log_freq", "1",
+                "--metrics.disable_color_printing", "--job.dump_folder", dump, *overrides]
+        if nproc == 1:
+            cmd = [sys.executable, "-m", "torchtitan.train", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   "-m", "torchtitan.train", *args]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env["OMP_NUM_THREADS"] = str(threads)
+        result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            sys.exit(f"training failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        with open(Path(dump) / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="debug_model", help="name in train_configs/ or a .toml path")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (ranks)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the averages")
+    parser.add_argument("--threads", type=int, default=0, help="OMP threads per process (0 = cores / nproc)")
+    parser.add_argument("overrides", nargs="*", help="trainer options, after --")
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+
+    records = run(args.config, args.nproc, args.steps, args.overrides, threads)[args.warmup :]
+    tps = statistics.mean(r["tokens_per_second"] for r in records)
+    spread = statistics.pstdev(r["tokens_per_second"] for r in records)
+    print(f"config {args.config}  ranks {args.nproc}  threads/rank {threads}  steps {args.steps} "
+          f"(first {args.warmup} left out)  overrides {' '.join(args.overrides) or '-'}")
+    print(f"tokens/s per device: {tps:,.0f} (+- {spread:,.0f})")
+    print(f"TFLOP/s per device:  {statistics.mean(r['tflops'] for r in records):.4f}")
+    print(f"MFU:                 {statistics.mean(r['mfu_percent'] for r in records):.1f} %")
+    print(f"peak memory (rank 0): {max(r['memory_peak_gib'] for r in records):.2f} GiB")
+    print(f"data loading share:  {statistics.mean(r['data_loading_percent'] for r in records):.2f} %")
+    print(f"final loss:          {records[-1]['loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
