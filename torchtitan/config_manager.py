@@ -463,6 +463,15 @@ def validate(config: JobConfig) -> None:
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
 
 
+def validate_world_size(config: JobConfig, world_size: int) -> None:
+    """Checks that need the number of ranks: the parallel degrees and one-process-only modes."""
+    from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config  # torch-free import
+
+    parallel_dims_from_config(config, world_size)
+    if config.checkpoint.create_seed_checkpoint and world_size > 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {world_size} (set NGPU=1)")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
     """Builds the JobConfig from defaults, the TOML file named by --job.config_file, and argv."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -495,9 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_args(argv)
         if "WORLD_SIZE" in os.environ:  # the launcher passes the number of ranks it will start
-            from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
-
-            parallel_dims_from_config(config, int(os.environ["WORLD_SIZE"]))
+            validate_world_size(config, int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

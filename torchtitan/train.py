@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
-from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args
+from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args, validate_world_size
 from torchtitan.datasets.text_dataset import DatasetError
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.logging import init_logger
@@ -58,6 +58,7 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
 
 def train(job_config: JobConfig) -> None:
     t = job_config.training
+    validate_world_size(job_config, tt_dist.world_size())
     parallel_dims = parallel_dims_from_config(job_config, tt_dist.world_size())
     device_type = tt_dist.device_type()
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
@@ -67,8 +68,6 @@ def train(job_config: JobConfig) -> None:
         importlib.import_module(job_config.experimental.custom_import)  # registers extra models
     if job_config.job.print_args:
         logger.info(f"job config: {job_config.to_dict()}")
-    if job_config.checkpoint.create_seed_checkpoint and tt_dist.world_size() > 1:
-        raise ConfigError("checkpoint.create_seed_checkpoint must run on one process (NGPU=1)")
 
     # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same.
     train_spec = get_train_spec(job_config.model.name)

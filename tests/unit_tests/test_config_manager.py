@@ -183,6 +183,13 @@ def test_main_checks_degrees_against_launcher_world_size(monkeypatch, capsys):
     assert_one_line_error_from_main(capsys, ["--training.data_parallel_shard_degree", "2"], ["world size 3"])
 
 
+def test_main_refuses_seed_checkpoint_on_several_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--checkpoint.create_seed_checkpoint"]) == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_one_line_error_from_main(capsys, ["--checkpoint.create_seed_checkpoint"], ["one process", "NGPU=1"])
+
+
 # ----------------------------------------------------------------------------- help
 
 
