@@ -88,7 +88,7 @@ class Optimizer:
 @dataclass
 class Training:
     dataset: str = opt("placeholder", "Registered text source name.")
-    dataset_path: str = opt("", "Local file or folder overriding the registered dataset's location.")
+    dataset_path: str = opt("", "Local file (.jsonl with a 'text' field, or plain text) overriding the registered dataset.")
     dataset_shards: int = opt(
         -1,
         "Document shards the dataset is split into; -1 = one per data-parallel rank. Each rank reads "
@@ -453,11 +453,6 @@ def validate(config: JobConfig) -> None:
             raise ConfigError(
                 f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {opt_value!r}"
             )
-    if t.data_parallel_replicate_degree > 1 and t.data_parallel_shard_degree == 1:
-        raise ConfigError(
-            "pure replicated data parallelism (DDP: training.data_parallel_replicate_degree > 1 with "
-            "data_parallel_shard_degree 1) is not implemented yet; use data_parallel_shard_degree > 1 (HSDP) or -1"
-        )
     for (section, key), active in _NOT_YET.items():
         if active(getattr(getattr(config, section), key)):
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
@@ -467,7 +462,12 @@ def validate_world_size(config: JobConfig, world_size: int) -> None:
     """Checks that need the number of ranks: the parallel degrees and one-process-only modes."""
     from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config  # torch-free import
 
-    parallel_dims_from_config(config, world_size)
+    dims = parallel_dims_from_config(config, world_size)
+    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+        raise ConfigError(
+            f"training.data_parallel_replicate_degree {dims.dp_replicate} leaves data_parallel_shard_degree at 1: "
+            "pure replicated data parallelism (DDP) is not implemented yet; shard too (HSDP) or use FSDP alone"
+        )
     if config.checkpoint.create_seed_checkpoint and world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {world_size} (set NGPU=1)")
 

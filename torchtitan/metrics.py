@@ -80,7 +80,8 @@ class StepMetrics:
 class MetricsLogger:
     """Turns step measurements into throughput, MFU and memory figures; prints and records them."""
 
-    def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: int, rank: int):
+    def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: int, rank: int,
+                 resumed: bool = False):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops(device)
@@ -90,7 +91,8 @@ class MetricsLogger:
         self.jsonl = None
         if m.save_jsonl and rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
-            self.jsonl = open(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), "a")
+            # A resumed run continues the file; a fresh run starts it anew.
+            self.jsonl = open(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), "a" if resumed else "w")
         if m.enable_tensorboard and (rank == 0 or not m.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 

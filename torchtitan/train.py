@@ -66,6 +66,7 @@ def train(job_config: JobConfig) -> None:
     tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)
     if job_config.experimental.custom_import:
         importlib.import_module(job_config.experimental.custom_import)  # registers extra models
+    logger.info(f"job: {job_config.job.description}")
     if job_config.job.print_args:
         logger.info(f"job config: {job_config.to_dict()}")
 
@@ -101,7 +102,7 @@ def train(job_config: JobConfig) -> None:
         return
     checkpoint.load()
 
-    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank())
+    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), resumed=train_state.step > 0)
     try:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,

@@ -1,27 +1,52 @@
-"""Single process vs 2-rank FSDP: same seed checkpoint and global batch give the same losses."""
+"""Parity: every layout trains like one process from the same seed checkpoint and global batch.
 
-from tests.helpers import TINY_RUN, losses, read_metrics, run_train
+Each layout is a named list of overrides with its process count. All runs read the data as 4
+shards (training.dataset_shards) with a global batch of 8 rows, so they see identical batches.
+"""
+
+import pytest
+
+from tests.helpers import TINY_RUN, read_metrics, run_train
 
 TOLERANCE = 1e-4
+GLOBAL = ["--training.dataset_shards", "4", "--training.deterministic"]
+
+# name: (processes, overrides, a line the run must log); each keeps the global batch at 8 rows.
+LAYOUTS = {
+    "fsdp2": (2, ["--training.batch_size", "4"], "applied FSDP over mesh {'dp_shard_cp': 2}"),
+    "hsdp2x2": (4, ["--training.batch_size", "2", "--training.data_parallel_replicate_degree", "2"],
+                "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard': 2}"),
+    "fsdp2_accum2": (2, ["--training.batch_size", "2", "--training.gradient_accumulation_steps", "2"],
+                     "applied FSDP over mesh {'dp_shard_cp': 2}"),
+    "ac_full": (1, ["--training.batch_size", "8", "--activation_checkpoint.mode", "full"],
+                "applied full activation checkpointing to 8 of 8 blocks"),
+    "ac_selective2": (1, ["--training.batch_size", "8", "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_ac_option", "2"],
+                      "applied selective activation checkpointing to 4 of 8 blocks"),
+}
 
 
-def test_fsdp2_matches_single_process(tmp_path):
-    seed = tmp_path / "seed"
-    run_train([*TINY_RUN, "--job.dump_folder", str(seed), "--checkpoint.create_seed_checkpoint"])
-    # Global batch 8 in both runs; dataset_shards=2 gives the baseline the same rows the two
-    # ranks read together.
-    common = [*TINY_RUN, "--training.dataset_shards", "2", "--training.deterministic",
-              "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
-    run_train([*common, "--job.dump_folder", str(tmp_path / "base"), "--training.batch_size", "8"])
-    run_train([*common, "--job.dump_folder", str(tmp_path / "fsdp"), "--training.batch_size", "4",
-               "--training.data_parallel_shard_degree", "2"], nproc=2)
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    run_train([*TINY_RUN, "--job.dump_folder", str(root / "seed"), "--checkpoint.create_seed_checkpoint"])
+    seed = ["--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0")]
+    run_train([*TINY_RUN, *GLOBAL, *seed, "--job.dump_folder", str(root / "base"), "--training.batch_size", "8",
+               "--activation_checkpoint.mode", "none"])
+    return root, seed, read_metrics(root / "base")
 
-    base, fsdp = losses(tmp_path / "base"), losses(tmp_path / "fsdp")
-    assert len(base) == len(fsdp) == 10
-    diffs = [abs(a - b) for a, b in zip(base, fsdp)]
-    print(f"max |loss diff| single vs FSDP 2 over 10 steps: {max(diffs):.3e}")
-    assert max(diffs) <= TOLERANCE, list(zip(base, fsdp))
-    assert base[-1] < base[0], "loss should fall over 10 steps"
-    grad_norms = [r["grad_norm"] for r in read_metrics(tmp_path / "base")], [r["grad_norm"] for r in read_metrics(tmp_path / "fsdp")]
-    assert abs(grad_norms[0][-1] - grad_norms[1][-1]) <= 1e-3 * grad_norms[0][-1]
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(baseline, name):
+    root, seed, base = baseline
+    nproc, overrides, expected_log = LAYOUTS[name]
+    result = run_train([*TINY_RUN, *GLOBAL, *seed, "--job.dump_folder", str(root / name),
+                        "--activation_checkpoint.mode", "none", *overrides], nproc=nproc)
+    assert "loaded model from" in result.stdout and expected_log in result.stdout
+    runs = read_metrics(root / name)
+    assert [r["step"] for r in runs] == [r["step"] for r in base] == list(range(1, 11))
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, runs)]
+    print(f"{name}: max |loss diff| vs 1 process over 10 steps = {max(diffs):.3e}")
+    assert max(diffs) <= TOLERANCE, [(a["loss"], b["loss"]) for a, b in zip(base, runs)]
+    assert abs(base[-1]["grad_norm"] - runs[-1]["grad_norm"]) <= 1e-3 * base[-1]["grad_norm"]
+    assert base[-1]["loss"] < base[0]["loss"], "the loss should fall over 10 steps"

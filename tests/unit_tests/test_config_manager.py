@@ -183,6 +183,15 @@ def test_main_checks_degrees_against_launcher_world_size(monkeypatch, capsys):
     assert_one_line_error_from_main(capsys, ["--training.data_parallel_shard_degree", "2"], ["world size 3"])
 
 
+def test_main_refuses_replicate_only_data_parallel(monkeypatch, capsys):
+    # dp_shard = -1 resolves to 1 here: replication without sharding (DDP) is not available yet,
+    # and must not silently train unsynchronised replicas.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_one_line_error_from_main(capsys, ["--training.data_parallel_replicate_degree", "2"], ["DDP", "not implemented yet"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--training.data_parallel_replicate_degree", "2"]) == 0  # HSDP 2 x 2
+
+
 def test_main_refuses_seed_checkpoint_on_several_ranks(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["--checkpoint.create_seed_checkpoint"]) == 0
