@@ -19,14 +19,14 @@ logger = logging.getLogger(__name__)
 _GPU_PEAK_BF16 = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))
 
 
-def cpu_peak_flops(seconds: float = 0.3) -> float:
-    """Measures this process's fp32 matmul FLOP/s with its current thread count.
+def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """Measures this process's matmul FLOP/s in `dtype` with its current thread count.
 
     CPUs have no datasheet figure that matches what PyTorch reaches, so MFU on CPU is relative to
-    this short probe of the same kernels the model uses.
+    this short probe of the same kernels the model uses (bf16 may use AMX tiles, far faster).
     """
     n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):  # warm-up: thread pool start, caches
         a @ b
     count, start = 0, time.perf_counter()
@@ -36,15 +36,17 @@ def cpu_peak_flops(seconds: float = 0.3) -> float:
     return 2 * n**3 * count / elapsed
 
 
-def peak_flops(device: torch.device) -> float:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in _GPU_PEAK_BF16:
-            if key in name:
-                return value
+def peak_flops(device: torch.device, compute_dtype: torch.dtype) -> float:
+    """Peak matmul FLOP/s of one device in the dtype the model computes in."""
+    if device.type != "cuda":
+        return cpu_peak_flops(compute_dtype)
+    name = torch.cuda.get_device_name(device)
+    peak = next((value for key, value in _GPU_PEAK_BF16 if key in name), None)
+    if peak is None:
         logger.warning(f"unknown GPU {name!r}: MFU is computed against the H100 SXM peak")
-        return 989e12
-    return cpu_peak_flops()
+        peak = 989e12
+    # fp32 matmuls run at TF32 rate at best: half the bf16 tensor-core rate.
+    return peak if compute_dtype in (torch.bfloat16, torch.float16) else peak / 2
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:
@@ -81,10 +83,10 @@ class MetricsLogger:
     """Turns step measurements into throughput, MFU and memory figures; prints and records them."""
 
     def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: int, rank: int,
-                 resumed: bool = False):
+                 compute_dtype: torch.dtype = torch.float32, resumed: bool = False):
         self.device = device
         self.flops_per_token = flops_per_token
-        self.peak_flops = peak_flops(device)
+        self.peak_flops = peak_flops(device, compute_dtype)
         self.colors = _Colors(not job_config.metrics.disable_color_printing)
         self.writer = None
         m = job_config.metrics
@@ -101,7 +103,7 @@ class MetricsLogger:
                 folder = os.path.join(folder, f"rank_{rank}")
             self.writer = SummaryWriter(folder)
             logger.info(f"TensorBoard scalars go to {folder}")
-        logger.info(f"peak FLOP/s per device for MFU: {self.peak_flops / 1e12:.3f} T ({device.type})")
+        logger.info(f"peak FLOP/s per device for MFU: {self.peak_flops / 1e12:.3f} T ({device.type}, {compute_dtype})")
 
     def log(self, s: StepMetrics) -> dict[str, float]:
         tps = s.tokens / s.seconds

@@ -102,7 +102,11 @@ def train(job_config: JobConfig) -> None:
         return
     checkpoint.load()
 
-    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), resumed=train_state.step > 0)
+    # Mixed precision comes from FSDP's policy; without FSDP the model computes in fp32.
+    compute_dtype = (tt_dist.resolve_param_dtype(t.mixed_precision_param, device_type)
+                     if parallel_dims.fsdp_enabled else torch.float32)
+    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype,
+                            resumed=train_state.step > 0)
     try:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,

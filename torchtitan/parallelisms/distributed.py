@@ -15,6 +15,14 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
+    """A config dtype name as a torch dtype; `auto` computes in bf16 on CUDA (tensor cores) and in
+    fp32 on CPU, where fp32 is the reference precision for parity tests."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -39,18 +39,11 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             model,
             fsdp_mesh,
             param_dtype=resolve_param_dtype(t.mixed_precision_param, fsdp_mesh.device_type),
-            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+            reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, fsdp_mesh.device_type),
             reshard_after_forward=t.fsdp_reshard_after_forward,
             cpu_offload=t.enable_cpu_offload,
         )
     return model
-
-
-def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
-    """`auto` computes in bf16 on CUDA (tensor cores) and fp32 on CPU, where bf16 matmuls are slow."""
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
