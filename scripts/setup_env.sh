@@ -52,11 +52,13 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 py="$venv/bin/python"
 pip_flags=(--quiet --disable-pip-version-check)
+# Hosts whose pip config names index folders that do not exist make pip warn once per package.
+quiet_pip() { "$py" -m pip install "${pip_flags[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
 if ! "$py" -c 'import torch' 2>/dev/null; then
   echo "setup_env: installing $torch_pin"
-  "$py" -m pip install "${pip_flags[@]}" "$torch_pin"
+  quiet_pip "$torch_pin"
 fi
 echo "setup_env: installing the project and its test extras"
-"$py" -m pip install "${pip_flags[@]}" -e "$repo_root[test]"
+quiet_pip -e "$repo_root[test]"
 echo "$want" >"$stamp"
 echo "setup_env: ready ($("$py" -c 'import torch; print("torch", torch.__version__)'))"

@@ -17,7 +17,10 @@ import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # imported lazily at run time: this module must load without torch
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -458,8 +461,9 @@ def validate(config: JobConfig) -> None:
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
 
 
-def validate_world_size(config: JobConfig, world_size: int) -> None:
-    """Checks that need the number of ranks: the parallel degrees and one-process-only modes."""
+def validate_world_size(config: JobConfig, world_size: int) -> ParallelDims:
+    """Checks that need the number of ranks (the parallel degrees, one-process-only modes) and
+    returns the validated ParallelDims."""
     from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config  # torch-free import
 
     dims = parallel_dims_from_config(config, world_size)
@@ -470,6 +474,7 @@ def validate_world_size(config: JobConfig, world_size: int) -> None:
         )
     if config.checkpoint.create_seed_checkpoint and world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {world_size} (set NGPU=1)")
+    return dims
 
 
 def parse_args(argv: Sequence[str] | None = None) -> JobConfig:

@@ -26,7 +26,6 @@ from torchtitan.metrics import MetricsLogger, StepMetrics
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.profiling import maybe_enable_profiling
-from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 
 logger = logging.getLogger("torchtitan")
 
@@ -58,8 +57,7 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
 
 def train(job_config: JobConfig) -> None:
     t = job_config.training
-    validate_world_size(job_config, tt_dist.world_size())
-    parallel_dims = parallel_dims_from_config(job_config, tt_dist.world_size())
+    parallel_dims = validate_world_size(job_config, tt_dist.world_size())
     device_type = tt_dist.device_type()
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
