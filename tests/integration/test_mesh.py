@@ -1,0 +1,45 @@
+"""ParallelDims.build_mesh on 4 gloo ranks: dim names, size-1 dims left out, flattened views."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT
+
+SCRIPT = r"""
+import json, os, sys
+import torch.distributed as dist
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+dist.init_process_group("gloo")
+out = {}
+for name, degrees in {"hsdp": dict(dp_replicate=2, dp_shard=-1, cp=1, tp=1, pp=1),
+                      "fsdp": dict(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1)}.items():
+    dims = ParallelDims(**degrees, world_size=4, enable_loss_parallel=True)
+    world = dims.build_mesh("cpu")
+    views = {v: (m.size(), m.get_local_rank()) for v in ("dp", "dp_shard_cp", "dp_cp", "tp", "pp")
+             if (m := dims.get_mesh(v)) is not None}
+    out[name] = {"names": list(world.mesh_dim_names), "shape": list(world.shape), "views": views}
+if dist.get_rank() == int(sys.argv[1]):
+    print("RESULT " + json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_named_mesh_and_flattened_views(tmp_path):
+    script = tmp_path / "mesh.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                             str(script), "3"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if "RESULT " in l)
+    out = json.loads(line.split("RESULT ", 1)[1])
+    # Rank 3 is coordinate (1, 1) of the 2 x 2 (dp_replicate, dp_shard) mesh.
+    assert out["hsdp"]["names"] == ["dp_replicate", "dp_shard"] and out["hsdp"]["shape"] == [2, 2]
+    assert out["hsdp"]["views"] == {"dp": [4, 3], "dp_shard_cp": [2, 1], "dp_cp": [4, 3]}
+    # Size-1 dims (dp_replicate, cp, tp, pp) are left out of the mesh.
+    assert out["fsdp"]["names"] == ["dp_shard"] and out["fsdp"]["shape"] == [4]
+    assert out["fsdp"]["views"] == {"dp": [4, 3], "dp_shard_cp": [4, 3], "dp_cp": [4, 3]}
