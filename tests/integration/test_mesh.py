@@ -35,7 +35,7 @@ def test_named_mesh_and_flattened_views(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                              str(script), "3"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(l for l in result.stdout.splitlines() if "RESULT " in l)
+    line = next(text for text in result.stdout.splitlines() if "RESULT " in text)
     out = json.loads(line.split("RESULT ", 1)[1])
     # Rank 3 is coordinate (1, 1) of the 2 x 2 (dp_replicate, dp_shard) mesh.
     assert out["hsdp"]["names"] == ["dp_replicate", "dp_shard"] and out["hsdp"]["shape"] == [2, 2]

@@ -25,8 +25,9 @@ def _corpus(tmp_path, docs):
     return path
 
 
-def _stream(path, docs_shards, num_shards, tok=CharTokenizer()):
+def _stream(path, docs_shards, num_shards):
     """The concatenated token stream of the given shards' documents, as packing should see it."""
+    tok = CharTokenizer()
     docs = list(read_documents(path))
     return {s: [t for i, d in enumerate(docs) if i % num_shards == s for t in tok.encode(d, True, True)] for s in docs_shards}
 
@@ -42,7 +43,7 @@ def test_windows_are_shifted_stream_slices_without_padding(tmp_path):
         inputs, labels = next(ds)
         assert inputs.shape == labels.shape == (2, seq_len)
         assert (inputs[:, 1:] == labels[:, :-1]).all()  # labels are inputs shifted by one
-        rows += [r + [l[-1]] for r, l in zip(inputs.tolist(), labels.tolist())]
+        rows += [row + [label[-1]] for row, label in zip(inputs.tolist(), labels.tolist())]
     # Windows of seq_len+1 tokens with stride seq_len: every token after the first is a label once.
     for k, row in enumerate(rows):
         assert row == stream[k * seq_len : k * seq_len + seq_len + 1]

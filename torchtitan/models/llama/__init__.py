@@ -2,9 +2,9 @@
 
 from torchtitan.datasets.text_dataset import build_text_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
 from torchtitan.models.llama.parallelize_llama import parallelize_llama
+from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.train_spec import TrainSpec, register_train_spec
 from torchtitan.optimizer import build_lr_schedulers, build_optimizers
 

@@ -22,7 +22,6 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 logger = logging.getLogger(__name__)
 
 
-
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
