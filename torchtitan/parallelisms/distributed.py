@@ -95,10 +95,3 @@ def mean_across(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return value.item() / mesh.size()
 
-
-def max_across(value: float, mesh: DeviceMesh | None) -> float:
-    if mesh is None:
-        return value
-    t = torch.tensor(value, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    return t.item()
