@@ -73,7 +73,10 @@ class Model:
     name: str = opt("llama3", "Registered model name (see torchtitan.models).")
     flavor: str = opt("debugmodel", "Model size/shape, one of the registered model's flavors.")
     norm_type: str = opt("rmsnorm", "Normalization layer.", choices=["rmsnorm", "layernorm", "np_layernorm"])
-    tokenizer_path: str = opt("tests/assets/placeholder/tokenizer.model", "Tokenizer file.")
+    tokenizer_path: str = opt(
+        "tests/assets/stdlib_docs/tokenizer.model",
+        "Tokenizer file: a tiktoken rank file (Llama 3 format) or a sentencepiece .model (Llama 2 format).",
+    )
     vocab_size_divisible_by: int = opt(1, "Pad the vocabulary (embedding and output rows) up to a multiple of this.")
 
 
@@ -90,7 +93,7 @@ class Optimizer:
 
 @dataclass
 class Training:
-    dataset: str = opt("placeholder", "Registered text source name.")
+    dataset: str = opt("stdlib_docs", "Registered text source name.")
     dataset_path: str = opt("", "Local file (.jsonl with a 'text' field, or plain text) overriding the registered dataset.")
     dataset_shards: int = opt(
         -1,

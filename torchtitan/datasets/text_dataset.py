@@ -26,7 +26,10 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Registered text sources: short name -> local path (relative to the repository root).
-DATASETS = {"placeholder": "tests/assets/placeholder/corpus.jsonl"}
+DATASETS = {
+    # Docstrings of Python's standard library, about 1 MB (tests/assets/stdlib_docs/README.md).
+    "stdlib_docs": "tests/assets/stdlib_docs/corpus.jsonl",
+}
 
 
 class DatasetError(ValueError):
