@@ -94,7 +94,11 @@ class Optimizer:
 @dataclass
 class Training:
     dataset: str = opt("stdlib_docs", "Registered text source name.")
-    dataset_path: str = opt("", "Local file (.jsonl with a 'text' field, or plain text) overriding the registered dataset.")
+    dataset_path: str = opt(
+        "", "Local data overriding training.dataset: a .jsonl ('text' field), .txt or .parquet file, a folder or a glob."
+    )
+    dataset_infinite: bool = opt(True, "Loop over the data in epochs; false ends training cleanly when the data runs out.")
+    dataset_skip_bad_lines: bool = opt(False, "Skip and count malformed lines (bad JSON, invalid UTF-8) instead of stopping.")
     dataset_shards: int = opt(
         -1,
         "Document shards the dataset is split into; -1 = one per data-parallel rank. Each rank reads "

@@ -19,7 +19,7 @@ import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args, validate_world_size
-from torchtitan.datasets.text_dataset import DatasetError
+from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.logging import init_logger
 from torchtitan.metrics import MetricsLogger, StepMetrics
@@ -127,16 +127,22 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
                 f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
     while train_state.step < t.steps:
+        data_start = time.perf_counter()
+        micro_batches = [next(data_iter, None) for _ in range(accum)]
+        window_data_seconds += time.perf_counter() - data_start
+        if not t.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches), device):
+            # Every rank stops at the same step, even if only one rank's shards ran out.
+            logger.info(f"the data ran out after step {train_state.step}; training ends there "
+                        "(training.dataset_infinite is false)")
+            checkpoint.save(train_state.step, force=True)
+            break
         train_state.step += 1
         step = train_state.step
         if step % t.gc_freq == 0:
             gc.collect(1)
         optimizers.zero_grad()
         step_loss = torch.zeros((), device=device)
-        for micro in range(accum):
-            data_start = time.perf_counter()
-            inputs, labels = next(data_iter)
-            window_data_seconds += time.perf_counter() - data_start
+        for micro, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             window_tokens += labels.numel()
             if accum > 1 and parallel_dims.fsdp_enabled:

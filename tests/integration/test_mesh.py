@@ -1,4 +1,5 @@
-"""ParallelDims.build_mesh on 4 gloo ranks: dim names, size-1 dims left out, flattened views."""
+"""ParallelDims.build_mesh on 4 gloo ranks: dim names, size-1 dims left out, flattened views,
+and data-parallel coordinates shared by tensor-parallel peers."""
 
 import json
 import os
@@ -21,6 +22,12 @@ for name, degrees in {"hsdp": dict(dp_replicate=2, dp_shard=-1, cp=1, tp=1, pp=1
     views = {v: (m.size(), m.get_local_rank()) for v in ("dp", "dp_shard_cp", "dp_cp", "tp", "pp")
              if (m := dims.get_mesh(v)) is not None}
     out[name] = {"names": list(world.mesh_dim_names), "shape": list(world.shape), "views": views}
+# Data-parallel coordinates with tp 2: ranks that differ only in tp must read the same data.
+dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4, enable_loss_parallel=True)
+dims.build_mesh("cpu")
+dp_ranks = [None] * 4
+dist.all_gather_object(dp_ranks, dims.get_mesh("dp").get_local_rank())
+out["dp_rank_by_global_rank_with_tp2"] = dp_ranks
 if dist.get_rank() == int(sys.argv[1]):
     print("RESULT " + json.dumps(out))
 dist.destroy_process_group()
@@ -43,3 +50,6 @@ def test_named_mesh_and_flattened_views(tmp_path):
     # Size-1 dims (dp_replicate, cp, tp, pp) are left out of the mesh.
     assert out["fsdp"]["names"] == ["dp_shard"] and out["fsdp"]["shape"] == [4]
     assert out["fsdp"]["views"] == {"dp": [4, 3], "dp_shard_cp": [4, 3], "dp_cp": [4, 3]}
+    # tp is the innermost dim: global ranks (0, 1) and (2, 3) are tp peers sharing a data rank, so
+    # the loader (built from the dp coordinate alone) gives them identical batches.
+    assert out["dp_rank_by_global_rank_with_tp2"] == [0, 0, 1, 1]

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from torchtitan.datasets.text_dataset import DatasetError, PackedTextDataset, read_documents
+from torchtitan.datasets.sources import DatasetError, read_documents
+from torchtitan.datasets.text_dataset import PackedTextDataset
 
 
 class CharTokenizer:
@@ -49,17 +50,18 @@ def test_windows_are_shifted_stream_slices_without_padding(tmp_path):
         assert row == stream[k * seq_len : k * seq_len + seq_len + 1]
 
 
-def test_shards_are_disjoint_and_cover_all_documents(tmp_path):
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_shards_are_disjoint_and_cover_all_documents(tmp_path, num_ranks):
     docs = [f"document number {i} " * 3 for i in range(12)]
     path = _corpus(tmp_path, docs)
     seen = []
-    for shard in range(4):
-        packer_ds = PackedTextDataset(path, CharTokenizer(), 1000, batch_size=1, shards=[shard], num_shards=4)
+    for shard in range(num_ranks):
+        packer_ds = PackedTextDataset(path, CharTokenizer(), 1000, batch_size=1, shards=[shard], num_shards=num_ranks)
         inputs, labels = next(iter(packer_ds))
         text = CharTokenizer().decode(inputs[0].tolist() + [labels[0, -1].item()])
         seen.append({i for i in range(12) if f"document number {i} " in text})
-    assert set().union(*seen) == set(range(12))
-    assert sum(len(s) for s in seen) == 12
+    assert set().union(*seen) == set(range(12))  # complete
+    assert sum(len(s) for s in seen) == 12  # disjoint
 
 
 def test_global_batch_independent_of_rank_count(tmp_path):

@@ -9,9 +9,7 @@ an equal slice of every shard it owns. Hence the global batch of a step depends 
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -20,47 +18,11 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.datasets.sources import BadLineCounter, DatasetError, HFSource, read_documents, resolve_source
 from torchtitan.datasets.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# Registered text sources: short name -> local path (relative to the repository root).
-DATASETS = {
-    # Docstrings of Python's standard library, about 1 MB (tests/assets/stdlib_docs/README.md).
-    "stdlib_docs": "tests/assets/stdlib_docs/corpus.jsonl",
-}
-
-
-class DatasetError(ValueError):
-    """A dataset name or file the user can fix; the message names it."""
-
-
-def resolve_dataset_path(name: str, dataset_path: str) -> Path:
-    if dataset_path:
-        path = Path(dataset_path)
-    elif name in DATASETS:
-        path = REPO_ROOT / DATASETS[name]
-    else:
-        raise DatasetError(f"unknown training.dataset {name!r}; known: {', '.join(sorted(DATASETS))} "
-                           "(or set training.dataset_path to a local file)")
-    if not path.is_file():
-        raise DatasetError(f"dataset file not found: {path}")
-    return path
-
-
-def read_documents(path: Path) -> Iterator[str]:
-    """Documents of a JSON-lines file (its `text` fields) or of a plain text file (the whole file)."""
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise DatasetError(f"{path}:{line_no}: not a JSON object with a 'text' field") from None
-    else:
-        yield path.read_text(encoding="utf-8")
+Source = Any  # a Path, a list of Paths or an HFSource (see sources.py)
 
 
 class _ShardPacker:
@@ -70,18 +32,22 @@ class _ShardPacker:
     first is a training target exactly once.
     """
 
-    def __init__(self, path: Path, tokenizer: Tokenizer, seq_len: int, shard: int, num_shards: int):
-        self.path, self.tokenizer, self.seq_len = path, tokenizer, seq_len
-        self.shard, self.num_shards = shard, num_shards
+    def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, shard: int, num_shards: int,
+                 infinite: bool = True, counter: BadLineCounter | None = None):
+        self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
+        self.shard, self.num_shards, self.infinite = shard, num_shards, infinite
+        self.counter = counter or BadLineCounter()
         self.docs_done = 0  # documents of this shard consumed in the current epoch
         self.epoch = 0
         self.buffer: list[int] = []
         self._docs: Iterator[str] | None = None
 
-    def _next_document(self) -> str:
+    def _next_document(self) -> str | None:
+        """The shard's next document; None when a finite source is used up."""
         while True:
             if self._docs is None:
-                mine = (d for i, d in enumerate(read_documents(self.path)) if i % self.num_shards == self.shard)
+                docs = read_documents(self.source, self.counter)
+                mine = (d for i, d in enumerate(docs) if i % self.num_shards == self.shard)
                 for _ in range(self.docs_done):  # resume: skip what earlier runs consumed
                     next(mine)
                 self._docs = mine
@@ -90,13 +56,22 @@ class _ShardPacker:
                 self.docs_done += 1
                 return doc
             if self.docs_done == 0:
-                raise DatasetError(f"{self.path} has no documents for data shard {self.shard} of {self.num_shards}")
+                raise DatasetError(
+                    f"{_describe(self.source)} has no documents for data shard {self.shard} of {self.num_shards} "
+                    "(it is empty, or has fewer documents than training.dataset_shards)"
+                )
+            if not self.infinite:
+                return None
             self.epoch, self.docs_done, self._docs = self.epoch + 1, 0, None
-            logger.info(f"data shard {self.shard}: starting epoch {self.epoch} over {self.path}")
+            logger.info(f"data shard {self.shard}: starting epoch {self.epoch} over {_describe(self.source)}")
 
-    def next_window(self) -> list[int]:
+    def next_window(self) -> list[int] | None:
+        """seq_len + 1 tokens; None when a finite source cannot fill another window."""
         while len(self.buffer) < self.seq_len + 1:
-            self.buffer.extend(self.tokenizer.encode(self._next_document(), bos=True, eos=True))
+            doc = self._next_document()
+            if doc is None:
+                return None
+            self.buffer.extend(self.tokenizer.encode(doc, bos=True, eos=True))
         window = self.buffer[: self.seq_len + 1]
         self.buffer = self.buffer[self.seq_len :]
         return window
@@ -110,20 +85,26 @@ class _ShardPacker:
 
 
 class PackedTextDataset(IterableDataset, Stateful):
-    """Yields (inputs, labels) batches of shape (batch_size, seq_len), forever."""
+    """Yields (inputs, labels) batches of shape (batch_size, seq_len): forever when infinite (each
+    shard starts a new epoch at its end), else until a shard cannot fill its part of a batch."""
 
-    def __init__(self, path: Path, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int], num_shards: int):
+    def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
+                 num_shards: int, infinite: bool = True, skip_bad_lines: bool = False):
         if batch_size % len(shards):
             raise DatasetError(
                 f"training.batch_size {batch_size} must be divisible by the {len(shards)} data shards each rank reads "
                 "(training.dataset_shards / data-parallel degree)"
             )
         self.rows_per_shard = batch_size // len(shards)
-        self.packers = [_ShardPacker(path, tokenizer, seq_len, s, num_shards) for s in shards]
+        counter = BadLineCounter(skip_bad_lines)
+        self.packers = [_ShardPacker(source, tokenizer, seq_len, s, num_shards, infinite, counter) for s in shards]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             rows = [p.next_window() for p in self.packers for _ in range(self.rows_per_shard)]
+            if any(row is None for row in rows):
+                logger.info(f"data exhausted: {_describe(self.packers[0].source)} has no full batch left")
+                return
             batch = torch.tensor(rows, dtype=torch.long)
             yield batch[:, :-1], batch[:, 1:]
 
@@ -144,7 +125,16 @@ def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, dp_rank: 
         )
     per_rank = num_shards // dp_degree
     shards = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    path = resolve_dataset_path(t.dataset, t.dataset_path)
-    dataset = PackedTextDataset(path, tokenizer, t.seq_len, t.batch_size, shards, num_shards)
+    source = resolve_source(t.dataset, t.dataset_path)
+    dataset = PackedTextDataset(source, tokenizer, t.seq_len, t.batch_size, shards, num_shards,
+                                infinite=t.dataset_infinite, skip_bad_lines=t.dataset_skip_bad_lines)
     # batch_size=None: the dataset yields whole batches (each assembled from its shards).
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def _describe(source: Source) -> str:
+    if isinstance(source, HFSource):
+        return f"hub dataset {source.path}"
+    if isinstance(source, list):
+        return str(source[0]) if len(source) == 1 else f"{len(source)} files from {source[0].parent}"
+    return str(source)

@@ -87,6 +87,15 @@ def clip_grad_norm_(
     return total
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank (a no-op on a single process)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def mean_across(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
     """Mean of a scalar over a mesh (for logging); the value itself on a single process."""
     if mesh is None:

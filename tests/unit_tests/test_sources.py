@@ -1,0 +1,97 @@
+"""Text sources: files, folders and globs; registry; optional Parquet / HF; bad lines; finite data."""
+
+import json
+import sys
+
+import pytest
+
+from tests.unit_tests.test_text_dataset import CharTokenizer
+from torchtitan.datasets.sources import BadLineCounter, DatasetError, read_documents, resolve_source
+from torchtitan.datasets.text_dataset import PackedTextDataset
+
+
+def _jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_folder_and_glob_read_supported_files_in_sorted_order(tmp_path):
+    _jsonl(tmp_path / "b.jsonl", ["b1", "b2"])
+    (tmp_path / "a.txt").write_text("whole file is one document\nwith two lines")
+    (tmp_path / "sub").mkdir()
+    _jsonl(tmp_path / "sub" / "c.jsonl", ["c1"])
+    (tmp_path / "notes.md").write_text("ignored")
+    docs = list(read_documents(resolve_source("ignored", str(tmp_path))))
+    assert docs == ["whole file is one document\nwith two lines", "b1", "b2", "c1"]
+    assert list(read_documents(resolve_source("", str(tmp_path / "*.jsonl")))) == ["b1", "b2"]
+
+
+def test_missing_and_unmatched_locations(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file not found: .*nope"):
+        resolve_source("", str(tmp_path / "nope"))
+    (tmp_path / "readme.md").write_text("x")
+    with pytest.raises(DatasetError, match=r"no \.jsonl, \.txt, \.parquet files in"):
+        resolve_source("", str(tmp_path))
+    with pytest.raises(DatasetError, match="no .* files in .*\\*.jsonl"):
+        resolve_source("", str(tmp_path / "*.jsonl"))
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(DatasetError, match="unknown training.dataset 'c5'; known: c4, stdlib_docs"):
+        resolve_source("c5", "")
+
+
+def test_optional_backends_missing_give_install_hints(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(DatasetError, match="needs the optional `datasets` package"):
+        list(read_documents(resolve_source("c4", "")))
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "data.parquet").write_bytes(b"PAR1")
+    with pytest.raises(DatasetError, match="needs pyarrow.*pip install pyarrow"):
+        list(read_documents(resolve_source("", str(tmp_path / "data.parquet"))))
+
+
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        (b'{"text": "ok"}\n{"text": "broken\n', "not a JSON object"),
+        (b'{"text": "ok"}\n{"txt": "wrong key"}\n', "not a JSON object with a 'text' field"),
+        (b'{"text": "ok"}\n{"text": 7}\n', "'text' is a int"),
+        (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "invalid UTF-8"),
+    ],
+)
+def test_bad_jsonl_line_is_named_or_skipped(tmp_path, content, why):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(content + b'{"text": "after"}\n')
+    with pytest.raises(DatasetError, match=f"d.jsonl:2: {why}"):
+        list(read_documents(path))
+    counter = BadLineCounter(skip_bad_lines=True)
+    assert list(read_documents(path, counter)) == ["ok", "after"]
+    assert counter.skipped == 1
+
+
+def test_non_utf8_text_file(tmp_path):
+    path = tmp_path / "d.txt"
+    path.write_bytes(b"good start \xff\xfe end")
+    with pytest.raises(DatasetError, match="d.txt: invalid UTF-8 at byte 11"):
+        list(read_documents(path))
+    counter = BadLineCounter(skip_bad_lines=True)
+    assert list(read_documents(path, counter)) == ["good start \ufffd\ufffd end"]
+
+
+def test_empty_source_is_reported(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    dataset = iter(PackedTextDataset(path, CharTokenizer(), 8, 2, [0], 1))
+    with pytest.raises(DatasetError, match="empty.jsonl has no documents for data shard 0 of 1"):
+        next(dataset)
+
+
+def test_finite_mode_stops_after_the_last_full_batch(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", ["abcdefghij" * 3, "klmnop" * 4])  # 30+2 and 24+2 tokens
+    batches = list(PackedTextDataset(path, CharTokenizer(), 8, 2, [0], 1, infinite=False))
+    # 58 tokens give 7 windows of 9 tokens at stride 8 (the 7th ends at token 57), i.e. 3 full batches of 2.
+    assert len(batches) == 3
+    infinite = iter(PackedTextDataset(path, CharTokenizer(), 8, 2, [0], 1))
+    assert len([next(infinite) for _ in range(10)]) == 10  # loops into further epochs
