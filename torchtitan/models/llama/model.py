@@ -213,7 +213,8 @@ class Transformer(nn.Module):
         """Training FLOPs per token: 6 per non-embedding parameter plus causal-free attention
         scores (the common convention, so MFU figures compare with other stacks)."""
         n_params = sum(p.numel() for p in self.parameters())
-        if self.tok_embeddings is not None:
-            n_params -= self.tok_embeddings.weight.numel() * (0 if self.args.tie_word_embeddings else 1)
+        # An untied embedding is a lookup, not a matmul; a tied one is also the output projection.
+        if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
+            n_params -= self.tok_embeddings.weight.numel()
         a = self.args
         return int(6 * n_params + 12 * a.n_layers * a.n_heads * (a.dim // a.n_heads) * seq_len)
