@@ -12,12 +12,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from torchtitan.tools.runs import REPO_ROOT, TrainingFailed, run_trainer
 
 
 def run(config: str, nproc: int, steps: int, overrides: list[str], threads: int) -> list[dict]:
@@ -25,16 +24,10 @@ def run(config: str, nproc: int, steps: int, overrides: list[str], threads: int)
     with tempfile.TemporaryDirectory() as dump:
         args = ["--job.config_file", str(path), "--training.steps", str(steps), "--metrics.log_freq", "1",
                 "--metrics.disable_color_printing", "--job.dump_folder", dump, *overrides]
-        if nproc == 1:
-            cmd = [sys.executable, "-m", "torchtitan.train", *args]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   "-m", "torchtitan.train", *args]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env["OMP_NUM_THREADS"] = str(threads)
-        result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            sys.exit(f"training failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        try:
+            run_trainer(args, nproc=nproc, timeout=None, extra_env={"OMP_NUM_THREADS": str(threads)})
+        except TrainingFailed as e:
+            sys.exit(str(e))
         with open(Path(dump) / "metrics.jsonl") as f:
             return [json.loads(line) for line in f]
 

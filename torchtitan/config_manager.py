@@ -397,9 +397,7 @@ _NOT_YET = {
     ("experimental", "context_parallel_degree"): lambda v: v != 1,
     ("experimental", "enable_async_tensor_parallel"): bool,
     ("experimental", "enable_compiled_autograd"): bool,
-    ("training", "compile"): bool,
     ("model", "vocab_size_divisible_by"): lambda v: v != 1,
-    ("training", "enable_cpu_offload"): bool,
     ("float8", "enable_float8_linear"): bool,
     ("checkpoint", "model_weights_only"): bool,
     ("checkpoint", "keep_latest_k"): lambda v: v != 0,
@@ -419,6 +417,7 @@ def validate(config: JobConfig) -> None:
         "training.data_parallel_replicate_degree": t.data_parallel_replicate_degree,
         "training.tensor_parallel_degree": t.tensor_parallel_degree,
         "training.gc_freq": t.gc_freq,
+        "training.ddp_bucket_cap_mb": t.ddp_bucket_cap_mb,
         "metrics.log_freq": m.log_freq,
         "profiling.profile_freq": config.profiling.profile_freq,
         "model.vocab_size_divisible_by": config.model.vocab_size_divisible_by,
@@ -468,17 +467,36 @@ def validate(config: JobConfig) -> None:
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
 
 
+def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
+    """Options that only FSDP/HSDP can honour are refused, not ignored, on layouts without it."""
+    if dims.fsdp_enabled:
+        return
+    if dims.ddp_enabled:
+        layout = (f"training.data_parallel_replicate_degree {dims.dp_replicate} with shard degree 1 is DDP, "
+                  "which has no sharding")
+    else:
+        layout = "this layout has no FSDP (data_parallel_shard_degree 1)"
+    if t.enable_cpu_offload:
+        raise ConfigError(
+            f"training.enable_cpu_offload offloads FSDP-sharded state and needs data_parallel_shard_degree > 1; {layout}"
+        )
+    if t.fsdp_reshard_after_forward != "default":
+        raise ConfigError(f"training.fsdp_reshard_after_forward {t.fsdp_reshard_after_forward!r} applies to FSDP only; "
+                          f"{layout}; leave it at 'default'")
+    if t.mixed_precision_param == "bfloat16":
+        raise ConfigError(f"training.mixed_precision_param bfloat16 is FSDP's mixed-precision policy; {layout} and "
+                          "computes in float32; use 'auto' or 'float32', or shard (data_parallel_shard_degree > 1)")
+    if t.mixed_precision_reduce == "bfloat16" and not dims.ddp_enabled:
+        raise ConfigError(f"training.mixed_precision_reduce bfloat16 has no effect on one rank: {layout}; leave it at float32")
+
+
 def validate_world_size(config: JobConfig, world_size: int) -> ParallelDims:
     """Checks that need the number of ranks (the parallel degrees, one-process-only modes) and
     returns the validated ParallelDims."""
     from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config  # torch-free import
 
     dims = parallel_dims_from_config(config, world_size)
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
-        raise ConfigError(
-            f"training.data_parallel_replicate_degree {dims.dp_replicate} leaves data_parallel_shard_degree at 1: "
-            "pure replicated data parallelism (DDP) is not implemented yet; shard too (HSDP) or use FSDP alone"
-        )
+    _check_fsdp_only_options(config.training, dims)
     if config.checkpoint.create_seed_checkpoint and world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {world_size} (set NGPU=1)")
     return dims

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config_manager import JobConfig
 
@@ -47,6 +48,19 @@ def peak_flops(device: torch.device, compute_dtype: torch.dtype) -> float:
         peak = 989e12
     # fp32 matmuls run at TF32 rate at best: half the bf16 tensor-core rate.
     return peak if compute_dtype in (torch.bfloat16, torch.float16) else peak / 2
+
+
+def local_state_bytes(model_parts: list[torch.nn.Module], optimizers) -> tuple[int, int]:
+    """Bytes of parameters and of optimizer state this rank holds (its shards under FSDP)."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for part in model_parts for p in part.parameters())
+    state = sum(nbytes(v) for opt in optimizers for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)  # the scalar step counters are negligible
+    return params, state
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_a
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.logging import init_logger
-from torchtitan.metrics import MetricsLogger, StepMetrics
+from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.profiling import maybe_enable_profiling
@@ -84,7 +84,8 @@ def train(job_config: JobConfig) -> None:
     flops_per_token = model.flops_per_token(t.seq_len)
     logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, vocab {model_args.vocab_size}")
     model = train_spec.parallelize_fn(model, parallel_dims, job_config)
-    model.to_empty(device=device)
+    # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
+    model.to_empty(device="cpu" if t.enable_cpu_offload else device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
     model.train()
@@ -145,8 +146,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         for micro, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             window_tokens += labels.numel()
-            if accum > 1 and parallel_dims.fsdp_enabled:
-                # Reduce gradients only after the last micro-batch.
+            if accum > 1 and parallel_dims.wraps_data_parallel:
+                # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
                 for part in model_parts:
                     part.set_requires_gradient_sync(micro == accum - 1)
             loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
@@ -168,6 +169,9 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             profiler.step()
         if step == 1:
             tt_dist.set_timeout(job_config.comm.train_timeout_seconds)
+            param_bytes, optim_bytes = local_state_bytes(model_parts, optimizers.optimizers)
+            logger.info(f"rank {tt_dist.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "
+                        f"optimizer state {optim_bytes / 2**20:.3f} MiB")
     logger.info("training done")
 
 

@@ -28,3 +28,13 @@ def test_start_up_error_is_one_clear_line(name, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_error_found_on_the_ranks_is_reported_by_rank_zero(tmp_path):
+    """A layout problem only the ranks can see (the device): rank 0 alone prints the one line.
+    (torchrun then adds its own failure report.)"""
+    args = ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_reduce", "bfloat16"]
+    result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), *args], nproc=2, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error: training.mixed_precision_reduce bfloat16" in line]
+    assert len(errors) == 1 and "needs CUDA" in errors[0], result.stderr[-3000:]  # one rank speaks

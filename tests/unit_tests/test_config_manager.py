@@ -104,7 +104,7 @@ BAD_CLI = [
     (["--training.data_parallel_shard_degree", "-2"], ["training.data_parallel_shard_degree"]),
     (["--training.data_parallel_shard_degree", "0"], ["training.data_parallel_shard_degree"]),
     (["--training.tensor_parallel_degree", "2"], ["training.tensor_parallel_degree", "not implemented yet"]),
-    (["--training.compile"], ["training.compile", "not implemented yet"]),
+    (["--training.ddp_bucket_cap_mb", "0"], ["training.ddp_bucket_cap_mb must be >= 1"]),
     (["stray"], ["stray"]),
 ]
 
@@ -183,13 +183,33 @@ def test_main_checks_degrees_against_launcher_world_size(monkeypatch, capsys):
     assert_one_line_error_from_main(capsys, ["--training.data_parallel_shard_degree", "2"], ["world size 3"])
 
 
-def test_main_refuses_replicate_only_data_parallel(monkeypatch, capsys):
-    # dp_shard = -1 resolves to 1 here: replication without sharding (DDP) is not available yet,
-    # and must not silently train unsynchronised replicas.
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert_one_line_error_from_main(capsys, ["--training.data_parallel_replicate_degree", "2"], ["DDP", "not implemented yet"])
+def test_main_accepts_every_data_parallel_layout(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--training.data_parallel_replicate_degree", "4"]) == 0  # dp_shard -1 -> 1: DDP
     assert main(["--training.data_parallel_replicate_degree", "2"]) == 0  # HSDP 2 x 2
+    assert main(["--training.data_parallel_shard_degree", "4", "--training.enable_cpu_offload",
+                 "--training.fsdp_reshard_after_forward", "never"]) == 0  # FSDP 4
+    assert main(["--training.data_parallel_replicate_degree", "4", "--training.mixed_precision_reduce", "bfloat16",
+                 "--training.compile"]) == 0  # DDP with bf16 all-reduce
+
+
+# Options only FSDP can honour, on layouts without FSDP: (world size, argv, fragments of the line).
+FSDP_ONLY = [
+    (2, ["--training.data_parallel_replicate_degree", "2", "--training.enable_cpu_offload"],
+     ["training.enable_cpu_offload", "data_parallel_shard_degree > 1", "is DDP"]),
+    (1, ["--training.enable_cpu_offload"], ["training.enable_cpu_offload", "no FSDP"]),
+    (2, ["--training.data_parallel_replicate_degree", "2", "--training.fsdp_reshard_after_forward", "never"],
+     ["training.fsdp_reshard_after_forward 'never' applies to FSDP only", "is DDP"]),
+    (2, ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_param", "bfloat16"],
+     ["training.mixed_precision_param bfloat16", "'auto'"]),
+    (1, ["--training.mixed_precision_reduce", "bfloat16"], ["training.mixed_precision_reduce", "one rank"]),
+]
+
+
+@pytest.mark.parametrize("world,argv,fragments", FSDP_ONLY, ids=[" ".join(a) for _, a, _ in FSDP_ONLY])
+def test_main_refuses_fsdp_options_without_fsdp(monkeypatch, capsys, world, argv, fragments):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert_one_line_error_from_main(capsys, argv, fragments)
 
 
 def test_main_refuses_seed_checkpoint_on_several_ranks(monkeypatch, capsys):

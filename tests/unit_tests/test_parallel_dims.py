@@ -84,6 +84,14 @@ def test_flags_hsdp_and_cp():
     assert not dims(dp_replicate=2, dp_shard=1, world_size=2).fsdp_enabled
 
 
+def test_flags_ddp():
+    d = dims(dp_replicate=2, dp_shard=1, world_size=2)
+    assert d.ddp_enabled and d.wraps_data_parallel and d.dp_degree == 2
+    hsdp = dims(dp_replicate=2, dp_shard=2, world_size=4)
+    assert not hsdp.ddp_enabled and hsdp.wraps_data_parallel  # FSDP takes over the replicas
+    assert not dims().wraps_data_parallel and not dims(tp=2, world_size=2).wraps_data_parallel
+
+
 def test_loss_parallel_requires_tp():
     assert not dims(dp_shard=2, world_size=2, enable_loss_parallel=True).loss_parallel_enabled
     assert not dims(tp=2, world_size=2, enable_loss_parallel=False).loss_parallel_enabled

@@ -117,6 +117,17 @@ class ParallelDims:
         return self.dp_shard > 1 or self.cp > 1
 
     @property
+    def ddp_enabled(self) -> bool:
+        """Replicated data parallelism without sharding (FSDP takes over replicas when it shards)."""
+        return self.dp_replicate > 1 and not self.fsdp_enabled
+
+    @property
+    def wraps_data_parallel(self) -> bool:
+        """The model is wrapped by FSDP/HSDP or DDP, which reduce gradients across ranks and can
+        skip that reduction (gradient accumulation)."""
+        return self.fsdp_enabled or self.ddp_enabled
+
+    @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
 

@@ -1,0 +1,118 @@
+"""Compares parallel layouts with a single-process run: per-step losses and final gradient norm.
+
+    .venv/bin/python scripts/loss_compare.py --suite dp                 # a whole suite
+    .venv/bin/python scripts/loss_compare.py --layout fsdp2 --layout ddp2 --plot outputs/loss.png
+    .venv/bin/python scripts/loss_compare.py --custom mine 2 "--training.data_parallel_shard_degree 2"
+    .venv/bin/python scripts/loss_compare.py --list
+
+Every run starts from one seed checkpoint with the same global batch and data order, in
+deterministic fp32 on the CPU (torchtitan/tools/parity.py, the harness the parity tests use).
+Prints one table row per layout and exits with 1 when any layout is outside the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts
+from torchtitan.tools.runs import TrainingFailed
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", action="append", default=[], choices=sorted(SUITES), help="run every layout of a suite")
+    p.add_argument("--layout", action="append", default=[], help="run one named layout (see --list)")
+    p.add_argument("--custom", action="append", nargs=3, default=[], metavar=("NAME", "NPROC", "OVERRIDES"),
+                   help="an ad-hoc layout: a name, a process count and its overrides as one quoted string")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--global-batch", type=int, default=8, help="rows per optimizer step in every run")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |loss difference|")
+    p.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--plot", type=Path, help="write a PNG of the loss curves and differences (needs matplotlib)")
+    p.add_argument("--list", action="store_true", help="list the known layouts and exit")
+    return p.parse_args(argv)
+
+
+def selected_layouts(args: argparse.Namespace) -> list[Layout]:
+    known = all_layouts()
+    layouts = [layout for suite in args.suite for layout in SUITES[suite]]
+    for name in args.layout:
+        if name not in known:
+            sys.exit(f"error: unknown layout {name!r}; see --list")
+        layouts.append(known[name])
+    layouts += [Layout(name, int(nproc), tuple(overrides.split())) for name, nproc, overrides in args.custom]
+    if not layouts:
+        sys.exit("error: choose layouts with --suite, --layout or --custom (see --list)")
+    return list({layout.name: layout for layout in layouts}.values())  # each once, in order
+
+
+def pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("error: --plot needs matplotlib: .venv/bin/pip install -e '.[plot]'")
+    return plt
+
+
+def plot(path: Path, baseline, comparisons) -> None:
+    plt = pyplot()
+    fig, (curves, diffs) = plt.subplots(1, 2, figsize=(12, 4.5))
+    steps = [r["step"] for r in baseline.records]
+    curves.plot(steps, baseline.losses, "k-", linewidth=3, alpha=0.4, label="1 process")
+    for c in comparisons:
+        curves.plot(steps, c.run.losses, marker=".", linewidth=1, label=c.layout.name)
+        diffs.semilogy(steps, [max(d, 1e-9) for d in c.loss_diffs], marker=".", label=c.layout.name)
+    curves.set(title="loss per step", xlabel="step", ylabel="loss")
+    diffs.set(title="|loss - single-process loss| (floored at 1e-9)", xlabel="step")
+    curves.legend(fontsize=8)
+    diffs.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for suite, layouts in SUITES.items():
+            for layout in layouts:
+                print(f"{suite:5} {layout.name:24} {layout.nproc} ranks  {' '.join(layout.overrides)}")
+        return 0
+    layouts = selected_layouts(args)
+    if args.plot:
+        pyplot()  # a missing matplotlib is reported before minutes of training, not after
+    with tempfile.TemporaryDirectory() as tmp:
+        harness = ParityHarness(args.workdir or Path(tmp), steps=args.steps, global_batch=args.global_batch,
+                                loss_tolerance=args.tolerance)
+        baseline = harness.baseline()
+        print(f"baseline: 1 process, {args.steps} steps, losses {baseline.losses[0]:.4f} -> {baseline.losses[-1]:.4f}\n")
+        print("| layout | ranks | max \\|loss diff\\| | final grad norm rel. diff | wall s | result |")
+        print("| --- | ---: | ---: | ---: | ---: | --- |")
+        comparisons, failed = [], 0
+        for layout in layouts:
+            try:
+                c = harness.compare(layout)
+            except (ParityError, TrainingFailed) as e:
+                failed += 1
+                print(f"| {layout.name} | {layout.nproc} | | | | run failed |", flush=True)
+                print(str(e)[-3000:], file=sys.stderr)
+                continue
+            ok = c.max_loss_diff <= args.tolerance and c.grad_norm_rel_diff <= harness.grad_norm_rtol
+            failed += not ok
+            comparisons.append(c)
+            print(f"| {layout.name} | {layout.nproc} | {c.max_loss_diff:.2e} | {c.grad_norm_rel_diff:.2e} | "
+                  f"{c.run.seconds:.0f} | {'ok' if ok else 'FAIL'} |", flush=True)
+        if args.plot:
+            plot(args.plot, baseline, comparisons)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Parity harness: proves that a parallel layout trains exactly like one process.
+
+Every comparison starts from one seed checkpoint (written by a single process), feeds the same
+global batch in the same order (`training.dataset_shards`), runs deterministic fp32 kernels on
+the CPU, and compares the per-step losses and the final gradient norm with a single-process
+baseline. A layout is a name, a process count and a list of overrides; the harness derives the
+per-rank batch size from the layout's data-parallel degree and gradient-accumulation steps, so
+the global batch never changes.
+
+Used by the parity tests (tests/integration/test_parity.py) and by scripts/loss_compare.py,
+which prints a table and can plot the loss curves. Later parallelisms add their own SUITES.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchtitan.config_manager import parse_args
+from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
+from torchtitan.tools.runs import TINY_RUN, read_metrics, run_trainer
+
+# What every run of a comparison shares, on top of TINY_RUN. The baseline uses library defaults
+# for everything else (no AC, no compile), and a layout's overrides come last, so they win.
+COMPARISON_ARGS = ("--training.deterministic", "--activation_checkpoint.mode", "none")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout under test: `nproc` ranks with `overrides` on top of the shared args.
+
+    `expect_log` is a line the run must print, proving the layout was really applied (a typo in
+    an override must not pass as a trivially equal single-process run).
+    """
+
+    name: str
+    nproc: int
+    overrides: tuple[str, ...]
+    expect_log: str = ""
+
+
+def L(name: str, nproc: int, overrides: str, expect_log: str = "") -> Layout:  # noqa: N802 - a table row
+    return Layout(name, nproc, tuple(overrides.split()), expect_log)
+
+
+# The layout tables, one suite per parallelism family. Each runs against the same baseline.
+SUITES: dict[str, list[Layout]] = {
+    "dp": [
+        L("fsdp2", 2, "--training.data_parallel_shard_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}"),
+        L("fsdp4", 4, "--training.data_parallel_shard_degree 4", "applied FSDP over mesh {'dp_shard_cp': 4}"),
+        L("hsdp2x2", 4, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 2",
+          "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard': 2}"),
+        L("ddp2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1",
+          "applied DDP over mesh {'dp_replicate': 2}"),
+        L("ddp4", 4, "--training.data_parallel_replicate_degree 4 --training.data_parallel_shard_degree 1",
+          "applied DDP over mesh {'dp_replicate': 4}"),
+        L("ddp2_bucket1mb_accum2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1 "
+          "--training.ddp_bucket_cap_mb 1 --training.gradient_accumulation_steps 2", "(bucket 1 MB"),
+        L("fsdp2_accum2", 2, "--training.data_parallel_shard_degree 2 --training.gradient_accumulation_steps 2",
+          "applied FSDP over mesh {'dp_shard_cp': 2}"),
+        L("fsdp2_reshard_never", 2, "--training.data_parallel_shard_degree 2 --training.fsdp_reshard_after_forward never",
+          "reshard after forward: never"),
+        L("fsdp2_cpu_offload", 2, "--training.data_parallel_shard_degree 2 --training.enable_cpu_offload",
+          "offloaded to CPU"),
+        L("ddp2_compile", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1 "
+          "--training.compile", "compiled 8 transformer blocks"),
+    ],
+    "ac": [
+        L("ac_full", 1, "--activation_checkpoint.mode full", "applied full activation checkpointing to 8 of 8 blocks"),
+        L("ac_selective2", 1, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2",
+          "applied selective activation checkpointing to 4 of 8 blocks"),
+    ],
+}
+
+
+def all_layouts() -> dict[str, Layout]:
+    return {layout.name: layout for suite in SUITES.values() for layout in suite}
+
+
+@dataclass
+class RunResult:
+    name: str
+    nproc: int
+    records: list[dict]  # rank 0's metrics.jsonl rows, one per step
+    stdout: str
+    seconds: float
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+
+@dataclass
+class Comparison:
+    layout: Layout
+    run: RunResult
+    loss_diffs: list[float] = field(default_factory=list)
+    grad_norm_rel_diff: float = 0.0
+
+    @property
+    def max_loss_diff(self) -> float:
+        return max(self.loss_diffs)
+
+
+class ParityError(AssertionError):
+    """A layout that trained but did not match the baseline, or was not applied as declared."""
+
+
+def local_batch_size(global_batch: int, overrides: tuple[str, ...], nproc: int) -> int:
+    """Rows per rank and micro-step that keep `global_batch` rows per optimizer step."""
+    config = parse_args([*TINY_RUN, *overrides])
+    dims = parallel_dims_from_config(config, nproc)
+    per_step = dims.dp_degree * config.training.gradient_accumulation_steps
+    if global_batch % per_step:
+        raise ValueError(f"global batch {global_batch} does not divide by data-parallel degree x accumulation {per_step}")
+    return global_batch // per_step
+
+
+class ParityHarness:
+    """Runs the seed checkpoint, the baseline and any number of layouts under `workdir`.
+
+    Each run is done once and cached, so tests of one session share the seed and the baseline.
+    """
+
+    def __init__(self, workdir: Path, steps: int = 10, global_batch: int = 8, dataset_shards: int = 4,
+                 loss_tolerance: float = 1e-4, grad_norm_rtol: float = 1e-3, timeout: int = 400):
+        self.workdir = Path(workdir)
+        self.steps, self.global_batch, self.dataset_shards = steps, global_batch, dataset_shards
+        self.loss_tolerance, self.grad_norm_rtol, self.timeout = loss_tolerance, grad_norm_rtol, timeout
+        self._runs: dict[str, RunResult] = {}
+
+    def _common(self) -> list[str]:
+        return [*TINY_RUN, "--training.steps", str(self.steps), *COMPARISON_ARGS,
+                "--training.dataset_shards", str(self.dataset_shards),
+                "--checkpoint.initial_load_path", str(self.seed_checkpoint())]
+
+    def seed_checkpoint(self) -> Path:
+        path = self.workdir / "seed" / "checkpoint" / "step-0"
+        if not path.exists():
+            run_trainer([*TINY_RUN, "--job.dump_folder", str(self.workdir / "seed"), "--checkpoint.create_seed_checkpoint"],
+                        timeout=self.timeout)
+        return path
+
+    def run(self, layout: Layout) -> RunResult:
+        if layout.name not in self._runs:
+            folder = self.workdir / layout.name
+            batch = local_batch_size(self.global_batch, layout.overrides, layout.nproc)
+            args = [*self._common(), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
+                    *layout.overrides]
+            start = time.perf_counter()
+            result = run_trainer(args, nproc=layout.nproc, timeout=self.timeout)
+            seconds = time.perf_counter() - start
+            if "loaded model from" not in result.stdout:
+                raise ParityError(f"{layout.name}: the run did not start from the seed checkpoint")
+            if layout.expect_log and layout.expect_log not in result.stdout:
+                raise ParityError(f"{layout.name}: expected the log line {layout.expect_log!r}; the layout was not applied")
+            self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds)
+        return self._runs[layout.name]
+
+    def baseline(self) -> RunResult:
+        return self.run(Layout("baseline", 1, ()))
+
+    def compare(self, layout: Layout) -> Comparison:
+        base, run = self.baseline(), self.run(layout)
+        if [r["step"] for r in run.records] != [r["step"] for r in base.records]:
+            raise ParityError(f"{layout.name}: logged steps {[r['step'] for r in run.records]} differ from the baseline's")
+        diffs = [abs(a - b) for a, b in zip(base.losses, run.losses)]
+        g0, g1 = base.records[-1]["grad_norm"], run.records[-1]["grad_norm"]
+        return Comparison(layout, run, diffs, abs(g1 - g0) / abs(g0))
+
+    def check(self, layout: Layout) -> Comparison:
+        """Compares and raises ParityError when the layout is outside the tolerances."""
+        c = self.compare(layout)
+        if c.max_loss_diff > self.loss_tolerance:
+            pairs = [(round(a, 7), round(b, 7)) for a, b in zip(self.baseline().losses, c.run.losses)]
+            raise ParityError(f"{layout.name}: max |loss diff| {c.max_loss_diff:.3e} > {self.loss_tolerance:g}; "
+                              f"(baseline, layout) per step: {pairs}")
+        if c.grad_norm_rel_diff > self.grad_norm_rtol:
+            raise ParityError(f"{layout.name}: final grad norm differs by {c.grad_norm_rel_diff:.3e} (relative) "
+                              f"> {self.grad_norm_rtol:g}")
+        return c
