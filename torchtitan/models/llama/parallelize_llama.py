@@ -13,13 +13,13 @@ import logging
 import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
@@ -58,22 +58,6 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             compiled=t.compile,
         )
     return model
-
-
-def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
-    """Wraps transformer blocks so their activations are recomputed in backward.
-
-    full: every block. selective with integer k: every k-th block (block index % k == 0),
-    trading compute for memory in between the two extremes. The choice depends only on the
-    block's own index, so it needs no counter and is the same whatever the pipeline split.
-    """
-    every = 1 if mode == "full" else int(selective_ac_option)
-    wrapped = 0
-    for name, block in list(model.layers.named_children()):
-        if int(name) % every == 0:
-            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
-            wrapped += 1
-    logger.info(f"applied {mode} activation checkpointing to {wrapped} of {len(model.layers)} blocks")
 
 
 def apply_compile(model: nn.Module) -> None:
