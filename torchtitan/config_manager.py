@@ -392,13 +392,9 @@ def help_text() -> str:
 # Options declared for schema compatibility whose features arrive in later work. Each refuses
 # clearly instead of being silently ignored.
 _NOT_YET = {
-    ("training", "tensor_parallel_degree"): lambda v: v != 1,
     ("experimental", "pipeline_parallel_degree"): lambda v: v != 1,
     ("experimental", "context_parallel_degree"): lambda v: v != 1,
-    ("experimental", "enable_async_tensor_parallel"): bool,
     ("experimental", "enable_compiled_autograd"): bool,
-    ("model", "vocab_size_divisible_by"): lambda v: v != 1,
-    ("float8", "enable_float8_linear"): bool,
     ("checkpoint", "model_weights_only"): bool,
     ("checkpoint", "keep_latest_k"): lambda v: v != 0,
     ("memory_estimation", "enabled"): bool,
@@ -453,15 +449,22 @@ def validate(config: JobConfig) -> None:
     ac = config.activation_checkpoint
     if ac.mode == "selective":
         opt_value = ac.selective_ac_option
-        if opt_value == "op":
-            raise ConfigError(
-                "activation_checkpoint.selective_ac_option 'op' is not implemented yet; use an integer k "
-                "(checkpoint every k-th block) or activation_checkpoint.mode full"
-            )
-        if not opt_value.isdigit() or int(opt_value) < 1:
+        if opt_value != "op" and (not opt_value.isdigit() or int(opt_value) < 1):
             raise ConfigError(
                 f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {opt_value!r}"
             )
+    if config.experimental.enable_async_tensor_parallel:
+        if t.tensor_parallel_degree == 1:
+            raise ConfigError("experimental.enable_async_tensor_parallel needs training.tensor_parallel_degree > 1")
+        if not t.compile:
+            raise ConfigError("experimental.enable_async_tensor_parallel works through torch.compile's micro-pipelining; "
+                              "set training.compile true")
+    f8 = config.float8
+    if (f8.enable_fsdp_float8_all_gather or f8.precompute_float8_dynamic_scale_for_fsdp) and not f8.enable_float8_linear:
+        raise ConfigError("float8.enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp need "
+                          "float8.enable_float8_linear")
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather")
     for (section, key), active in _NOT_YET.items():
         if active(getattr(getattr(config, section), key)):
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
@@ -476,6 +479,9 @@ def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
                   "which has no sharding")
     else:
         layout = "this layout has no FSDP (data_parallel_shard_degree 1)"
+    if dims.ddp_enabled and dims.tp > 1:
+        raise ConfigError(f"{layout}; DDP does not combine with training.tensor_parallel_degree {dims.tp}: shard the "
+                          "data-parallel ranks instead (data_parallel_shard_degree > 1: FSDP, or HSDP with replicas)")
     if t.enable_cpu_offload:
         raise ConfigError(
             f"training.enable_cpu_offload offloads FSDP-sharded state and needs data_parallel_shard_degree > 1; {layout}"

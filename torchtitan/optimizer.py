@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config_manager import JobConfig
@@ -22,12 +23,22 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 
+def _param_groups(part: nn.Module) -> list[dict[str, Any]]:
+    """DTensor and plain parameters in separate groups (same hyperparameters): the foreach
+    kernels of one group cannot mix the two, and a layout may leave some parameters plain (the
+    norms under tensor parallelism without sequence parallelism)."""
+    params = list(part.parameters())
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (dtensors, plain) if group]
+
+
 class OptimizersContainer(Stateful):
     """Steps one optimizer per model part as if they were one; checkpointed by parameter name."""
 
     def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any]):
         self.model_parts = model_parts
-        self.optimizers = [optimizer_cls(part.parameters(), **kwargs) for part in model_parts]
+        self.optimizers = [optimizer_cls(_param_groups(part), **kwargs) for part in model_parts]
 
     def step(self) -> None:
         for optimizer in self.optimizers:

@@ -6,6 +6,7 @@ Reads as the build sequence: config -> mesh -> data -> meta model -> parallelize
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -16,6 +17,8 @@ import warnings
 from typing import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args, validate_world_size
@@ -25,6 +28,7 @@ from torchtitan.logging import init_logger
 from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
 from torchtitan.profiling import maybe_enable_profiling
 
 logger = logging.getLogger("torchtitan")
@@ -52,37 +56,51 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
     flavor = train_spec.config[m.flavor]
     # vocab_size is required of every model's args; the others are set where the model has them.
     updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": m.norm_type}
+    padding = -vocab_size % m.vocab_size_divisible_by
+    if padding:
+        if not hasattr(flavor, "vocab_padding"):
+            raise ConfigError(f"model.vocab_size_divisible_by: model {m.name!r} cannot pad its vocabulary (its args have "
+                              "no vocab_padding field); leave it at 1")
+        updates["vocab_padding"] = padding
     return dataclasses.replace(flavor, **{k: v for k, v in updates.items() if k == "vocab_size" or hasattr(flavor, k)})
 
 
 def train(job_config: JobConfig) -> None:
     t = job_config.training
+    # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims = validate_world_size(job_config, tt_dist.world_size())
+    if job_config.experimental.custom_import:
+        importlib.import_module(job_config.experimental.custom_import)  # registers extra models
+    train_spec = get_train_spec(job_config.model.name)
+    check_flavor(train_spec, job_config.model.flavor)
+    tokenizer = train_spec.build_tokenizer_fn(job_config)
+    model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
+    if train_spec.validate_fn is not None:
+        train_spec.validate_fn(model_args, parallel_dims, job_config)
     device_type = tt_dist.device_type()
+    tt_dist.check_device_features(job_config, device_type)
+    check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
+
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
     tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)
-    if job_config.experimental.custom_import:
-        importlib.import_module(job_config.experimental.custom_import)  # registers extra models
     logger.info(f"job: {job_config.job.description}")
     if job_config.job.print_args:
         logger.info(f"job config: {job_config.to_dict()}")
 
     # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same.
-    train_spec = get_train_spec(job_config.model.name)
-    check_flavor(train_spec, job_config.model.flavor)
-    tokenizer = train_spec.build_tokenizer_fn(job_config)
     dp_mesh = parallel_dims.get_mesh("dp")
     dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree)
 
     # Model: built on the meta device (no memory), parallelized, then materialised per rank.
-    model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = model.flops_per_token(t.seq_len)
-    logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, vocab {model_args.vocab_size}")
+    padded = f" (+{model_args.vocab_padding} padding)" if getattr(model_args, "vocab_padding", 0) else ""
+    logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, "
+                f"vocab {model_args.vocab_size}{padded}")
     model = train_spec.parallelize_fn(model, parallel_dims, job_config)
     # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
     model.to_empty(device="cpu" if t.enable_cpu_offload else device)
@@ -121,6 +139,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
     loss_mesh = parallel_dims.get_mesh("dp_cp")
+    # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
+    loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
     # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
     gc.disable()
     gc.collect(1)
@@ -150,12 +170,15 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                 # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
                 for part in model_parts:
                     part.set_requires_gradient_sync(micro == accum - 1)
-            loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
-            loss.backward()
-            step_loss += loss.detach()
+            with loss_context():
+                loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
+                loss.backward()
+            step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.get_mesh("pp"))
         lr = lr_schedulers.get_last_lr()
         optimizers.step()
+        if job_config.float8.precompute_float8_dynamic_scale_for_fsdp:
+            precompute_float8_scales(model_parts)
         lr_schedulers.step()
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
 

@@ -103,7 +103,12 @@ BAD_CLI = [
     (["--training.batch_size", "0"], ["training.batch_size"]),
     (["--training.data_parallel_shard_degree", "-2"], ["training.data_parallel_shard_degree"]),
     (["--training.data_parallel_shard_degree", "0"], ["training.data_parallel_shard_degree"]),
-    (["--training.tensor_parallel_degree", "2"], ["training.tensor_parallel_degree", "not implemented yet"]),
+    (["--experimental.enable_async_tensor_parallel"], ["enable_async_tensor_parallel needs training.tensor_parallel_degree > 1"]),
+    (["--experimental.enable_async_tensor_parallel", "--training.tensor_parallel_degree", "2"],
+     ["enable_async_tensor_parallel", "set training.compile true"]),
+    (["--float8.enable_fsdp_float8_all_gather"], ["need float8.enable_float8_linear"]),
+    (["--float8.enable_float8_linear", "--float8.precompute_float8_dynamic_scale_for_fsdp"],
+     ["precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather"]),
     (["--training.ddp_bucket_cap_mb", "0"], ["training.ddp_bucket_cap_mb must be >= 1"]),
     (["stray"], ["stray"]),
 ]
@@ -203,6 +208,8 @@ FSDP_ONLY = [
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_param", "bfloat16"],
      ["training.mixed_precision_param bfloat16", "'auto'"]),
     (1, ["--training.mixed_precision_reduce", "bfloat16"], ["training.mixed_precision_reduce", "one rank"]),
+    (4, ["--training.data_parallel_replicate_degree", "2", "--training.tensor_parallel_degree", "2"],
+     ["DDP does not combine with training.tensor_parallel_degree 2", "data_parallel_shard_degree > 1"]),
 ]
 
 

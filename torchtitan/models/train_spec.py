@@ -22,6 +22,8 @@ from torchtitan.config_manager import ConfigError
 #   build_tokenizer_fn(job_config) -> Tokenizer
 #   build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree) -> Stateful iterable of (inputs, labels)
 #   loss_fn(logits, labels) -> scalar loss
+#   validate_fn(model_args, parallel_dims, job_config) -> None, raising ConfigError for a layout the
+#       model's shapes cannot take (optional; runs before any process group exists)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class TrainSpec:
     build_tokenizer_fn: Callable[..., Any]
     build_dataloader_fn: Callable[..., Any]
     loss_fn: Callable[..., Any]
+    validate_fn: Callable[..., None] | None = None
 
 
 _REGISTRY: dict[str, TrainSpec] = {}

@@ -23,6 +23,15 @@ def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def check_device_features(job_config, dev_type: str) -> None:
+    """Features that need a GPU, refused on other devices before any process group exists."""
+    from torchtitan.config_manager import ConfigError
+
+    if job_config.experimental.enable_async_tensor_parallel and dev_type != "cuda":
+        raise ConfigError("experimental.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
+                          "this machine has none")
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -71,19 +80,29 @@ def clip_grad_norm_(
     """Clips gradients to a global L2 norm and returns that norm.
 
     With DTensor gradients (FSDP/TP) the norm is reduced over every mesh dim the gradients are
-    sharded on; with pipeline stages each rank holds only its stages' gradients, so the squared
-    norms are also summed across pp. max_norm <= 0 only measures.
+    sharded on. Plain-tensor gradients (parameters no parallelism touched, e.g. the norms under
+    TP without sequence parallelism) are the same on every rank and are added once. With
+    pipeline stages each rank holds only its stages' gradients, so the squared norms are also
+    summed across pp. max_norm <= 0 only measures.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    params = [p for p in parameters if p.grad is not None]
+    # foreach kernels cannot mix DTensors with plain tensors: one group of each.
+    groups = [g for g in ([p for p in params if isinstance(p.grad, DTensor)],
+                          [p for p in params if not isinstance(p.grad, DTensor)]) if g]
+    norms = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:  # no parameter received a gradient
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pp_mesh is not None:
         total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 
 

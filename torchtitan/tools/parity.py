@@ -31,17 +31,20 @@ class Layout:
     """One parallel layout under test: `nproc` ranks with `overrides` on top of the shared args.
 
     `expect_log` is a line the run must print, proving the layout was really applied (a typo in
-    an override must not pass as a trivially equal single-process run).
+    an override must not pass as a trivially equal single-process run). `shared` overrides change
+    the model itself (vocabulary padding, for example): the seed checkpoint and the baseline are
+    made with them too, so the layout is compared with a single process of the same model.
     """
 
     name: str
     nproc: int
     overrides: tuple[str, ...]
     expect_log: str = ""
+    shared: tuple[str, ...] = ()
 
 
-def L(name: str, nproc: int, overrides: str, expect_log: str = "") -> Layout:  # noqa: N802 - a table row
-    return Layout(name, nproc, tuple(overrides.split()), expect_log)
+def L(name: str, nproc: int, overrides: str, expect_log: str = "", shared: str = "") -> Layout:  # noqa: N802 - a table row
+    return Layout(name, nproc, tuple(overrides.split()), expect_log, tuple(shared.split()))
 
 
 # The layout tables, one suite per parallelism family. Each runs against the same baseline.
@@ -70,6 +73,28 @@ SUITES: dict[str, list[Layout]] = {
         L("ac_full", 1, "--activation_checkpoint.mode full", "applied full activation checkpointing to 8 of 8 blocks"),
         L("ac_selective2", 1, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2",
           "applied selective activation checkpointing to 4 of 8 blocks"),
+        L("ac_op", 1, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
+          "applied selective (op-level) activation checkpointing to 8 of 8 blocks"),
+    ],
+    "tp": [
+        L("tp2", 2, "--training.tensor_parallel_degree 2",
+          "applied tensor parallelism over mesh {'tp': 2} (sequence parallel on, loss parallel on)"),
+        L("tp2_no_sp", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
+          "(sequence parallel off, loss parallel on)"),
+        L("tp2_no_lp", 2, "--training.tensor_parallel_degree 2 --training.disable_loss_parallel",
+          "(sequence parallel on, loss parallel off)"),
+        L("tp4", 4, "--training.tensor_parallel_degree 4", "applied tensor parallelism over mesh {'tp': 4}"),
+        L("tp2_padded_vocab", 2, "--training.tensor_parallel_degree 2", "vocab 2256 (+48 padding)",
+          shared="--model.vocab_size_divisible_by 64"),
+        L("fsdp2_tp2", 4, "--training.tensor_parallel_degree 2 --training.data_parallel_shard_degree 2",
+          "applied FSDP over mesh {'dp_shard_cp': 2}"),
+        L("hsdp2x2_tp2", 8, "--training.tensor_parallel_degree 2 --training.data_parallel_replicate_degree 2 "
+          "--training.data_parallel_shard_degree 2", "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard': 2}"),
+        L("tp2_ac_full", 2, "--training.tensor_parallel_degree 2 --activation_checkpoint.mode full",
+          "applied full activation checkpointing to 8 of 8 blocks"),
+        L("tp2_ac_selective2", 2, "--training.tensor_parallel_degree 2 --activation_checkpoint.mode selective "
+          "--activation_checkpoint.selective_ac_option 2", "applied selective activation checkpointing to 4 of 8 blocks"),
+        L("tp2_compile", 2, "--training.tensor_parallel_degree 2 --training.compile", "compiled 8 transformer blocks"),
     ],
 }
 
@@ -130,15 +155,21 @@ class ParityHarness:
         self.loss_tolerance, self.grad_norm_rtol, self.timeout = loss_tolerance, grad_norm_rtol, timeout
         self._runs: dict[str, RunResult] = {}
 
-    def _common(self) -> list[str]:
+    @staticmethod
+    def _variant(shared: tuple[str, ...]) -> str:
+        """Folder suffix of the seed and baseline made with `shared` overrides ('' for none)."""
+        return "" if not shared else "-" + "_".join(a.lstrip("-").replace(".", "_") for a in shared)
+
+    def _common(self, shared: tuple[str, ...]) -> list[str]:
         return [*TINY_RUN, "--training.steps", str(self.steps), *COMPARISON_ARGS,
                 "--training.dataset_shards", str(self.dataset_shards),
-                "--checkpoint.initial_load_path", str(self.seed_checkpoint())]
+                "--checkpoint.initial_load_path", str(self.seed_checkpoint(shared)), *shared]
 
-    def seed_checkpoint(self) -> Path:
-        path = self.workdir / "seed" / "checkpoint" / "step-0"
+    def seed_checkpoint(self, shared: tuple[str, ...] = ()) -> Path:
+        folder = self.workdir / f"seed{self._variant(shared)}"
+        path = folder / "checkpoint" / "step-0"
         if not path.exists():
-            run_trainer([*TINY_RUN, "--job.dump_folder", str(self.workdir / "seed"), "--checkpoint.create_seed_checkpoint"],
+            run_trainer([*TINY_RUN, *shared, "--job.dump_folder", str(folder), "--checkpoint.create_seed_checkpoint"],
                         timeout=self.timeout)
         return path
 
@@ -146,7 +177,7 @@ class ParityHarness:
         if layout.name not in self._runs:
             folder = self.workdir / layout.name
             batch = local_batch_size(self.global_batch, layout.overrides, layout.nproc)
-            args = [*self._common(), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
+            args = [*self._common(layout.shared), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
                     *layout.overrides]
             start = time.perf_counter()
             result = run_trainer(args, nproc=layout.nproc, timeout=self.timeout)
@@ -158,11 +189,11 @@ class ParityHarness:
             self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds)
         return self._runs[layout.name]
 
-    def baseline(self) -> RunResult:
-        return self.run(Layout("baseline", 1, ()))
+    def baseline(self, shared: tuple[str, ...] = ()) -> RunResult:
+        return self.run(Layout(f"baseline{self._variant(shared)}", 1, (), shared=shared))
 
     def compare(self, layout: Layout) -> Comparison:
-        base, run = self.baseline(), self.run(layout)
+        base, run = self.baseline(layout.shared), self.run(layout)
         if [r["step"] for r in run.records] != [r["step"] for r in base.records]:
             raise ParityError(f"{layout.name}: logged steps {[r['step'] for r in run.records]} differ from the baseline's")
         diffs = [abs(a - b) for a, b in zip(base.losses, run.losses)]
@@ -173,7 +204,7 @@ class ParityHarness:
         """Compares and raises ParityError when the layout is outside the tolerances."""
         c = self.compare(layout)
         if c.max_loss_diff > self.loss_tolerance:
-            pairs = [(round(a, 7), round(b, 7)) for a, b in zip(self.baseline().losses, c.run.losses)]
+            pairs = [(round(a, 7), round(b, 7)) for a, b in zip(self.baseline(layout.shared).losses, c.run.losses)]
             raise ParityError(f"{layout.name}: max |loss diff| {c.max_loss_diff:.3e} > {self.loss_tolerance:g}; "
                               f"(baseline, layout) per step: {pairs}")
         if c.grad_norm_rel_diff > self.grad_norm_rtol:

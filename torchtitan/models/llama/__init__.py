@@ -3,7 +3,7 @@
 from torchtitan.datasets.text_dataset import build_text_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
-from torchtitan.models.llama.parallelize_llama import parallelize_llama
+from torchtitan.models.llama.parallelize_llama import parallelize_llama, validate_llama
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.train_spec import TrainSpec, register_train_spec
 from torchtitan.optimizer import build_lr_schedulers, build_optimizers
@@ -39,5 +39,6 @@ for _name, _configs in (("llama2", llama2_configs), ("llama3", llama3_configs)):
             build_tokenizer_fn=build_tokenizer,
             build_dataloader_fn=build_text_dataloader,
             loss_fn=cross_entropy_loss,
+            validate_fn=validate_llama,
         )
     )

@@ -5,6 +5,10 @@ possible without any parallel branches here:
 - head counts are recovered with `view(..., -1, head_dim)` so tensor parallelism can shard heads;
 - blocks live in a ModuleDict keyed by their original index, so names survive pipeline splits;
 - embedding, final norm and output may be None, so a pipeline stage can drop them;
+- attention slices the RoPE table by the length of the sequence it sees, which under sequence
+  parallelism is the gathered length, not the shard's;
+- a padded vocabulary is masked by its own submodule (`vocab_mask`), which tensor parallelism can
+  replace by name with a sharded version;
 - `init_weights()` is separate from `__init__`, so the model can be built on the meta device,
   sharded, materialised with `to_empty()` and only then initialised.
 """
@@ -39,6 +43,9 @@ class ModelArgs:
     n_heads: int = 32
     n_kv_heads: int | None = None  # None = n_heads (no grouped-query attention)
     vocab_size: int = 32000  # replaced by the tokenizer's size when training
+    # Extra embedding/output rows so the vocabulary divides evenly (tensor parallelism); their
+    # logits are masked to -inf, so they never change the loss or the predictions.
+    vocab_padding: int = 0
     multiple_of: int = 256  # feed-forward hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
@@ -105,6 +112,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
+        rope = rope[:seqlen]
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -160,6 +168,19 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class PaddedVocabMask(nn.Module):
+    """Sets the logits of padding rows (ids >= vocab_size) to -inf: softmax gives them zero
+    probability, so the loss, its gradients and the predictions are those of the real vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        return logits.masked_fill(ids >= self.vocab_size, float("-inf"))
+
+
 class Transformer(nn.Module):
     """Llama decoder: token embedding -> blocks -> norm -> output projection (logits)."""
 
@@ -170,10 +191,12 @@ class Transformer(nn.Module):
         if args.n_heads % (args.n_kv_heads or args.n_heads):
             raise ValueError(f"n_heads {args.n_heads} must be a multiple of n_kv_heads {args.n_kv_heads}")
         self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        rows = args.vocab_size + args.vocab_padding
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(rows, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = nn.Linear(args.dim, rows, bias=False)
+        self.vocab_mask: nn.Module | None = PaddedVocabMask(args.vocab_size) if args.vocab_padding else None
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, so checkpoints stay free of it.
@@ -205,11 +228,13 @@ class Transformer(nn.Module):
         """tokens (batch, seq) ints -> logits (batch, seq, vocab). A pipeline stage without the
         embedding receives hidden states instead, and one without the output returns them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, self.rope_cache)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        return self.vocab_mask(logits) if self.vocab_mask is not None else logits
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per non-embedding parameter plus causal-free attention

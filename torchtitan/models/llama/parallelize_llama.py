@@ -1,8 +1,8 @@
 """parallelize_llama: applies parallelisms to a Llama model (or one pipeline stage of it).
 
 Order matters and is fixed: tensor parallelism -> activation checkpointing -> torch.compile ->
-FSDP/HSDP or DDP. Each step is one small `apply_*` that logs one line. TP arrives with its own
-work; its options are refused by the config until then.
+FSDP/HSDP or DDP. Each step is one small `apply_*` that logs one line. `validate_llama` checks,
+before any process group exists, that the model's shapes allow the requested layout.
 """
 
 from __future__ import annotations
@@ -16,20 +16,56 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.distributed import resolve_param_dtype
+from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
+def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """Shape requirements of the layout, checked on every rank before any process group starts."""
+    tp = parallel_dims.tp
+    if tp == 1:
+        return
+    flavor = f"model {job_config.model.name} {job_config.model.flavor}"
+    n_kv_heads = args.n_kv_heads or args.n_heads
+    for what, value in (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads), ("feed-forward hidden size", ffn_hidden_dim(args))):
+        if value % tp:
+            raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the {what} ({value}) of {flavor}")
+    vocab = args.vocab_size + args.vocab_padding
+    if vocab % tp:
+        raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the vocabulary ({vocab} tokens); set "
+                          f"model.vocab_size_divisible_by to {tp} (or a multiple of it) to pad it")
+    if args.tie_word_embeddings:
+        raise ConfigError(f"{flavor} ties its input and output embeddings, which tensor parallelism does not support yet")
+
+
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     t = job_config.training
     ac = job_config.activation_checkpoint
+    if job_config.float8.enable_float8_linear:
+        apply_float8(model, job_config)  # before TP and FSDP, which then handle the float8 modules
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.get_mesh("tp")
+        apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
+                 sequence_parallel=not t.disable_sequence_parallel)
+        if job_config.experimental.enable_async_tensor_parallel:
+            apply_async_tp(tp_mesh)
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
@@ -58,6 +94,79 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             compiled=t.compile,
         )
     return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """Megatron-style tensor parallelism with DTensor plans, applied by module name.
+
+    In each block, q/k/v and w1/w3 are split by output features (column-wise: each rank owns a
+    slice of the heads and of the hidden units) and wo/w2 by input features (row-wise), so a block
+    needs one reduction after attention and one after the feed-forward. With sequence
+    parallelism the activations between those matmuls (norms, residuals) are sharded on the
+    sequence dim: each reduction becomes a reduce-scatter and an all-gather feeds the next
+    column-wise matmuls. Without it, the reductions are all-reduces and activations are replicated.
+    The embedding is split by vocabulary rows; the output projection by vocabulary columns, and
+    with loss parallelism its logits stay sharded into the cross-entropy.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+    if loss_parallel and getattr(model, "vocab_mask", None) is not None:
+        model.vocab_mask = ShardedVocabMask(model.vocab_mask.vocab_size)
+
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                # Gather the sequence before the column-wise projections; the RoPE table passes as is.
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+    logger.info(f"applied tensor parallelism over mesh {{'tp': {tp_mesh.size()}}} (sequence parallel "
+                f"{'on' if sequence_parallel else 'off'}, loss parallel {'on' if loss_parallel else 'off'})")
+
+
+def apply_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Async TP: inductor splits each TP all-gather / reduce-scatter and its matmul into chunks that
+    overlap, exchanging data through symmetric memory (CUDA only; needs training.compile)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    logger.info("enabled async tensor parallelism (micro-pipelined collectives)")
+
+
+class ShardedVocabMask(nn.Module):
+    """The model's padded-vocabulary mask for vocabulary-sharded logits (loss parallelism): each
+    rank masks the padding ids that fall into its own slice of the columns."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: DTensor) -> DTensor:
+        local = logits.to_local()
+        first = logits.device_mesh.get_local_rank() * local.shape[-1]  # the vocabulary divides by TP
+        ids = torch.arange(first, first + local.shape[-1], device=local.device)
+        masked = local.masked_fill(ids >= self.vocab_size, float("-inf"))
+        return DTensor.from_local(masked, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride())
 
 
 def apply_compile(model: nn.Module) -> None:

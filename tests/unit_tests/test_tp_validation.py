@@ -1,0 +1,81 @@
+"""Tensor-parallel shape checks (validate_llama), vocabulary padding and the GPU-only features'
+refusals: all run before any process group exists, so they are plain function calls here."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.models import get_train_spec
+from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.models.llama.parallelize_llama import validate_llama
+from torchtitan.models.loss import cross_entropy_loss
+from torchtitan.parallelisms.distributed import check_device_features
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.train import build_model_args
+
+SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, multiple_of=16)
+
+
+def tp_dims(tp: int) -> ParallelDims:
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, world_size=tp, enable_loss_parallel=True)
+
+
+def test_shapes_that_divide_pass():
+    validate_llama(SMALL, tp_dims(2), parse_args([]))
+    validate_llama(SMALL, tp_dims(1), parse_args([]))  # nothing to check without TP
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"n_heads": 6, "n_kv_heads": 3, "dim": 96}, "must divide the n_kv_heads (3)"),
+    ({"n_heads": 3, "n_kv_heads": None, "dim": 48}, "must divide the n_heads (3)"),
+    ({"vocab_size": 95}, "must divide the vocabulary (95 tokens); set model.vocab_size_divisible_by to 2"),
+    ({"tie_word_embeddings": True}, "ties its input and output embeddings"),
+])
+def test_shapes_that_do_not_divide_are_refused(change, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        validate_llama(dataclasses.replace(SMALL, **change), tp_dims(2), parse_args([]))
+
+
+def test_vocab_padding_from_config():
+    spec = get_train_spec("llama3")
+    args = build_model_args(spec, parse_args(["--model.vocab_size_divisible_by", "64"]), vocab_size=2256)
+    assert (args.vocab_size, args.vocab_padding) == (2256, 48)
+    assert build_model_args(spec, parse_args([]), vocab_size=2256).vocab_padding == 0
+    validate_llama(dataclasses.replace(args, vocab_size=2255, vocab_padding=1), tp_dims(2), parse_args([]))
+
+
+def test_padded_vocabulary_never_changes_the_loss():
+    """Same real weights, with and without 5 padding rows: identical logits, loss and gradients;
+    the padding rows get no gradient and are never predicted."""
+    torch.manual_seed(0)
+    plain = Transformer(SMALL)
+    plain.init_weights()
+    padded = Transformer(dataclasses.replace(SMALL, vocab_padding=5))
+    padded.init_weights()  # random padding rows: they must not matter
+    state = plain.state_dict()
+    with torch.no_grad():
+        for name, p in padded.named_parameters():
+            p[: state[name].shape[0]].copy_(state[name]) if p.shape != state[name].shape else p.copy_(state[name])
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
+    labels = torch.randint(0, SMALL.vocab_size, (2, 16))
+    logits = padded(tokens)
+    assert logits.shape[-1] == 101 and torch.isneginf(logits[..., 96:]).all()
+    torch.testing.assert_close(logits[..., :96], plain(tokens), rtol=0, atol=0)
+    loss_plain, loss_padded = cross_entropy_loss(plain(tokens), labels), cross_entropy_loss(logits, labels)
+    torch.testing.assert_close(loss_padded, loss_plain, rtol=0, atol=0)
+    loss_plain.backward()
+    loss_padded.backward()
+    for name, p in plain.named_parameters():
+        grad = dict(padded.named_parameters())[name].grad
+        torch.testing.assert_close(grad[: p.shape[0]], p.grad, rtol=0, atol=0)
+        assert torch.count_nonzero(grad[p.shape[0]:]) == 0
+
+
+def test_async_tp_needs_cuda():
+    config = parse_args(["--experimental.enable_async_tensor_parallel", "--training.tensor_parallel_degree", "2",
+                         "--training.compile"])
+    with pytest.raises(ConfigError, match="needs CUDA GPUs"):
+        check_device_features(config, "cpu")
+    check_device_features(config, "cuda")  # accepted where symmetric memory exists
