@@ -70,6 +70,11 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
         apply_compile(model)
+        if parallel_dims.tp_enabled and model.tok_embeddings is not None:
+            # PyTorch 2.13: when a compiled block's input is the view that DTensor.to_local() returned
+            # (the embedding's output), its input gradient skips the to_local's backward, and the
+            # embedding's redistribute then receives a plain tensor. A copy breaks the alias.
+            model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
 
     if parallel_dims.fsdp_enabled:
         if parallel_dims.dp_replicate_enabled:
