@@ -88,7 +88,7 @@ class StepMetrics:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int  # tokens this rank processed since the last log line
+    tokens: float  # tokens this rank processed since the last log line, / (tp x cp x pp)
     seconds: float  # wall time since the last log line
     data_seconds: float  # of which spent waiting for batches
 

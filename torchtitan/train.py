@@ -185,7 +185,10 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps:
             loss_value = tt_dist.mean_across(step_loss, loss_mesh)
             elapsed = time.perf_counter() - window_start
-            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, window_tokens, elapsed, window_data_seconds))
+            # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
+            # per device, every token counts once per group (so MFU compares with one device's peak).
+            tokens = window_tokens / parallel_dims.non_data_parallel_size
+            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
         checkpoint.save(step, force=step == t.steps)
         if profiler is not None:

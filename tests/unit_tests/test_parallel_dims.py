@@ -118,3 +118,9 @@ def test_parallel_dims_from_config():
     assert (d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp, d.world_size) == (2, 4, 1, 1, 1, 8)
     assert d.enable_loss_parallel is False
     assert parallel_dims_from_config(parse_args([]), world_size=2).enable_loss_parallel is True
+
+
+def test_non_data_parallel_size_counts_ranks_that_share_tokens():
+    assert dims().non_data_parallel_size == 1
+    assert dims(dp_shard=2, tp=2, world_size=4).non_data_parallel_size == 2
+    assert dims(dp_replicate=2, cp=2, tp=2, pp=2, world_size=16).non_data_parallel_size == 8

@@ -144,6 +144,11 @@ class ParallelDims:
         return self.tp > 1 and self.enable_loss_parallel
 
     @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that work on the same tokens (tp x cp x pp), e.g. to count tokens per device."""
+        return self.tp * self.cp * self.pp
+
+    @property
     def dp_degree(self) -> int:
         """Data-parallel ranks that each read different data."""
         return self.dp_replicate * self.dp_shard
