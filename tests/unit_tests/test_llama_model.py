@@ -212,3 +212,11 @@ def test_flops_per_token_untied():
     seq_len = 32
     expected = 6 * non_embedding + 12 * 2 * 4 * 16 * seq_len
     assert model.flops_per_token(seq_len) == expected
+
+
+def test_apply_rope_compiled_form_matches_eager():
+    """The real-valued form used under torch.compile equals the eager complex multiply."""
+    rope = precompute_rope(ModelArgs(dim=64, n_heads=4, max_seq_len=8))
+    x = torch.randn(2, 8, 3, 16)
+    compiled = torch.compile(apply_rope, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, rope), apply_rope(x, rope), rtol=1e-6, atol=1e-6)
