@@ -6,16 +6,34 @@ harness and the scripts launch the trainer the same way.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from torchtitan.tools.runs import REPO_ROOT, read_metrics
 from torchtitan.tools.runs import TINY_RUN as _TINY_RUN
 from torchtitan.tools.runs import run_trainer as run_train
 
-__all__ = ["REPO_ROOT", "TINY_RUN", "losses", "read_metrics", "run_train"]
+__all__ = ["REPO_ROOT", "TINY_RUN", "losses", "read_metrics", "run_ranks_script", "run_train"]
 
 TINY_RUN = list(_TINY_RUN)
 
 
 def losses(dump_folder: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(dump_folder)]
+
+
+def run_ranks_script(script: str, nproc: int, folder: Path, *args: str, timeout: int = 180) -> dict:
+    """Runs the Python source `script` on `nproc` gloo ranks under torchrun and returns the JSON
+    object that one rank printed after "RESULT "."""
+    path = Path(folder) / "ranks_script.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                             str(path), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(text for text in result.stdout.splitlines() if "RESULT " in text)
+    return json.loads(line.split("RESULT ", 1)[1])

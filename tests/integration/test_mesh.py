@@ -1,12 +1,7 @@
 """ParallelDims.build_mesh on 4 gloo ranks: dim names, size-1 dims left out, flattened views,
 and data-parallel coordinates shared by tensor-parallel peers."""
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.helpers import REPO_ROOT
+from tests.helpers import run_ranks_script
 
 SCRIPT = r"""
 import json, os, sys
@@ -35,15 +30,7 @@ dist.destroy_process_group()
 
 
 def test_named_mesh_and_flattened_views(tmp_path):
-    script = tmp_path / "mesh.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                             str(script), "3"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(text for text in result.stdout.splitlines() if "RESULT " in text)
-    out = json.loads(line.split("RESULT ", 1)[1])
+    out = run_ranks_script(SCRIPT, 4, tmp_path, "3", timeout=120)
     # Rank 3 is coordinate (1, 1) of the 2 x 2 (dp_replicate, dp_shard) mesh.
     assert out["hsdp"]["names"] == ["dp_replicate", "dp_shard"] and out["hsdp"]["shape"] == [2, 2]
     assert out["hsdp"]["views"] == {"dp": [4, 3], "dp_shard_cp": [2, 1], "dp_cp": [4, 3]}

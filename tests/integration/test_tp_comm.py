@@ -7,12 +7,7 @@ drops or converts a collective fails here. The block's output must also equal th
 block's, so the counts belong to a correct plan.
 """
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.helpers import REPO_ROOT
+from tests.helpers import run_ranks_script
 
 SCRIPT = r"""
 import copy, json, sys
@@ -52,14 +47,7 @@ dist.destroy_process_group()
 
 
 def test_block_forward_collectives_under_tp2(tmp_path):
-    script = tmp_path / "tp_comm.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(next(line for line in result.stdout.splitlines() if "RESULT " in line).split("RESULT ", 1)[1])
+    out = run_ranks_script(SCRIPT, 2, tmp_path)
     print(out)
     # Sequence parallel: all-gather before attention and before the feed-forward, reduce-scatter after each.
     assert out["sp"]["counts"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, out["sp"]

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config_manager import ConfigError
+
 
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,8 +27,6 @@ def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
 
 def check_device_features(job_config, dev_type: str) -> None:
     """Features that need a GPU, refused on other devices before any process group exists."""
-    from torchtitan.config_manager import ConfigError
-
     if job_config.experimental.enable_async_tensor_parallel and dev_type != "cuda":
         raise ConfigError("experimental.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
                           "this machine has none")
