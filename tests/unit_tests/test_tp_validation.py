@@ -79,3 +79,15 @@ def test_async_tp_needs_cuda():
     with pytest.raises(ConfigError, match="needs CUDA GPUs"):
         check_device_features(config, "cpu")
     check_device_features(config, "cuda")  # accepted where symmetric memory exists
+
+
+def test_vocab_padding_refused_for_a_model_without_the_field():
+    @dataclasses.dataclass
+    class PlainArgs:
+        vocab_size: int = 0
+
+    spec = dataclasses.replace(get_train_spec("llama3"), config={"tiny": PlainArgs()})
+    config = parse_args(["--model.flavor", "tiny", "--model.vocab_size_divisible_by", "64"])
+    with pytest.raises(ConfigError, match="cannot pad its vocabulary"):
+        build_model_args(spec, config, vocab_size=2256)
+    assert build_model_args(spec, config, vocab_size=2304).vocab_size == 2304  # already divisible: no padding needed
