@@ -207,17 +207,21 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     init_logger()
+    clean = False
     try:
         train(parse_args(argv))
+        clean = True
     except USER_ERRORS as e:
         if tt_dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        tt_dist.shutdown(clean)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if tt_dist.world_size() > 1:
+        tt_dist.exit_process(code)
+    sys.exit(code)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import gc
+import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -123,3 +126,30 @@ def mean_across(value: torch.Tensor, mesh: DeviceMesh | None) -> float:
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return value.item() / mesh.size()
 
+
+
+def shutdown(clean: bool) -> None:
+    """Ends the process group. After a clean run every rank frees its model and pending
+    collective work first (the trainer disables automatic GC, so DDP's reducer and FSDP's state
+    sit in reference cycles until collected), then waits for its peers, so no rank tears down
+    while another still communicates. After an error there is no barrier: a peer may never come."""
+    gc.enable()
+    gc.collect()
+    if dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """Leaves a distributed process without Python's interpreter finalization.
+
+    Gloo's worker threads can still release Python objects while the interpreter is being torn
+    down, which aborts the process ("terminate called without an active exception", SIGABRT) after
+    a run that finished correctly. Everything that must outlive the run (logs, metrics, checkpoints)
+    is flushed or closed before this point, so skipping finalization loses nothing.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
