@@ -139,10 +139,18 @@ class Training:
 @dataclass
 class Experimental:
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree.")
-    pipeline_parallel_split_points: list[str] = opt([], "Module names where stages start, e.g. layers.4,layers.8.")
-    pipeline_parallel_schedule: str = opt("1F1B", "Pipeline schedule name.")
-    pipeline_parallel_schedule_csv: str = opt("", "CSV file describing a custom pipeline schedule.")
-    pipeline_parallel_microbatches: int = opt(-1, "Microbatches per step; -1 = the pipeline degree.")
+    pipeline_parallel_split_points: list[str] = opt(
+        [], "Modules where stages 2, 3, ... start, e.g. layers.4,layers.8; empty = split by estimated cost.")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B", "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.")
+    pipeline_parallel_schedule_csv: str = opt(
+        "", "CSV file with a custom schedule (one row of actions like 0F0,0B0 per rank); overrides the schedule.")
+    pipeline_parallel_stages_per_rank: int = opt(
+        -1, "Stages each pp rank runs; -1 = 1 for single-stage schedules, 2 for multi-stage and V schedules.")
+    pipeline_parallel_microbatches: int = opt(
+        -1, "Microbatches per step and data-parallel rank; -1 = one per stage (pp x stages per rank).")
+    pipeline_parallel_microbatch_size: int = opt(
+        -1, "Sequences per microbatch (alternative to pipeline_parallel_microbatches); -1 = unset.")
     context_parallel_degree: int = opt(1, "Context-parallel degree (sequence split across ranks).")
     context_parallel_rotate_method: str = opt("allgather", "How CP exchanges keys/values.", choices=["allgather", "alltoall"])
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
@@ -392,7 +400,6 @@ def help_text() -> str:
 # Options declared for schema compatibility whose features arrive in later work. Each refuses
 # clearly instead of being silently ignored.
 _NOT_YET = {
-    ("experimental", "pipeline_parallel_degree"): lambda v: v != 1,
     ("experimental", "context_parallel_degree"): lambda v: v != 1,
     ("experimental", "enable_compiled_autograd"): bool,
     ("checkpoint", "model_weights_only"): bool,
@@ -465,6 +472,10 @@ def validate(config: JobConfig) -> None:
                           "float8.enable_float8_linear")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather")
+    if config.experimental.pipeline_parallel_degree > 1:
+        from torchtitan.parallelisms.pipeline import plan_pipeline
+
+        plan_pipeline(config)
     for (section, key), active in _NOT_YET.items():
         if active(getattr(getattr(config, section), key)):
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")

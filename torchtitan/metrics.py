@@ -91,6 +91,9 @@ class StepMetrics:
     tokens: float  # tokens this rank processed since the last log line, / (tp x cp x pp)
     seconds: float  # wall time since the last log line
     data_seconds: float  # of which spent waiting for batches
+    # Pipeline only: the share of the schedule's time that the pp ranks (on average) spent not
+    # computing, i.e. the bubble plus waiting for neighbours.
+    pp_bubble: float | None = None
 
 
 class MetricsLogger:
@@ -129,12 +132,15 @@ class MetricsLogger:
             "tflops": tflops, "mfu_percent": mfu, "memory_peak_gib": peak_mem,
             "memory_current_gib": current_mem, "data_loading_percent": 100 * s.data_seconds / s.seconds,
         }
+        if s.pp_bubble is not None:
+            values["pp_bubble_percent"] = 100 * s.pp_bubble
+        bubble = f"  bubble: {100 * s.pp_bubble:.1f}%" if s.pp_bubble is not None else ""
         c = self.colors
         logger.info(
             f"{c.red}step: {s.step:2}  {c.green}loss: {s.loss:7.4f}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
             f"lr: {s.lr:.2e}  {c.yellow}memory: {peak_mem:5.2f}GiB peak  "
             f"{c.blue}tps: {tps:,.0f}  {c.cyan}tflops: {tflops:,.3f}  {c.magenta}mfu: {mfu:.2f}%  "
-            f"{c.reset}data: {values['data_loading_percent']:.1f}%"
+            f"{c.reset}data: {values['data_loading_percent']:.1f}%{bubble}"
         )
         if self.writer is not None:
             for name, value in values.items():

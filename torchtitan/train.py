@@ -29,6 +29,7 @@ from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
+from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_profiling
 
 logger = logging.getLogger("torchtitan")
@@ -75,6 +76,9 @@ def train(job_config: JobConfig) -> None:
     check_flavor(train_spec, job_config.model.flavor)
     tokenizer = train_spec.build_tokenizer_fn(job_config)
     model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
+    if parallel_dims.pp_enabled and train_spec.pipelining_fn is None:
+        raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
+                          "must stay 1")
     if train_spec.validate_fn is not None:
         train_spec.validate_fn(model_args, parallel_dims, job_config)
     device_type = tt_dist.device_type()
@@ -101,13 +105,21 @@ def train(job_config: JobConfig) -> None:
     padded = f" (+{model_args.vocab_padding} padding)" if getattr(model_args, "vocab_padding", 0) else ""
     logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, "
                 f"vocab {model_args.vocab_size}{padded}")
-    model = train_spec.parallelize_fn(model, parallel_dims, job_config)
-    # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
-    model.to_empty(device="cpu" if t.enable_cpu_offload else device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
-    model.train()
-    model_parts = [model]
+    pipeline = None
+    if parallel_dims.pp_enabled:
+        # Each rank keeps only its stages, each parallelized like a whole model would be.
+        pipeline = Pipeline(*train_spec.pipelining_fn(model, parallel_dims, job_config, device, model_args,
+                                                      train_spec.loss_fn))
+        model_parts = pipeline.model_parts
+    else:
+        model_parts = [train_spec.parallelize_fn(model, parallel_dims, job_config)]
+    del model
+    for part in model_parts:
+        # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
+        part.to_empty(device="cpu" if t.enable_cpu_offload else device)
+        with torch.no_grad():
+            part.init_weights(buffer_device=device)
+        part.train()
 
     optimizers = train_spec.build_optimizers_fn(model_parts, job_config)
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
@@ -127,14 +139,15 @@ def train(job_config: JobConfig) -> None:
     try:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
-                       iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler)
+                       iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline)
     finally:
         metrics.close()
 
 
 def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                data_iter: Iterator, train_state: TrainState, checkpoint: CheckpointManager,
-               metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None) -> None:
+               metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
+               pipeline: Pipeline | None = None) -> None:
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -171,8 +184,11 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                 for part in model_parts:
                     part.set_requires_gradient_sync(micro == accum - 1)
             with loss_context():
-                loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
-                loss.backward()
+                if pipeline is not None:
+                    loss = pipeline.forward_backward(inputs, labels, device)
+                else:
+                    loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
+                    loss.backward()
             step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.get_mesh("pp"))
         lr = lr_schedulers.get_last_lr()
@@ -183,12 +199,16 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
 
         if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps:
+            if pipeline is not None:
+                # Only the last stage has a loss; the others contribute zero to the sum over pp.
+                step_loss = tt_dist.sum_across(step_loss, parallel_dims.get_mesh("pp"))
             loss_value = tt_dist.mean_across(step_loss, loss_mesh)
+            bubble = pipeline.bubble_since_last_call(parallel_dims.get_mesh("pp")) if pipeline is not None else None
             elapsed = time.perf_counter() - window_start
             # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
             # per device, every token counts once per group (so MFU compares with one device's peak).
             tokens = window_tokens / parallel_dims.non_data_parallel_size
-            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds))
+            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
         checkpoint.save(step, force=step == t.steps)
         if profiler is not None:

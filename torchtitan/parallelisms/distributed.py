@@ -96,9 +96,10 @@ def clip_grad_norm_(
     for group in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:  # no parameter received a gradient
-        return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if not norms:  # no parameter received a gradient (a pp rank still joins the sum below)
+        total = torch.zeros((), device=pp_mesh.device_type if pp_mesh is not None else "cpu")
+    else:
+        total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pp_mesh is not None:
         total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
@@ -116,6 +117,15 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     value = torch.tensor(float(flag), device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def sum_across(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Sum of a scalar over a mesh; the value itself on a single process."""
+    if mesh is None:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return value
 
 
 def mean_across(value: torch.Tensor, mesh: DeviceMesh | None) -> float:

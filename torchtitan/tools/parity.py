@@ -96,6 +96,32 @@ SUITES: dict[str, list[Layout]] = {
           "--activation_checkpoint.selective_ac_option 2", "applied selective activation checkpointing to 4 of 8 blocks"),
         L("tp2_compile", 2, "--training.tensor_parallel_degree 2 --training.compile", "compiled 8 transformer blocks"),
     ],
+    "pp": [
+        L("pp2_gpipe", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule GPipe",
+          "schedule GPipe, 2 microbatches"),
+        L("pp2_1f1b", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule 1F1B",
+          "schedule 1F1B, 2 microbatches"),
+        L("pp2_interleaved1f1b", 2, "--experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_schedule Interleaved1F1B", "4 stages (cost-balanced"),
+        L("pp2_loopedbfs", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule LoopedBFS",
+          "schedule LoopedBFS, 4 microbatches"),
+        L("pp2_interleaved_zb", 2, "--experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_schedule InterleavedZeroBubble", "schedule InterleavedZeroBubble"),
+        L("pp2_zbv", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule ZBVZeroBubble",
+          "schedule ZBVZeroBubble"),
+        L("pp2_dualpipev", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule DualPipeV",
+          "schedule DualPipeV"),
+        L("pp4_1f1b", 4, "--experimental.pipeline_parallel_degree 4", "schedule 1F1B, 4 microbatches"),
+        L("pp2_csv_1f1b", 2, "--experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_schedule_csv train_configs/pipeline_schedules/1f1b_pp2_2microbatches.csv",
+          "schedule CSV, 2 microbatches"),
+        L("pp2_fsdp2", 4, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2",
+          "applied FSDP over mesh {'dp_shard_cp': 2}"),
+        L("pp2_tp2", 4, "--experimental.pipeline_parallel_degree 2 --training.tensor_parallel_degree 2",
+          "applied tensor parallelism over mesh {'tp': 2}"),
+        L("pp2_fsdp2_tp2", 8, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2 "
+          "--training.tensor_parallel_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}"),
+    ],
 }
 
 

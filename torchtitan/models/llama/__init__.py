@@ -4,11 +4,12 @@ from torchtitan.datasets.text_dataset import build_text_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
 from torchtitan.models.llama.parallelize_llama import parallelize_llama, validate_llama
+from torchtitan.models.llama.pipeline_llama import pipeline_llama
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.train_spec import TrainSpec, register_train_spec
 from torchtitan.optimizer import build_lr_schedulers, build_optimizers
 
-__all__ = ["ModelArgs", "Transformer", "parallelize_llama", "llama2_configs", "llama3_configs"]
+__all__ = ["ModelArgs", "Transformer", "parallelize_llama", "pipeline_llama", "llama2_configs", "llama3_configs"]
 
 llama2_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16),
@@ -33,7 +34,7 @@ for _name, _configs in (("llama2", llama2_configs), ("llama3", llama3_configs)):
             model_cls=Transformer,
             config=_configs,
             parallelize_fn=parallelize_llama,
-            pipelining_fn=None,  # pipeline parallelism arrives with its own work
+            pipelining_fn=pipeline_llama,
             build_optimizers_fn=build_optimizers,
             build_lr_schedulers_fn=build_lr_schedulers,
             build_tokenizer_fn=build_tokenizer,

@@ -39,6 +39,10 @@ _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
     """Shape requirements of the layout, checked on every rank before any process group starts."""
+    if parallel_dims.pp_enabled:
+        from torchtitan.models.llama.pipeline_llama import validate_pipeline_llama
+
+        validate_pipeline_llama(args, job_config)
     tp = parallel_dims.tp
     if tp == 1:
         return
@@ -87,7 +91,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             fsdp_mesh,
             param_dtype=resolve_param_dtype(t.mixed_precision_param, fsdp_mesh.device_type),
             reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, fsdp_mesh.device_type),
-            reshard_after_forward=t.fsdp_reshard_after_forward,
+            # A pipeline stage runs forward once per microbatch before its backwards: freeing the
+            # gathered parameters after each forward would gather them again every microbatch.
+            reshard_after_forward=("never" if parallel_dims.pp_enabled and t.fsdp_reshard_after_forward == "default"
+                                   else t.fsdp_reshard_after_forward),
             cpu_offload=t.enable_cpu_offload,
         )
     elif parallel_dims.ddp_enabled:

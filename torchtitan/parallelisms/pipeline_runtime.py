@@ -1,0 +1,105 @@
+"""Pipeline parallelism at run time: stages, the schedule, and the step that drives it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config_manager import ConfigError
+from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan
+
+
+def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None, csv_path: str = ""):
+    """The torch.distributed.pipelining schedule for this rank's stages.
+
+    Gradients are not rescaled by the schedule (scale_grads=False): the loss function passed in
+    already divides by the number of microbatches (and accumulation steps), so gradients that
+    accumulate over several `step()` calls are never divided twice.
+    """
+    if plan.schedule == CSV_SCHEDULE:
+        schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn,
+                                                      scale_grads=False)
+        schedule._load_csv(csv_path)
+        return schedule
+    try:
+        cls = schedules.get_schedule_class(plan.schedule)
+    except ValueError:
+        raise ConfigError(f"pipeline schedule {plan.schedule} is not in the installed PyTorch "
+                          f"{torch.__version__}; pick another") from None
+    target = stages if SCHEDULES[plan.schedule].multi_stage else stages[0]
+    return cls(target, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan, group, device: torch.device):
+    return [PipelineStage(module, stage_id, plan.num_stages, device, group=group)
+            for module, stage_id in zip(modules, stage_ids)]
+
+
+class BusyTimer:
+    """Measures how much of a schedule's step this rank spends computing (its stages' forward and
+    backward chunks and the loss); the rest of the step is the pipeline bubble plus waiting for
+    neighbours. Wraps the methods of this rank's stage objects, so it works for every schedule,
+    including CSV ones, and costs two clock reads per chunk."""
+
+    _STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, schedule) -> None:
+        self.busy = 0.0
+        # Single-stage schedules keep their stage in `_stage`, multi-stage ones in `_stages`.
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            for name in self._STAGE_METHODS:
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+        if hasattr(schedule, "_maybe_compute_loss"):
+            schedule._maybe_compute_loss = self._timed(schedule._maybe_compute_loss)
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - start
+
+        return wrapper
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """What a model's pipelining_fn returns: the schedule and this rank's stages."""
+
+    schedule: Any
+    model_parts: list[nn.Module]
+    has_first_stage: bool
+    has_last_stage: bool
+
+    def __post_init__(self) -> None:
+        self.timer = BusyTimer(self.schedule)
+        self.step_seconds = 0.0
+
+    def bubble_since_last_call(self, pp_mesh) -> float:
+        """The pp ranks' mean share of schedule time spent not computing, since the last call."""
+        idle = torch.tensor(1 - self.timer.busy / self.step_seconds if self.step_seconds else 0.0, dtype=torch.float64)
+        self.timer.busy, self.step_seconds = 0.0, 0.0
+        return tt_dist.mean_across(idle, pp_mesh)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Runs one batch through the schedule (microbatched forwards and backwards). Returns the
+        batch's loss on the last stage (the schedule's loss function is already scaled) and zero
+        elsewhere."""
+        targets, losses = (labels, []) if self.has_last_stage else (None, None)
+        args = (inputs,) if self.has_first_stage else ()
+        start = time.perf_counter()
+        self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        self.step_seconds += time.perf_counter() - start
+        if not self.has_last_stage:
+            return torch.zeros((), device=device)
+        return torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]).sum()
