@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchtitan.config_manager import ConfigError
 from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts
 from torchtitan.tools.runs import TrainingFailed
 
@@ -99,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             try:
                 c = harness.compare(layout)
+            except ConfigError as e:  # the layout's options do not fit the harness's batch
+                failed += 1
+                print(f"| {layout.name} | {layout.nproc} | | | | config error |", flush=True)
+                print(f"{layout.name}: {e}", file=sys.stderr)
+                continue
             except (ParityError, TrainingFailed) as e:
                 failed += 1
                 print(f"| {layout.name} | {layout.nproc} | | | | run failed |", flush=True)

@@ -490,9 +490,6 @@ def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
                   "which has no sharding")
     else:
         layout = "this layout has no FSDP (data_parallel_shard_degree 1)"
-    if dims.ddp_enabled and dims.tp > 1:
-        raise ConfigError(f"{layout}; DDP does not combine with training.tensor_parallel_degree {dims.tp}: shard the "
-                          "data-parallel ranks instead (data_parallel_shard_degree > 1: FSDP, or HSDP with replicas)")
     if t.enable_cpu_offload:
         raise ConfigError(
             f"training.enable_cpu_offload offloads FSDP-sharded state and needs data_parallel_shard_degree > 1; {layout}"

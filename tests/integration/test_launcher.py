@@ -40,3 +40,13 @@ def test_launcher_help_lists_options():
     assert result.returncode == 0
     assert "--training.tensor_parallel_degree" in result.stdout
 
+
+
+def test_launcher_refuses_a_pipeline_that_would_hang():
+    """Too few microbatches for 1F1B's warm-up is refused by the pre-flight check, without torch."""
+    result = _launch(["--experimental.pipeline_parallel_degree", "4", "--experimental.pipeline_parallel_microbatches",
+                      "2"], NGPU="4")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "config error: pipeline schedule 1F1B needs at least 4 microbatches for 4 ranks x 1 stages, got 2; "
+        "raise training.batch_size or experimental.pipeline_parallel_microbatches"], result.stderr

@@ -208,8 +208,6 @@ FSDP_ONLY = [
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_param", "bfloat16"],
      ["training.mixed_precision_param bfloat16", "'auto'"]),
     (1, ["--training.mixed_precision_reduce", "bfloat16"], ["training.mixed_precision_reduce", "one rank"]),
-    (4, ["--training.data_parallel_replicate_degree", "2", "--training.tensor_parallel_degree", "2"],
-     ["DDP does not combine with training.tensor_parallel_degree 2", "data_parallel_shard_degree > 1"]),
 ]
 
 

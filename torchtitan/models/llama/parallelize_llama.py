@@ -97,6 +97,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
                                    else t.fsdp_reshard_after_forward),
             cpu_offload=t.enable_cpu_offload,
         )
+    elif parallel_dims.ddp_enabled and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
+        apply_fsdp_replicate(model, parallel_dims.get_mesh("dp_replicate"),
+                             reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"))
     elif parallel_dims.ddp_enabled:
         apply_ddp(
             model,
@@ -213,6 +216,23 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dty
         model.register_comm_hook(mesh.get_group(), default_hooks.bf16_compress_hook)
     logger.info(f"applied DDP over mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} "
                 f"(bucket {bucket_cap_mb} MB, reduce {reduce_dtype})")
+
+
+def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch.dtype) -> None:
+    """Replicated data parallelism for a model that other parallelisms already touched: PyTorch's
+    FSDP-based `replicate`, per block and at the root. Unlike the composable DDP it accepts TP's
+    DTensor parameters, and a pipeline stage can defer its all-reduce to the last microbatch."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
+    except ImportError:
+        raise ConfigError(f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
+                          f"which torch {torch.__version__} lacks; shard instead (data_parallel_shard_degree > 1)") from None
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        replicate_fsdp(block, mesh=mesh, mp_policy=policy)
+    replicate_fsdp(model, mesh=mesh, mp_policy=policy)
+    logger.info(f"applied DDP (FSDP-based replicate) over mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} "
+                f"(reduce {reduce_dtype})")
 
 
 def apply_fsdp(
