@@ -152,7 +152,12 @@ class Experimental:
     pipeline_parallel_microbatch_size: int = opt(
         -1, "Sequences per microbatch (alternative to pipeline_parallel_microbatches); -1 = unset.")
     context_parallel_degree: int = opt(1, "Context-parallel degree (sequence split across ranks).")
-    context_parallel_rotate_method: str = opt("allgather", "How CP exchanges keys/values.", choices=["allgather", "alltoall"])
+    context_parallel_backend: str = opt(
+        "ring", "CP attention: ring (this project's ring attention, CPU and CUDA) or torch (PyTorch's; not yet offered).",
+        choices=["ring", "torch"])
+    context_parallel_rotate_method: str = opt(
+        "allgather", "How PyTorch's CP backend exchanges keys/values (the ring backend always passes them around "
+        "the ring).", choices=["allgather", "alltoall"])
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
     enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
     custom_import: str = opt("", "Python module imported at start-up, e.g. one that registers a new model.")
@@ -400,7 +405,6 @@ def help_text() -> str:
 # Options declared for schema compatibility whose features arrive in later work. Each refuses
 # clearly instead of being silently ignored.
 _NOT_YET = {
-    ("experimental", "context_parallel_degree"): lambda v: v != 1,
     ("experimental", "enable_compiled_autograd"): bool,
     ("checkpoint", "model_weights_only"): bool,
     ("checkpoint", "keep_latest_k"): lambda v: v != 0,
@@ -472,6 +476,17 @@ def validate(config: JobConfig) -> None:
                           "float8.enable_float8_linear")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather")
+    cp = config.experimental.context_parallel_degree
+    if cp > 1:
+        if t.seq_len % (2 * cp):
+            raise ConfigError(f"training.seq_len {t.seq_len} must divide by 2 x experimental.context_parallel_degree "
+                              f"= {2 * cp}: each cp rank holds two equal chunks of every sequence")
+        if config.experimental.context_parallel_backend == "torch":
+            raise ConfigError("experimental.context_parallel_backend 'torch' (PyTorch's context parallel) is not offered "
+                              "yet: it has no CPU path, and this version runs only the ring backend; use 'ring'")
+        if t.compile:
+            raise ConfigError("training.compile with context parallelism is not supported yet: ring attention's "
+                              "point-to-point exchange cannot sit inside a fullgraph-compiled block")
     if config.experimental.pipeline_parallel_degree > 1:
         from torchtitan.parallelisms.pipeline import plan_pipeline
 

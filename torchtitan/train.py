@@ -28,6 +28,7 @@ from torchtitan.logging import init_logger
 from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_profiling
@@ -152,6 +153,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
     loss_mesh = parallel_dims.get_mesh("dp_cp")
+    cp_mesh = parallel_dims.get_mesh("cp")
     # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
     loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
     # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
@@ -178,7 +180,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         step_loss = torch.zeros((), device=device)
         for micro, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            window_tokens += labels.numel()
+            window_tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
+            inputs, labels = shard_batch((inputs, labels), cp_mesh)
             if accum > 1 and parallel_dims.wraps_data_parallel:
                 # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
                 for part in model_parts:

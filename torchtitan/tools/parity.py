@@ -126,6 +126,18 @@ SUITES: dict[str, list[Layout]] = {
         L("pp2_fsdp2_tp2", 8, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2 "
           "--training.tensor_parallel_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}"),
     ],
+    "cp": [
+        L("cp2", 2, "--experimental.context_parallel_degree 2", "applied context parallelism over mesh {'cp': 2}"),
+        L("cp4", 4, "--experimental.context_parallel_degree 4", "applied context parallelism over mesh {'cp': 4}"),
+        L("fsdp2_cp2", 4, "--experimental.context_parallel_degree 2 --training.data_parallel_shard_degree 2",
+          "applied FSDP over mesh {'dp_shard_cp': 4}"),
+        L("tp2_cp2", 4, "--experimental.context_parallel_degree 2 --training.tensor_parallel_degree 2",
+          "applied context parallelism over mesh {'cp': 2}"),
+        L("pp2_cp2", 4, "--experimental.context_parallel_degree 2 --experimental.pipeline_parallel_degree 2",
+          "applied context parallelism over mesh {'cp': 2}"),
+        L("fsdp2_tp2_cp2", 8, "--experimental.context_parallel_degree 2 --training.data_parallel_shard_degree 2 "
+          "--training.tensor_parallel_degree 2", "applied FSDP over mesh {'dp_shard_cp': 4}"),
+    ],
     # Eight-process layouts whose parts each have their own row above. On two cores one costs about
     # two minutes, so the test suite leaves them out (TESTED_SUITES); scripts/loss_compare.py runs them.
     "large": [
@@ -134,7 +146,7 @@ SUITES: dict[str, list[Layout]] = {
     ],
 }
 # The suites the parity tests run (tests/integration/test_parity.py).
-TESTED_SUITES = ("dp", "ac", "tp", "pp")
+TESTED_SUITES = ("dp", "ac", "tp", "pp", "cp")
 
 
 def all_layouts() -> dict[str, Layout]:

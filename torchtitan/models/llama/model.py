@@ -7,6 +7,9 @@ possible without any parallel branches here:
 - embedding, final norm and output may be None, so a pipeline stage can drop them;
 - attention slices the RoPE table by the length of the sequence it sees, which under sequence
   parallelism is the gathered length, not the shard's;
+- the attention kernel is an attribute (`Attention.kernel`), so context parallelism can swap in
+  ring attention, and the RoPE table is an argument of each block, so it can pass each rank the
+  rows of the positions it holds;
 - a padded vocabulary is masked by its own submodule (`vocab_mask`), which tensor parallelism can
   replace by name with a sharded version;
 - `init_weights()` is separate from `__init__`, so the model can be built on the meta device,
@@ -109,6 +112,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # (q, k, v) in (batch, heads, seq, head_dim) -> output of the same shape; causal.
+        self.kernel = causal_attention
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -124,7 +129,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
-        out = causal_attention(q, k, v)
+        out = self.kernel(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 

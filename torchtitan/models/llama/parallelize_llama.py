@@ -1,7 +1,7 @@
 """parallelize_llama: applies parallelisms to a Llama model (or one pipeline stage of it).
 
-Order matters and is fixed: tensor parallelism -> activation checkpointing -> torch.compile ->
-FSDP/HSDP or DDP. Each step is one small `apply_*` that logs one line. `validate_llama` checks,
+Order matters and is fixed: tensor parallelism -> context parallelism -> activation checkpointing
+-> torch.compile -> FSDP/HSDP or DDP. Each step is one small `apply_*` that logs one line. `validate_llama` checks,
 before any process group exists, that the model's shapes allow the requested layout.
 """
 
@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
+from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -70,6 +71,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
                  sequence_parallel=not t.disable_sequence_parallel)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.get_mesh("cp"), t.seq_len)  # before AC wraps the blocks
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:

@@ -1,0 +1,54 @@
+"""Context parallelism: each cp rank holds a load-balanced slice of every sequence.
+
+Three things change under cp > 1, all from outside the model:
+- the batch: inputs and labels are cut along the sequence (`shard_batch`); every cp rank of a
+  data-parallel group reads the same batch first, as tp peers do;
+- RoPE: each block receives the rows of the RoPE table for the positions its rank holds, so the
+  rotation is that of the original sequence (a forward pre-hook on every attention module);
+- attention: each attention module's kernel becomes ring attention over the cp group.
+
+The loss is each rank's mean over its own tokens (every rank holds the same number), so the mean
+over the dp_cp mesh is the global mean; FSDP averages gradients over `dp_shard_cp`, which
+includes cp, so the gradients are those of the global mean too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequence
+
+logger = logging.getLogger(__name__)
+
+
+def shard_batch(tensors: tuple[torch.Tensor, ...], cp_mesh: DeviceMesh | None) -> tuple[torch.Tensor, ...]:
+    """This cp rank's load-balanced part of (batch, seq) tensors; unchanged without cp."""
+    if cp_mesh is None:
+        return tensors
+    rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
+    return tuple(shard_sequence(t, rank, cp, dim=1) for t in tensors)
+
+
+def _rope_rows_for_rank(module: nn.Module, args: tuple, *, rank: int, cp: int, seq_len: int) -> tuple:
+    """Forward pre-hook of an attention module: replaces its RoPE table (the second argument) by
+    the rows of this rank's positions. Attention then takes the first local-length rows."""
+    x, rope, *rest = args
+    return (x, shard_sequence(rope[:seq_len], rank, cp, dim=0), *rest)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Ring attention and rank-local RoPE rows for every transformer block of `model` (a whole
+    model or a pipeline stage). Blocks keep their parameters and names."""
+    rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
+    group = cp_mesh.get_group()
+    for block in model.layers.values():
+        block.attention.kernel = functools.partial(ring_attention, group=group)
+        block.attention.register_forward_pre_hook(
+            functools.partial(_rope_rows_for_rank, rank=rank, cp=cp, seq_len=seq_len))
+    logger.info(f"applied context parallelism over mesh {{'cp': {cp}}} (ring attention, load-balanced "
+                f"{2 * cp} chunks of {seq_len // (2 * cp)} tokens, this rank holds chunks {rank} and {2 * cp - 1 - rank})")
