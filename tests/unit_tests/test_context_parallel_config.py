@@ -21,3 +21,16 @@ def test_cp_refusals(argv, fragment):
     with pytest.raises(ConfigError) as info:
         parse_args([*CP2, "--training.seq_len", "64", *argv])
     assert fragment in str(info.value)
+
+
+def test_cp_refuses_an_attention_it_cannot_replace():
+    """A registered model whose blocks have no swappable causal kernel gets one line, not a crash."""
+    from torch import nn
+
+    from torchtitan.parallelisms.context_parallel import apply_cp
+
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Module()})
+    model.layers["0"].attention = nn.Linear(2, 2)  # an attention without a `kernel`
+    with pytest.raises(ConfigError, match="block layers.0 has none"):
+        apply_cp(model, cp_mesh=None, seq_len=8)

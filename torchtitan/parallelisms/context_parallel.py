@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.config_manager import ConfigError
 from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequence
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ def _rope_rows_for_rank(module: nn.Module, args: tuple, *, rank: int, cp: int, s
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
     """Ring attention and rank-local RoPE rows for every transformer block of `model` (a whole
     model or a pipeline stage). Blocks keep their parameters and names."""
+    for name, block in model.layers.items():
+        if not hasattr(getattr(block, "attention", None), "kernel"):
+            # Ring attention replaces a causal (q, k, v) kernel; other attention cannot be split this way.
+            raise ConfigError(f"context parallelism needs each block's attention to expose a causal `kernel` "
+                              f"(q, k, v) -> out to replace with ring attention; block layers.{name} has none")
     rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
     group = cp_mesh.get_group()
     for block in model.layers.values():
