@@ -165,16 +165,24 @@ class Experimental:
 
 @dataclass
 class Checkpoint:
-    enable_checkpoint: bool = opt(False, "Save and auto-resume checkpoints.")
-    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    enable_checkpoint: bool = opt(False, "Save checkpoints, and resume from the newest complete one at start-up.")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder; holds one step-N folder per save.")
     interval_type: str = opt("steps", "Unit of checkpoint.interval.", choices=["steps"])
-    interval: int = opt(500, "Steps between checkpoints.")
-    model_weights_only: bool = opt(False, "Final checkpoint holds model weights only (for inference/fine-tuning).")
-    export_dtype: str = opt("float32", "Dtype of a weights-only export.", choices=["float32", "bfloat16", "float16"])
+    interval: int = opt(500, "Steps between checkpoints (the last step is always saved).")
+    model_weights_only: bool = opt(
+        False, "The last step's checkpoint holds model weights only (for inference, fine-tuning or conversion), "
+        "cast to checkpoint.export_dtype.")
+    export_dtype: str = opt("float32", "Dtype of the weights-only final checkpoint (needs model_weights_only).",
+                            choices=["float32", "bfloat16", "float16"])
     create_seed_checkpoint: bool = opt(False, "Write the freshly initialised model as step 0 and exit (one process).")
-    async_mode: str = opt("disabled", "Asynchronous saving.", choices=["disabled", "async", "async_with_pinned_mem"])
-    keep_latest_k: int = opt(0, "Keep only the newest k checkpoints (0 = keep all).")
-    load_step: int = opt(-1, "Step to load (-1 = the newest complete checkpoint).")
+    async_mode: str = opt(
+        "disabled", "disabled: the loop waits for each save; async: it waits only while the state is copied to host "
+        "memory, a background thread writes it; async_with_pinned_mem: copies into reused (pinned on CUDA) buffers, "
+        "a checkpoint process writes them. At most one save is in flight; the last one is awaited before exit.",
+        choices=["disabled", "async", "async_with_pinned_mem"])
+    keep_latest_k: int = opt(
+        0, "Keep only the newest k complete checkpoints (0 = keep all); the newest resumable one always stays.")
+    load_step: int = opt(-1, "Step to resume from (-1 = the newest complete checkpoint).")
     initial_load_path: str = opt(
         "", "Checkpoint (e.g. a seed checkpoint's step-0 folder) whose model weights initialise a run that "
         "has no checkpoint of its own yet; any parallel layout can load it."
@@ -406,8 +414,6 @@ def help_text() -> str:
 # clearly instead of being silently ignored.
 _NOT_YET = {
     ("experimental", "enable_compiled_autograd"): bool,
-    ("checkpoint", "model_weights_only"): bool,
-    ("checkpoint", "keep_latest_k"): lambda v: v != 0,
     ("memory_estimation", "enabled"): bool,
     ("profiling", "enable_memory_snapshot"): bool,
 }
@@ -455,8 +461,16 @@ def validate(config: JobConfig) -> None:
     c = config.checkpoint
     if c.interval < 1:
         raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
-    if c.async_mode != "disabled":
-        raise ConfigError("checkpoint.async_mode other than 'disabled' is not implemented yet in this version")
+    if c.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {c.keep_latest_k}")
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be a step number or -1 (the newest), got {c.load_step}")
+    if c.load_step >= 0 and not c.enable_checkpoint:
+        raise ConfigError("checkpoint.load_step needs checkpoint.enable_checkpoint (it picks among this job's "
+                          "checkpoints); to start from another folder's weights use checkpoint.initial_load_path")
+    if c.export_dtype != "float32" and not c.model_weights_only:
+        raise ConfigError(f"checkpoint.export_dtype {c.export_dtype} applies to the weights-only final checkpoint; "
+                          "set checkpoint.model_weights_only too (full checkpoints keep the training dtype)")
     ac = config.activation_checkpoint
     if ac.mode == "selective":
         opt_value = ac.selective_ac_option

@@ -74,6 +74,19 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
     return peak / 2**30, current / 2**30
 
 
+def _open_jsonl(path: str, resumed_step: int):
+    """Opens metrics.jsonl for appending. A fresh run starts it anew; a resumed run keeps the rows
+    up to its checkpoint's step and drops later ones, which an interrupted job logged but will
+    now train again, so that every step appears once."""
+    if resumed_step <= 0 or not os.path.exists(path):
+        return open(path, "w")
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
 class _Colors:
     def __init__(self, enabled: bool):
         codes = {"cyan": "\033[36m", "green": "\033[32m", "yellow": "\033[33m", "blue": "\033[34m",
@@ -100,7 +113,7 @@ class MetricsLogger:
     """Turns step measurements into throughput, MFU and memory figures; prints and records them."""
 
     def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: int, rank: int,
-                 compute_dtype: torch.dtype = torch.float32, resumed: bool = False):
+                 compute_dtype: torch.dtype = torch.float32, resumed_step: int = 0):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops(device, compute_dtype)
@@ -110,8 +123,7 @@ class MetricsLogger:
         self.jsonl = None
         if m.save_jsonl and rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
-            # A resumed run continues the file; a fresh run starts it anew.
-            self.jsonl = open(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), "a" if resumed else "w")
+            self.jsonl = _open_jsonl(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), resumed_step)
         if m.enable_tensorboard and (rank == 0 or not m.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 

@@ -57,8 +57,14 @@ class OptimizersContainer(Stateful):
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The learning rate belongs to the LR schedulers (restored beside this, in either order):
+        # a resumed run with another schedule (e.g. more steps) must apply the rate it logs, not
+        # the one the checkpoint's param groups happened to hold.
         for part, optimizer in zip(self.model_parts, self.optimizers):
+            lrs = [group["lr"] for group in optimizer.param_groups]
             set_optimizer_state_dict(part, optimizer, optim_state_dict=state_dict, options=_FLAT)
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
 
 
 def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.checkpoint import CheckpointManager, TrainState
+from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState, find_resume_point
 from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args, validate_world_size
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.tokenizer import TokenizerError
@@ -42,8 +42,10 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 # init differs from a single-process one; runs that must match start from a seed checkpoint
 # (docs/parity.md), which makes this warning noise.
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+# DCP says so whenever a single process saves or loads, which is how a one-process run works.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 # Errors caused by the user's input: reported as one line with exit code 2, never a traceback.
-USER_ERRORS = (ConfigError, DatasetError, TokenizerError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DatasetError, TokenizerError, CheckpointError, FileNotFoundError)
 
 
 def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
@@ -93,9 +95,13 @@ def train(job_config: JobConfig) -> None:
     if job_config.job.print_args:
         logger.info(f"job config: {job_config.to_dict()}")
 
-    # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same.
+    # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same. A resumed
+    # run reads the data in as many shards as its checkpoint's data position refers to.
     dp_mesh = parallel_dims.get_mesh("dp")
     dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    resume = None if job_config.checkpoint.create_seed_checkpoint else find_resume_point(job_config)
+    if resume is not None:
+        resume.adopt_data_shards(job_config, dp_degree)
     dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree)
 
     # Model: built on the meta device (no memory), parallelized, then materialised per rank.
@@ -125,24 +131,26 @@ def train(job_config: JobConfig) -> None:
     optimizers = train_spec.build_optimizers_fn(model_parts, job_config)
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
     train_state = TrainState()
-    checkpoint = CheckpointManager(job_config, model_parts, optimizers, lr_schedulers, dataloader, train_state)
+    checkpoint = CheckpointManager(job_config, parallel_dims, model_parts, optimizers, lr_schedulers, dataloader,
+                                   train_state)
     if job_config.checkpoint.create_seed_checkpoint:
-        checkpoint.save(step=0, force=True)
+        checkpoint.save_seed()
         logger.info("seed checkpoint written; exiting")
         return
-    checkpoint.load()
+    checkpoint.load(resume)
 
     # Mixed precision comes from FSDP's policy; without FSDP the model computes in fp32.
     compute_dtype = (tt_dist.resolve_param_dtype(t.mixed_precision_param, device_type)
                      if parallel_dims.fsdp_enabled else torch.float32)
     metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype,
-                            resumed=train_state.step > 0)
+                            resumed_step=train_state.step)
     try:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                        iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline)
     finally:
         metrics.close()
+    checkpoint.close()  # waits for a save still being written in the background
 
 
 def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
@@ -160,6 +168,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     gc.disable()
     gc.collect(1)
     window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
+    step_loss = grad_norm = None
     logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
                 f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
     while train_state.step < t.steps:
@@ -170,7 +179,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             # Every rank stops at the same step, even if only one rank's shards ran out.
             logger.info(f"the data ran out after step {train_state.step}; training ends there "
                         "(training.dataset_infinite is false)")
-            checkpoint.save(train_state.step, force=True)
+            checkpoint.save(train_state.step, last=True, loss=step_loss, grad_norm=grad_norm)
             break
         train_state.step += 1
         step = train_state.step
@@ -213,7 +222,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             tokens = window_tokens / parallel_dims.non_data_parallel_size
             metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
-        checkpoint.save(step, force=step == t.steps)
+        checkpoint.save(step, last=step == t.steps, loss=step_loss, grad_norm=grad_norm)
         if profiler is not None:
             profiler.step()
         if step == 1:

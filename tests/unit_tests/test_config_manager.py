@@ -111,6 +111,13 @@ BAD_CLI = [
      ["precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather"]),
     (["--training.ddp_bucket_cap_mb", "0"], ["training.ddp_bucket_cap_mb must be >= 1"]),
     (["stray"], ["stray"]),
+    (["--checkpoint.keep_latest_k", "-1"], ["checkpoint.keep_latest_k must be >= 0"]),
+    (["--checkpoint.enable_checkpoint", "--checkpoint.load_step", "-2"], ["checkpoint.load_step must be a step number"]),
+    (["--checkpoint.load_step", "5"], ["checkpoint.load_step needs checkpoint.enable_checkpoint"]),
+    (["--checkpoint.export_dtype", "bfloat16"], ["checkpoint.export_dtype bfloat16 applies to the weights-only",
+                                                  "checkpoint.model_weights_only"]),
+    (["--checkpoint.async_mode", "sometimes"], ["checkpoint.async_mode", "disabled, async, async_with_pinned_mem"]),
+    (["--checkpoint.interval", "0"], ["checkpoint.interval must be >= 1"]),
 ]
 
 BAD_TOML = [

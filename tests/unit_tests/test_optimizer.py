@@ -167,3 +167,25 @@ def test_optimizers_round_trip():
         o.step()
     for p_old, p_new in zip(model.parameters(), fresh.parameters()):
         torch.testing.assert_close(p_new, p_old, rtol=0, atol=0)
+
+
+def test_resumed_lr_is_the_schedules_whatever_the_load_order():
+    """A checkpoint written under a 10-step schedule, resumed under a 20-step one: the optimizer
+    applies the rate the new schedule gives (and logs), not the one saved in its param groups.
+    DCP loads the schedulers before the optimizers (it sorts names); both orders must agree."""
+    parts = model_parts()
+    optimizers = build_optimizers(parts, job_config(steps=10))
+    schedulers = build_lr_schedulers(optimizers, job_config(steps=10))
+    train_steps(parts, optimizers, schedulers, 5)
+    saved_optim, saved_sched = copy.deepcopy(optimizers.state_dict()), schedulers.state_dict()
+    expected = 0.01 * lr_factor(5, 2, 20, "linear", 0.1)
+    for scheduler_first in (True, False):
+        fresh_parts = model_parts()
+        fresh = build_optimizers(fresh_parts, job_config(steps=20))
+        fresh_sched = build_lr_schedulers(fresh, job_config(steps=20))
+        loads = [(fresh_sched, saved_sched), (fresh, saved_optim)]
+        for container, state in loads if scheduler_first else loads[::-1]:
+            container.load_state_dict(state)
+        assert fresh_sched.get_last_lr() == pytest.approx(expected)
+        for optimizer in fresh.optimizers:
+            assert optimizer.param_groups[0]["lr"] == pytest.approx(expected) != 0.01 * lr_factor(5, 2, 10, "linear", 0.1)
