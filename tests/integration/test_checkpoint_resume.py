@@ -1,18 +1,89 @@
-"""Checkpoint save and auto-resume through DCP: an interrupted run continues exactly."""
+"""A job that dies and is started again continues exactly where it was: the resumed run logs
+bit-for-bit the losses of a run that never stopped, whatever the checkpoint mode, and a job
+killed in the middle of writing a checkpoint leaves the previous one intact and loadable.
 
-from tests.helpers import TINY_RUN, losses, run_train
+The failures are real SIGKILLs of rank 0 at chosen moments (tests/checkpoint_faults.py)."""
+
+import shutil
+
+import pytest
+
+from tests.helpers import TINY_RUN, read_metrics, run_train
+
+STEPS = 20
+FSDP2 = ["--training.data_parallel_shard_degree", "2"]
+FSDP2_TP2_PP2 = ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2",
+                 "--experimental.pipeline_parallel_degree", "2"]
 
 
-def test_resume_gives_identical_losses_under_fsdp(tmp_path):
-    # A constant lr after warm-up keeps the schedule independent of training.steps, so a job told
-    # to stop at step 5 trains exactly like the first half of the 10-step job.
-    ckpt = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "5", "--training.decay_type", "constant"]
-    run_train([*TINY_RUN, *ckpt, "--job.dump_folder", str(tmp_path / "full")], nproc=2)
-    full = losses(tmp_path / "full")
+def job(folder, layout, *extra):
+    return [*TINY_RUN, "--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", "5",
+            "--experimental.custom_import", "tests.checkpoint_faults", "--job.dump_folder", str(folder), *layout, *extra]
 
-    # Same run stopped after step 5 (only the step-5 checkpoint exists), then started again.
-    run_train([*TINY_RUN, *ckpt, "--job.dump_folder", str(tmp_path / "split"), "--training.steps", "5"], nproc=2)
-    result = run_train([*TINY_RUN, *ckpt, "--job.dump_folder", str(tmp_path / "split")], nproc=2)
-    assert "loaded model, optimizer, lr_scheduler, dataloader, train_state" in result.stdout
-    split = losses(tmp_path / "split")  # steps 1-5 from the first job, 6-10 from the resumed one
-    assert split == full, (split, full)
+
+def killed(folder, layout, nproc, fault: dict, *extra):
+    """Runs a job that a fault kills; returns its output."""
+    result = run_train(job(folder, layout, *extra), nproc=nproc, check=False, extra_env=fault)
+    assert result.returncode != 0, "the fault should have killed the job"
+    return result
+
+
+def resumed(folder, layout, nproc, *extra):
+    return run_train(job(folder, layout, *extra), nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run_train(job(folder, FSDP2), nproc=2)
+    records = read_metrics(folder)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in records]
+
+
+def losses(folder):
+    records = read_metrics(folder)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "every step logged once"
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
+    """Killed after step 13 (checkpoints at 5 and 10), then started again: steps 11-20 are
+    trained again from the step-10 checkpoint, data position and RNG included."""
+    mode_args = ["--checkpoint.async_mode", mode]
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "13"}, *mode_args)
+    result = resumed(tmp_path, FSDP2, 2, *mode_args)
+    assert "resuming after step 10" in result.stdout
+    assert losses(tmp_path) == uninterrupted
+
+
+def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
+    # Killed while DCP writes step 10: step-5 stays the newest checkpoint.
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "10:write"})
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-5"]
+    assert not (tmp_path / "checkpoint" / "step-10").exists()  # only the unfinished step-10.partial-* folder
+    # The next job resumes from step 5, and is killed after writing step 15's manifest, before publishing it.
+    result = killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "15:publish"})
+    assert "ignoring" in result.stdout and "a save that never finished" in result.stdout
+    assert "resuming after step 5" in result.stdout
+    # The third job finds step-10 as the newest complete checkpoint, and finishes.
+    result = resumed(tmp_path, FSDP2, 2)
+    assert "resuming after step 10" in result.stdout
+    assert "removing" in result.stdout  # the unfinished saves of the killed jobs are cleaned up
+    assert losses(tmp_path) == uninterrupted
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+
+
+def test_a_3d_job_resumes_exactly(tmp_path):
+    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-10 checkpoint of a 20-step
+    run logs the same steps 11-20. (The crash itself is exercised above; here the first 10 steps
+    are the uninterrupted job's own, which saves on 8 ranks an extra job.)"""
+    run_train(job(tmp_path / "full", FSDP2_TP2_PP2), nproc=8, timeout=600)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", tmp_path / "split" / "checkpoint" / "step-10")
+    result = resumed(tmp_path / "split", FSDP2_TP2_PP2, 8)
+    assert "resuming after step 10" in result.stdout
+    full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")}
+    split = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split")}
+    assert sorted(split) == list(range(11, STEPS + 1))
+    assert split == {step: full[step] for step in split}

@@ -14,7 +14,6 @@ CASES = {
     "missing dataset file": (["--training.dataset_path", "no/such.jsonl"], "dataset file not found: no/such.jsonl"),
     "shards vs batch": (["--training.dataset_shards", "3"], "training.batch_size 8 must be divisible by the 3 data shards"),
     "float8 on CPU": (["--float8.enable_float8_linear"], "float8.enable_float8_linear needs CUDA GPUs"),
-    "bad initial checkpoint": (["--checkpoint.initial_load_path", "no/such/step-0"], "checkpoint.initial_load_path no/such/step-0 is not a folder"),
 }
 
 

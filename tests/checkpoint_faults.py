@@ -1,0 +1,80 @@
+"""Faults for checkpoint tests, loaded into the trainer with --experimental.custom_import.
+
+Which fault, and when, comes from environment variables (each rank reads them at import):
+
+- TT_KILL_AFTER_STEP=N: rank 0 is killed (SIGKILL) right after step N, as a machine failure would.
+- TT_KILL_IN_SAVE=N:write: rank 0 is killed while DCP writes step N's checkpoint (its data files
+  are on disk, its .metadata is not).
+- TT_KILL_IN_SAVE=N:publish: rank 0 is killed after writing step N's manifest, before the folder
+  is renamed to step-N.
+
+It also registers what some tests need beyond the built-in models: a Llama flavor with a
+narrower width (`debugmodel_narrow`), and a model `llama3_nan` whose loss turns NaN from the
+step given by TT_NAN_FROM_STEP on.
+"""
+
+import dataclasses
+import os
+import signal
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from torchtitan.checkpoint import manager
+from torchtitan.models import get_train_spec, register_train_spec
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+if step := os.environ.get("TT_KILL_AFTER_STEP"):
+    _save = manager.CheckpointManager.save
+
+    def save_then_die(self, step_done, **kwargs):
+        _save(self, step_done, **kwargs)
+        if step_done == int(step) and _rank0():
+            self._publish_finished_async_save(block=True)  # an async save may still be writing
+            _die()
+
+    manager.CheckpointManager.save = save_then_die
+
+if fault := os.environ.get("TT_KILL_IN_SAVE"):
+    kill_step, where = fault.split(":")
+    marker = f"step-{kill_step}.partial-"
+
+    if where == "write":
+        _finish = FileSystemWriter.finish
+
+        def finish_or_die(self, *args, **kwargs):
+            if marker in str(self.path) and _rank0():
+                _die()
+            return _finish(self, *args, **kwargs)
+
+        FileSystemWriter.finish = finish_or_die
+    else:
+        _rename = os.rename
+
+        def rename_or_die(src, dst, *args, **kwargs):
+            if marker in str(src) and os.path.basename(str(dst)).startswith("step-"):
+                _die()
+            return _rename(src, dst, *args, **kwargs)
+
+        os.rename = rename_or_die  # publish() renames through os.rename; only its last rename dies
+
+llama3 = get_train_spec("llama3")
+llama3.config["debugmodel_narrow"] = dataclasses.replace(llama3.config["debugmodel"], dim=128, n_heads=8)
+
+if nan_step := os.environ.get("TT_NAN_FROM_STEP"):
+    calls = {"n": 0}
+
+    def nan_loss(logits, labels):
+        calls["n"] += 1
+        loss = llama3.loss_fn(logits, labels)
+        return loss * float("nan") if calls["n"] >= int(nan_step) else loss
+
+    register_train_spec(dataclasses.replace(llama3, name="llama3_nan", loss_fn=nan_loss))
+

@@ -1,0 +1,69 @@
+"""A checkpoint written under one parallel layout continues under another with the losses of a
+run that never changed layout (within 1e-4), the data position included: FSDP 4 -> TP 2 x FSDP 2
+-> PP 2 x FSDP 2, and TP 2 x FSDP 2 -> one process. Every run keeps the global batch (8 rows);
+the data-parallel degree changes from 4 to 2 to 1, and the resumed runs read the data in the
+checkpoint's 4 shards (training.dataset_shards stays at its default, -1)."""
+
+import shutil
+
+import pytest
+
+from tests.helpers import TINY_RUN, read_metrics, run_train
+
+STEPS = 15
+TOLERANCE = 1e-4
+LAYOUTS = {  # name: (processes, per-rank batch, overrides)
+    "fsdp4": (4, 2, ["--training.data_parallel_shard_degree", "4"]),
+    "tp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2"]),
+    "pp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--experimental.pipeline_parallel_degree", "2"]),
+    "single": (1, 8, []),
+}
+
+
+def run(folder, layout):
+    nproc, batch, overrides = LAYOUTS[layout]
+    args = [*TINY_RUN, "--training.steps", str(STEPS), "--training.deterministic", "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", "5", "--training.batch_size", str(batch), "--job.dump_folder", str(folder), *overrides]
+    return run_train(args, nproc=nproc, timeout=400)
+
+
+def resume(tmp_path, name, layout, source, step):
+    """Starts `layout` in a new job folder that holds only `source`'s step-`step` checkpoint."""
+    folder = tmp_path / name
+    shutil.copytree(source / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    result = run(folder, layout)
+    assert f"resuming after step {step}" in result.stdout
+    return folder, result
+
+
+def losses(folder):
+    return {r["step"]: r["loss"] for r in read_metrics(folder)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """FSDP 4 for all 15 steps, a checkpoint every 5."""
+    folder = tmp_path_factory.mktemp("reshard") / "fsdp4"
+    run(folder, "fsdp4")
+    return folder
+
+
+def assert_continues(reference, folder, first_step):
+    expected, got = losses(reference), losses(folder)
+    assert sorted(got) == list(range(first_step, STEPS + 1))
+    diffs = [abs(got[s] - expected[s]) for s in got]
+    print(f"{folder.name} from step {first_step}: max |loss diff| {max(diffs):.2e}")
+    assert max(diffs) <= TOLERANCE, list(zip(got.values(), (expected[s] for s in got)))
+
+
+def test_fsdp4_to_tp2_fsdp2_to_pp2_fsdp2_and_to_one_process(reference, tmp_path):
+    tp_fsdp, result = resume(tmp_path, "tp2_fsdp2", "tp2_fsdp2", reference, 5)
+    assert "reading the data as 4 shards, as the checkpoint does (2 per data-parallel rank)" in result.stdout
+    assert_continues(reference, tp_fsdp, 6)
+
+    pp_fsdp, _ = resume(tmp_path, "pp2_fsdp2", "pp2_fsdp2", tp_fsdp, 10)
+    assert_continues(reference, pp_fsdp, 11)
+
+    single, result = resume(tmp_path, "single", "single", tp_fsdp, 10)
+    assert "(4 per data-parallel rank)" in result.stdout
+    assert_continues(reference, single, 11)
