@@ -1,0 +1,321 @@
+"""scripts/convert_checkpoint.py as users run it: HF <-> DCP round trips byte for byte, torch.save exports, refusals."""
+
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.helpers import REPO_ROOT, TINY_RUN, run_train
+from torchtitan.checkpoint import folders
+from torchtitan.checkpoint.folders import Manifest
+from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+# DCP's notice on every single-process load (the script silences it in its own process).
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=2256, ffn=128)  # GQA, and an ffn no flavor formula gives
+DEBUG = dict(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, vocab=2256, ffn=768)  # llama3 debugmodel's shapes
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+convert_checkpoint = _load_script()
+
+
+def convert(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs the script in its own process, as a user would (the round trips; other tests call main()
+    in this process, since each interpreter start costs seconds of imports)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def convert_here(capsys, *args) -> tuple[int, str]:
+    """Runs the script's main() in this process (no interpreter start-up) -> (exit status, stderr)."""
+    status = convert_checkpoint.main([str(a) for a in args])
+    return status, capsys.readouterr().err
+
+
+def assert_one_error_line(status: int, stderr: str, expected: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert status == 2, stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake Hugging Face checkpoints
+
+
+def hf_tensors(dim, n_layers, n_heads, n_kv_heads, vocab, ffn, tie=False) -> dict[str, torch.Tensor]:
+    head_dim = dim // n_heads
+    shapes = {"model.embed_tokens.weight": (vocab, dim)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        q, kv = n_heads * head_dim, n_kv_heads * head_dim
+        shapes.update({p + "self_attn.q_proj.weight": (q, dim), p + "self_attn.k_proj.weight": (kv, dim),
+                       p + "self_attn.v_proj.weight": (kv, dim), p + "self_attn.o_proj.weight": (dim, q),
+                       p + "mlp.gate_proj.weight": (ffn, dim), p + "mlp.up_proj.weight": (ffn, dim),
+                       p + "mlp.down_proj.weight": (dim, ffn),
+                       p + "input_layernorm.weight": (dim,), p + "post_attention_layernorm.weight": (dim,)})
+    shapes["model.norm.weight"] = (dim,)
+    if not tie:
+        shapes["lm_head.weight"] = (vocab, dim)
+    g = torch.Generator().manual_seed(0)
+    # Small weights and unit norms, so the model also trains sensibly from them.
+    return {k: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)
+            for k, s in shapes.items()}
+
+
+def hf_config(dim, n_layers, n_heads, n_kv_heads, vocab, ffn, tie=False) -> dict:
+    """A config.json as transformers writes one (fields sorted, extra fields a converter must keep)."""
+    return {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+            "eos_token_id": 2, "hidden_act": "silu", "hidden_size": dim, "initializer_range": 0.02, "intermediate_size": ffn,
+            "max_position_embeddings": 2048, "mlp_bias": False, "model_type": "llama", "num_attention_heads": n_heads,
+            "num_hidden_layers": n_layers, "num_key_value_heads": n_kv_heads, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "rope_theta": 500000.0, "tie_word_embeddings": tie, "torch_dtype": "bfloat16", "transformers_version": "4.45.0",
+            "use_cache": True, "vocab_size": vocab}
+
+
+def write_safetensors_by_hand(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A valid safetensors file laid out in insertion order with a padded header, unlike the
+    library's own writer: the round trip must reproduce files whatever wrote them."""
+    header, offset = {"__metadata__": {"format": "pt", "writer": "by hand"}}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def make_hf_folder(folder: Path, shards: int = 1, tie: bool = False, **shape) -> Path:
+    tensors = hf_tensors(**shape, tie=tie)
+    folder.mkdir()
+    if shards == 1:
+        safetensors_torch.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    else:
+        names = list(tensors)
+        parts = [names[k::shards] for k in range(shards)]
+        files = [f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in range(shards)]
+        for k, (file, part) in enumerate(zip(files, parts)):
+            if k == 0:
+                safetensors_torch.save_file({n: tensors[n] for n in part}, folder / file, metadata={"format": "pt"})
+            else:
+                write_safetensors_by_hand(folder / file, {n: tensors[n] for n in part})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {n: files[k] for k, part in enumerate(parts) for n in part}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (folder / "config.json").write_text(json.dumps(hf_config(**shape, tie=tie), indent=2, sort_keys=True) + "\n")
+    (folder / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    return folder
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def load_dcp_model(path: Path) -> dict[str, torch.Tensor]:
+    entries = {k: v for k, v in read_metadata(path).state_dict_metadata.items() if k.startswith("model.")}
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> tuple[Path, Path]:
+    """A sharded HF folder (GQA) and its hf-to-dcp conversion, made once for the module."""
+    root = tmp_path_factory.mktemp("sharded")
+    hf_dir = make_hf_folder(root / "hf", shards=3, **TINY)
+    convert("hf-to-dcp", hf_dir, root / "dcp")
+    return hf_dir, root / "dcp"
+
+
+def test_sharded_round_trip_is_byte_identical(sharded, tmp_path):
+    hf_dir, ckpt = sharded
+    assert folders.problem_with(str(ckpt)) is None
+    manifest = Manifest.read(str(ckpt))
+    assert manifest.weights_only and manifest.model == {"name": "llama3", "flavor": "hf"} and manifest.dtype == "bfloat16"
+    assert "hf/files/config.json" in manifest.files and "hf/files/model.safetensors.index.json" in manifest.files
+    convert("dcp-to-hf", ckpt, tmp_path / "back")
+    original, back = files_of(hf_dir), files_of(tmp_path / "back")
+    assert sorted(back) == sorted(original) and len(original) == 6
+    for name, data in original.items():
+        assert back[name] == data, f"{name} differs"
+
+
+def test_single_file_tied_round_trip_is_byte_identical(tmp_path):
+    hf_dir = make_hf_folder(tmp_path / "hf", tie=True, **TINY)
+    convert("hf-to-dcp", hf_dir, tmp_path / "dcp")
+    weights = load_dcp_model(tmp_path / "dcp")
+    assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])  # what our tied model loads
+    convert("dcp-to-hf", tmp_path / "dcp", tmp_path / "back")
+    assert files_of(tmp_path / "back") == files_of(hf_dir)
+
+
+def test_dcp_holds_our_layout(sharded):
+    """q/k rows are un-permuted (interleaved RoPE pairs), everything else is stored as is."""
+    hf_dir, ckpt = sharded
+    weights, original = load_dcp_model(ckpt), hf_tensors(**TINY)
+    assert len(weights) == len(original)
+    wk, hf_wk = weights["layers.1.attention.wk.weight"], original["model.layers.1.self_attn.k_proj.weight"]
+    head_dim = TINY["dim"] // TINY["n_heads"]
+    # Row 1 of each head (its first pair's second member) is HF's row head_dim/2.
+    assert torch.equal(wk[1], hf_wk[head_dim // 2]) and torch.equal(wk[head_dim + 1], hf_wk[head_dim + head_dim // 2])
+    assert torch.equal(weights["layers.0.feed_forward.w1.weight"], original["model.layers.0.mlp.gate_proj.weight"])
+    assert weights["layers.0.attention.wq.weight"].dtype == torch.bfloat16
+
+
+def test_fresh_layout_holds_the_original_tensors(sharded, tmp_path, capsys):
+    _, ckpt = sharded
+    status, stderr = convert_here(capsys, "dcp-to-hf", ckpt, tmp_path / "fresh", "--fresh-layout", "--max-shard-size-mb", "0.4")
+    assert status == 0, stderr
+    out = tmp_path / "fresh"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    back = {}
+    for shard in shards:
+        back.update(safetensors_torch.load_file(out / shard))
+    original = hf_tensors(**TINY)
+    assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
+    assert json.loads((out / "config.json").read_text()) == hf_config(**TINY)
+
+
+def test_fresh_config_from_a_flavor_with_dtype_change(tmp_path, capsys):
+    """A checkpoint without the original files (here via torch.save) gets a config generated from
+    its flavor and shapes; --dtype casts the weights."""
+    model = {k: v.float() for k, v in load_dcp_model_from_hf(tmp_path, capsys, DEBUG).items()}
+    torch.save(model, tmp_path / "model.pt")
+    status, stderr = convert_here(capsys, "torch-to-dcp", tmp_path / "model.pt", tmp_path / "dcp2", "--flavor", "debugmodel")
+    assert status == 0, stderr
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp2", tmp_path / "out", "--dtype", "bfloat16")
+    assert status == 0, stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"], config["intermediate_size"],
+            config["vocab_size"], config["torch_dtype"]) == (256, 8, 16, 768, 2256, "bfloat16")
+    back = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in hf_tensors(**DEBUG).items())
+
+
+def load_dcp_model_from_hf(tmp_path: Path, capsys, shape: dict) -> dict[str, torch.Tensor]:
+    status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **shape), tmp_path / "dcp")
+    assert status == 0, stderr
+    return load_dcp_model(tmp_path / "dcp")
+
+
+def test_torch_save_export_and_import(sharded, tmp_path, capsys):
+    _, ckpt = sharded
+    status, stderr = convert_here(capsys, "dcp-to-torch", ckpt, tmp_path / "model.pt")
+    assert status == 0, stderr
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    expected = load_dcp_model(ckpt)
+    assert sorted(exported) == sorted(expected) and all(torch.equal(exported[k], expected[k]) for k in expected)
+    status, stderr = convert_here(capsys, "torch-to-dcp", tmp_path / "model.pt", tmp_path / "back")
+    assert status == 0, stderr
+    assert folders.problem_with(str(tmp_path / "back")) is None
+    back = load_dcp_model(tmp_path / "back")
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+    status, _ = convert_here(capsys, "dcp-to-torch", ckpt, tmp_path / "model32.pt", "--dtype", "float32")
+    assert status == 0 and torch.load(tmp_path / "model32.pt", weights_only=True)["norm.weight"].dtype == torch.float32
+
+
+def test_converted_weights_start_a_training_run(tmp_path, capsys):
+    status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **DEBUG), tmp_path / "dcp")
+    assert status == 0, stderr
+    result = run_train([*TINY_RUN, "--training.steps", "1", "--checkpoint.initial_load_path", str(tmp_path / "dcp"),
+                        "--job.dump_folder", str(tmp_path / "run")])
+    assert "loaded model from" in result.stdout, result.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
+
+
+class Exploit:
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_torch_file_needing_arbitrary_unpickling_is_refused(tmp_path, capsys):
+    exploit = Exploit()
+    exploit.marker = tmp_path / "pwned"
+    torch.save({"tok_embeddings.weight": torch.zeros(2), "payload": exploit}, tmp_path / "evil.pt")
+    status, stderr = convert_here(capsys, "torch-to-dcp", tmp_path / "evil.pt", tmp_path / "out")
+    assert_one_error_line(status, stderr, "needs arbitrary unpickling")
+    assert "system" in stderr  # names what the file asked for
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.pt"]
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
+    hf = make_hf_folder(tmp / "hf", **TINY)
+    no_config = make_hf_folder(tmp / "no_config", **TINY)
+    (no_config / "config.json").unlink()
+    extra = make_hf_folder(tmp / "extra", **TINY)
+    safetensors_torch.save_file({**hf_tensors(**TINY), "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
+                                extra / "model.safetensors")
+    (tmp / "notes").mkdir()
+    (tmp / "taken").mkdir()
+    (tmp / "taken" / "x").write_text("keep me")
+    torch.save({"tok_embeddings.weight": torch.zeros(2), "vision.proj": torch.zeros(2)}, tmp / "foreign.pt")
+    return {
+        "missing folder": (["hf-to-dcp", tmp / "nope", tmp / "out"], "does not exist"),
+        "missing config.json": (["hf-to-dcp", no_config, tmp / "out"], "config.json not found"),
+        "unknown tensor names": (["hf-to-dcp", extra, tmp / "out"], "not LlamaForCausalLM parameters: model.layers.0"),
+        "output exists": (["hf-to-dcp", hf, tmp / "taken"], "already exists"),
+        "missing checkpoint": (["dcp-to-torch", tmp / "nope", tmp / "out.pt"], "does not exist"),
+        "HF folder as checkpoint": (["dcp-to-torch", hf, tmp / "out.pt"], "is not a checkpoint"),
+        "empty folder as checkpoint": (["dcp-to-hf", tmp / "notes", tmp / "out"], "is not a checkpoint"),
+        "unknown names in torch file": (["torch-to-dcp", tmp / "foreign.pt", tmp / "out"], "not Llama parameters: vision.proj"),
+        "not a torch file": (["torch-to-dcp", hf / "config.json", tmp / "out"], "is not a torch.save file"),
+        "bad dtype": (["dcp-to-hf", hf, tmp / "out", "--dtype", "int4"], "invalid choice: 'int4'"),
+    }
+
+
+def test_user_mistakes_are_one_line_and_write_nothing(tmp_path, capsys):
+    cases = _bad_inputs(tmp_path)
+    before = files_of(tmp_path)
+    for name, (args, expected) in cases.items():
+        try:
+            status, stderr = convert_here(capsys, *args)
+        except SystemExit as e:  # argparse's own refusals leave through SystemExit
+            status, stderr = e.code, capsys.readouterr().err
+        assert_one_error_line(status, stderr, expected)
+        assert files_of(tmp_path) == before, name
+        assert not any(".partial-" in p.name for p in tmp_path.iterdir()), name
+
+
+def test_missing_safetensors_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # makes `import safetensors` fail
+    hf = make_hf_folder(tmp_path / "hf", **TINY)
+    status, stderr = convert_here(capsys, "hf-to-dcp", hf, tmp_path / "out")
+    assert_one_error_line(status, stderr, "safetensors package is not installed")
+    assert not (tmp_path / "out").exists()
