@@ -319,3 +319,16 @@ def test_missing_safetensors_is_one_line(tmp_path, capsys, monkeypatch):
     status, stderr = convert_here(capsys, "hf-to-dcp", hf, tmp_path / "out")
     assert_one_error_line(status, stderr, "safetensors package is not installed")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_kept_original_layout_is_never_contradicted(tmp_path, capsys):
+    """--n-heads against the kept config.json, or a damaged sidecar: one line, nothing written."""
+    hf = make_hf_folder(tmp_path / "hf", **TINY)
+    assert convert_here(capsys, "hf-to-dcp", hf, tmp_path / "dcp")[0] == 0
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "out", "--n-heads", "8")
+    assert_one_error_line(status, stderr, "--n-heads 8 contradicts the original config.json kept with the checkpoint (4)")
+    layout = tmp_path / "dcp" / "hf" / "layout.json"  # damaged in place (same size, so the manifest cannot tell)
+    layout.write_text("[1]".ljust(layout.stat().st_size))
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "out")
+    assert_one_error_line(status, stderr, "layout.json is not a torchtitan-hf-sidecar-1 layout")
+    assert not (tmp_path / "out").exists()

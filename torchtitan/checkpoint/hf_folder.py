@@ -1,0 +1,274 @@
+"""Hugging Face Llama folders (config.json + safetensors): reading them, and writing them back exactly or afresh.
+
+Used by scripts/convert_checkpoint.py. A checkpoint made from an HF folder keeps a sidecar (the
+`hf` subfolder): the folder's other files verbatim, each safetensors file's raw header and any
+derived buffers. With it, unchanged weights come back as byte-identical files, whatever wrote
+the originals; without it (or when the weights no longer fit it), a fresh layout is written.
+safetensors is an optional dependency (the `convert` extra), imported only when needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from typing import Any, Callable
+
+import torch
+
+from torchtitan.checkpoint.folders import CheckpointError
+from torchtitan.models.llama import hf_format
+from torchtitan.models.llama.model import ModelArgs
+
+SIDECAR = "hf"  # subfolder of a checkpoint made by hf-to-dcp: what reproduces the original files
+SIDECAR_FORMAT = "torchtitan-hf-sidecar-1"
+INDEX = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+# Derived buffers some HF exports carry: kept in the sidecar, so the files still come back exactly.
+_BUFFER_SUFFIX = ".rotary_emb.inv_freq"
+
+
+def import_safetensors() -> Any:
+    """The safetensors module (with safetensors.torch), or a one-line error saying how to install it."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise CheckpointError("the safetensors package is not installed; run `pip install safetensors` "
+                              "(or install torchtitan with the `convert` extra)") from None
+    return safetensors
+
+
+def read_json(path: str, what: str) -> Any:
+    """The parsed JSON file at `path`; `what` names it in the error when it is missing or invalid."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{what} not found: {path}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def safetensors_files(hf_dir: str) -> list[str]:
+    """The weight files of an HF folder: those its index names, else the single model.safetensors."""
+    index_path = os.path.join(hf_dir, INDEX)
+    if os.path.exists(index_path):
+        index = read_json(index_path, INDEX)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{index_path} has no weight_map")
+        files = sorted(set(index["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{hf_dir} has neither model.safetensors nor {INDEX}")
+    for name in files:
+        if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
+            raise CheckpointError(f"{hf_dir}: the weight file {name} named by {INDEX} is missing")
+    return files
+
+
+def _read_header(path: str) -> bytes:
+    """The raw JSON header of a safetensors file, exactly as stored (padding included)."""
+    with open(path, "rb") as f:
+        size_bytes = f.read(8)
+        size = struct.unpack("<Q", size_bytes)[0] if len(size_bytes) == 8 else -1
+        if size < 2 or size > os.path.getsize(path) - 8:
+            raise CheckpointError(f"{path} is not a safetensors file (bad header size)")
+        return f.read(size)
+
+
+def read_hf_tensors(hf_dir: str, files: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+    """HF name -> tensor over all weight files, and each file's raw header."""
+    safetensors = import_safetensors()
+    tensors: dict[str, torch.Tensor] = {}
+    headers: dict[str, bytes] = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        headers[name] = _read_header(path)
+        try:
+            with safetensors.safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    if key in tensors:
+                        raise CheckpointError(f"{hf_dir}: tensor {key} is stored twice")
+                    tensors[key] = f.get_tensor(key)
+        except safetensors.SafetensorError as e:
+            raise CheckpointError(f"{path} is not a valid safetensors file ({e})") from None
+    return tensors, headers
+
+
+def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: ModelArgs,
+               hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar."""
+    buffers = {k: v for k, v in hf_tensors.items() if k.endswith(_BUFFER_SUFFIX)}
+    ours: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, tensor in hf_tensors.items():
+        if name in buffers:
+            continue
+        try:
+            fqn = hf_format.from_hf_name(name)
+        except KeyError:
+            unknown.append(name)
+            continue
+        ours[fqn] = hf_format.from_hf_tensor(fqn, tensor, args).contiguous()
+    if unknown:
+        raise CheckpointError(f"{hf_dir} holds tensors that are not LlamaForCausalLM parameters: {sorted(unknown)[0]}" +
+                              (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
+    if args.tie_word_embeddings and "output.weight" not in ours and "tok_embeddings.weight" in ours:
+        ours["output.weight"] = ours["tok_embeddings.weight"]  # our model keeps the tied weight under both names
+    return ours, buffers
+
+
+# ---------------------------------------------------------------------------------------------
+# The sidecar
+
+
+def sidecar_writer(hf_dir: str, files: list[str], headers: dict[str, bytes],
+                   buffers: dict[str, torch.Tensor]) -> Callable[[str], None]:
+    """A function that stores, in a checkpoint folder, what dcp-to-hf needs to rebuild the HF
+    folder byte for byte: other top-level files verbatim (config.json, the index, tokenizer
+    files...), each safetensors file's header, and any derived buffers."""
+    copied = sorted(n for n in os.listdir(hf_dir)
+                    if os.path.isfile(os.path.join(hf_dir, n)) and not n.endswith(_WEIGHT_SUFFIXES))
+
+    def write(ckpt: str) -> None:
+        root = os.path.join(ckpt, SIDECAR)
+        os.makedirs(os.path.join(root, "files"))
+        os.makedirs(os.path.join(root, "headers"))
+        for name in copied:
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(root, "files", name))
+        for name, header in headers.items():
+            with open(os.path.join(root, "headers", name + ".header"), "wb") as f:
+                f.write(header)
+        if buffers:
+            import_safetensors().torch.save_file(buffers, os.path.join(root, "buffers.safetensors"))
+        layout = {"format": SIDECAR_FORMAT, "safetensors": files, "copied": copied, "buffers": sorted(buffers)}
+        with open(os.path.join(root, "layout.json"), "w") as f:
+            json.dump(layout, f, indent=1)
+
+    return write
+
+
+def read_layout(sidecar: str) -> dict[str, Any]:
+    """The sidecar's layout.json: which files it kept, and how."""
+    layout = read_json(os.path.join(sidecar, "layout.json"), "sidecar")
+    if not isinstance(layout, dict) or layout.get("format") != SIDECAR_FORMAT:
+        raise CheckpointError(f"{sidecar}/layout.json is not a {SIDECAR_FORMAT} layout; export with --fresh-layout "
+                              "or remove the damaged sidecar folder")
+    return layout
+
+
+def read_original_config(sidecar: str) -> dict[str, Any]:
+    """The config.json of the HF folder the sidecar was made from."""
+    config = read_json(os.path.join(sidecar, "files", "config.json"), "the original config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{sidecar}/files/config.json is not a JSON object")
+    return config
+
+
+def _exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any], tied: bool) -> dict[str, list] | str:
+    """For each original safetensors file, its tensors in data order when the checkpoint's tensors
+    still fit the stored headers exactly (names, dtypes, shapes); otherwise why not."""
+    if layout.get("buffers"):
+        buffers_path = os.path.join(sidecar, "buffers.safetensors")
+        hf = {**hf, **import_safetensors().torch.load_file(buffers_path)}
+    plan, used = {}, set()
+    for name in layout["safetensors"]:
+        with open(os.path.join(sidecar, "headers", name + ".header"), "rb") as f:
+            header = json.loads(f.read())
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
+        end = 0
+        for key, entry in entries:
+            tensor = hf.get(key)
+            start, stop = entry["data_offsets"]
+            if tensor is None or getattr(torch, _ST_DTYPES.get(entry["dtype"], "?"), None) != tensor.dtype:
+                return f"{key} is missing or has another dtype"
+            if list(tensor.shape) != entry["shape"] or start != end or stop - start != tensor.numel() * tensor.element_size():
+                return f"{key} no longer fits its original place"
+            end = stop
+        plan[name] = [hf[k] for k, _ in entries]
+        used.update(k for k, _ in entries)
+    left = set(hf) - used - ({"lm_head.weight"} if tied else set())
+    return plan if not left else f"{sorted(left)[0]} has no place in the original files"
+
+
+def try_exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any], tied: bool) -> dict[str, list] | str:
+    """`_exact_plan`, with a sidecar that cannot be read as one more reason for a fresh layout."""
+    try:
+        return _exact_plan(hf, sidecar, layout, tied)
+    except CheckpointError:  # a ValueError too, but a user mistake (no safetensors), not a damaged sidecar
+        raise
+    except (OSError, KeyError, TypeError, ValueError) as e:  # a damaged or foreign sidecar: not worth failing for
+        return f"the kept original layout cannot be read ({type(e).__name__}: {e})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _hf_order(name: str) -> tuple:
+    """Embedding, blocks in order, final norm, output: the order HF's own exports use."""
+    if name.startswith("model.layers."):
+        parts = name.split(".")
+        return (1, int(parts[2]), ".".join(parts[3:]))
+    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, name)
+
+
+def to_hf(model: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF name -> tensor in HF's layout and order, from our FQN -> tensor."""
+    out = {hf_format.to_hf_name(k): hf_format.to_hf_tensor(k, v, args).contiguous() for k, v in model.items()}
+    return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's data as stored in safetensors (little-endian, row-major)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def write_exact(out_tmp: str, sidecar: str, layout: dict[str, Any], plan: dict[str, list]) -> None:
+    """The original files into `out_tmp`: the kept ones copied, the safetensors ones rebuilt from
+    their kept headers and the tensors of `plan` (from `try_exact_plan`)."""
+    for name in layout["copied"]:
+        shutil.copyfile(os.path.join(sidecar, "files", name), os.path.join(out_tmp, name))
+    for name, tensors in plan.items():
+        with open(os.path.join(sidecar, "headers", name + ".header"), "rb") as f:
+            header = f.read()
+        with open(os.path.join(out_tmp, name), "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for tensor in tensors:
+                f.write(_raw_bytes(tensor))
+
+
+def write_fresh(out_tmp: str, hf: dict[str, torch.Tensor], config: dict[str, Any], max_shard_bytes: int) -> None:
+    """config.json plus one model.safetensors, or shards and an index when over the shard size."""
+    save_file = import_safetensors().torch.save_file
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_tmp, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in hf.values())
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        with open(os.path.join(out_tmp, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    with open(os.path.join(out_tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
