@@ -37,7 +37,6 @@ from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 
 logger = logging.getLogger(__name__)
 
-FULL_CONTENTS = ["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,8 +45,7 @@ class ResumePoint:
     """The checkpoint a run starts from."""
 
     path: str
-    step: int  # 0 for weights that start a new run (seed, export, initial_load_path)
-    weights_only: bool
+    weights_only: bool  # model weights that start a new run at step 0 (seed, export, initial_load_path)
     manifest: Manifest | None  # None for a DCP folder written by another tool
 
     def adopt_data_shards(self, job_config: JobConfig, dp_degree: int) -> None:
@@ -119,11 +117,11 @@ def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
         full = [f for f in usable if not f.manifest.weights_only]
         if full:
             f = full[0]
-            return ResumePoint(f.path, f.step, False, f.manifest)
+            return ResumePoint(f.path, False, f.manifest)
         if usable:
             f = usable[0]
             logger.info(f"{f.path} holds model weights only: the run starts from them at step 0")
-            return ResumePoint(f.path, 0, True, f.manifest)
+            return ResumePoint(f.path, True, f.manifest)
     if c.initial_load_path:
         return _initial_weights(c.initial_load_path)
     return None
@@ -136,8 +134,7 @@ def _requested_step(found: list[folders.Found], folder: str, step: int) -> Resum
         raise CheckpointError(f"checkpoint.load_step {step}: there is no step-{step} in {folder} ({describe})")
     if match.problem is not None:
         raise CheckpointError(f"checkpoint.load_step {step}: {match.path} {match.problem}")
-    weights_only = match.manifest.weights_only
-    return ResumePoint(match.path, 0 if weights_only else step, weights_only, match.manifest)
+    return ResumePoint(match.path, match.manifest.weights_only, match.manifest)
 
 
 def _initial_weights(path: str) -> ResumePoint:
@@ -145,9 +142,9 @@ def _initial_weights(path: str) -> ResumePoint:
     plain DCP folder written by another tool."""
     problem = folders.problem_with(path)
     if problem is None:
-        return ResumePoint(path, 0, True, Manifest.read(path))
+        return ResumePoint(path, True, Manifest.read(path))
     if problem.startswith("has no manifest") and os.path.isfile(os.path.join(path, folders.DCP_METADATA)):
-        return ResumePoint(path, 0, True, None)  # not written by this project: DCP's own checks apply
+        return ResumePoint(path, True, None)  # not written by this project: DCP's own checks apply
     raise CheckpointError(f"checkpoint.initial_load_path {path} {problem}")
 
 
@@ -190,7 +187,6 @@ class CheckpointManager:
         self.folder = os.path.join(job_config.job.dump_folder, c.folder)
         self.interval, self.keep_latest_k = c.interval, c.keep_latest_k
         self.weights_only_at_end, self.export_dtype = c.model_weights_only, _DTYPES[c.export_dtype]
-        self.async_mode = c.async_mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.layout = _layout(parallel_dims)
         # The shard count the data position refers to (-1 resolves to one per data-parallel rank).
@@ -206,13 +202,12 @@ class CheckpointManager:
             "train_state": train_state,
             "rng": RNGState(self.rank),
         }
-        assert list(self.states) == FULL_CONTENTS
         self._in_flight: tuple[Any, str, Manifest, float] | None = None
         self._async = None
-        if self.enabled and self.async_mode != "disabled":
+        if self.enabled and c.async_mode != "disabled":
             from torchtitan.checkpoint.async_save import AsyncSaver
 
-            self._async = AsyncSaver(self.async_mode)
+            self._async = AsyncSaver(c.async_mode)
         # One name for this job's unfinished saves, the same on every rank.
         self._attempt = _decide_on_rank0(lambda: f"{os.getpid()}-{time.time_ns()}")
         self._cleaned = False
