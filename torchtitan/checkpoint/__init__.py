@@ -5,6 +5,8 @@
 - safe_load.py: reading DCP folders without unpickling arbitrary objects
 - manager.py: which checkpoint a run starts from, and the CheckpointManager that loads and saves
 - async_save.py: background saving (`checkpoint.async_mode`)
+- weights.py, hf_folder.py: weights-only checkpoints, torch.save files and Hugging Face folders in one
+  process, for scripts/convert_checkpoint.py
 """
 
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
