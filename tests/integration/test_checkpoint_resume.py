@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from tests.helpers import TINY_RUN, read_metrics, run_train
+from torchtitan.checkpoint import folders
 
 STEPS = 20
 FSDP2 = ["--training.data_parallel_shard_degree", "2"]
@@ -56,6 +57,8 @@ def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
     result = resumed(tmp_path, FSDP2, 2, *mode_args)
     assert "resuming after step 10" in result.stdout
     assert losses(tmp_path) == uninterrupted
+    # The last save, still being written when training ended, was awaited and published before exit.
+    assert folders.problem_with(str(tmp_path / "checkpoint" / "step-20")) is None
 
 
 def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
