@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.unit_tests.test_text_dataset import CharTokenizer
-from torchtitan.datasets.sources import BadLineCounter, DatasetError, read_documents, resolve_source
+from torchtitan.datasets.sources import BadLineCounter, DatasetError, StreamPosition, read_documents, read_from, resolve_source
 from torchtitan.datasets.text_dataset import PackedTextDataset
 
 
@@ -95,3 +95,57 @@ def test_finite_mode_stops_after_the_last_full_batch(tmp_path):
     assert len(batches) == 3
     infinite = iter(PackedTextDataset(path, CharTokenizer(), 8, 2, [0], 1))
     assert len([next(infinite) for _ in range(10)]) == 10  # loops into further epochs
+
+
+def _mixed_folder(tmp_path):
+    """Sorted: a.txt (1 doc), b.jsonl (blank and bad lines among 6 docs), c.jsonl (3 docs)."""
+    (tmp_path / "a.txt").write_text("the whole file")
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "b0"}\n\n{"text": "b1"}\n{bad\n{"text": "b2"}\n{"text": "b3"}\n'
+                                       b'{"text": "b4"}\n{"text": "b5"}\n')
+    _jsonl(tmp_path / "c.jsonl", ["c0", "c1", "c2"])
+    return resolve_source("", str(tmp_path))
+
+
+def test_reading_resumes_from_every_position(tmp_path):
+    files = _mixed_folder(tmp_path)
+    full = list(read_from(files, BadLineCounter(skip_bad_lines=True)))
+    assert [d for d, _ in full] == ["the whole file", "b0", "b1", "b2", "b3", "b4", "b5", "c0", "c1", "c2"]
+    assert [p.index for _, p in full] == list(range(1, 11))
+    for k, (_, position) in enumerate(full):
+        state = json.loads(json.dumps(position.state_dict()))  # plain values, as checkpoints keep them
+        rest = list(read_from(files, BadLineCounter(skip_bad_lines=True), StreamPosition.from_state_dict(state)))
+        assert rest == full[k + 1:]
+
+
+def test_resumed_reading_seeks_instead_of_rereading(tmp_path):
+    """Lines before the position are never parsed again: garbling them changes nothing."""
+    files = _mixed_folder(tmp_path)
+    full = list(read_from(files, BadLineCounter(skip_bad_lines=True)))
+    position = full[5][1]  # just after b4
+    assert (position.file, position.name) == (1, "b.jsonl")
+    path = tmp_path / "b.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(b"".join(b"#" * (len(line) - 1) + b"\n" for line in data[:position.offset].splitlines(True))
+                     + data[position.offset:])
+    assert list(read_from(files, BadLineCounter(), position)) == full[6:]
+    with pytest.raises(DatasetError, match="b.jsonl:1"):  # counting would have to read them
+        list(read_documents(files))
+
+
+def test_changed_files_fall_back_to_counting_documents(tmp_path, caplog):
+    files = _mixed_folder(tmp_path)
+    full = list(read_from(files, BadLineCounter(skip_bad_lines=True)))
+    position = full[8][1]  # after c1
+    (tmp_path / "c.jsonl").rename(tmp_path / "d.jsonl")
+    renamed = resolve_source("", str(tmp_path))
+    with caplog.at_level("WARNING"):
+        rest = [d for d, _ in read_from(renamed, BadLineCounter(skip_bad_lines=True), position)]
+    assert rest == ["c2"]
+    assert "files changed since this data position was saved (file 2 was 'c.jsonl')" in caplog.text
+    # An offset that no longer ends a line (the file was rewritten) is noticed too.
+    _jsonl(tmp_path / "d.jsonl", ["a much longer first line", "c1", "c2"])
+    moved = StreamPosition(index=9, file=2, offset=position.offset, line=3, name="d.jsonl")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert [d for d, _ in read_from(renamed, BadLineCounter(skip_bad_lines=True), moved)] == ["c2"]
+    assert "counting 9 documents" in caplog.text

@@ -94,6 +94,30 @@ def test_state_dict_resumes_the_exact_stream(tmp_path):
     assert got == expected
 
 
+def test_resume_seeks_past_the_consumed_documents(tmp_path):
+    """A resumed dataset does not read what its shards consumed before: garbling it changes nothing."""
+    path = _corpus(tmp_path, [f"doc {i} " + "text " * (i % 7) for i in range(60)])
+
+    def make():
+        return PackedTextDataset(path, CharTokenizer(), 12, batch_size=2, shards=[0, 1], num_shards=3)
+
+    first = make()
+    it = iter(first)
+    for _ in range(9):
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = [next(it)[0].tolist() for _ in range(6)]
+    consumed = min(s["position"]["offset"] for s in state.values())
+    assert consumed > 0
+    data = path.read_bytes()
+    path.write_bytes(b"".join(b"#" * (len(line) - 1) + b"\n" for line in data[:consumed].splitlines(True))
+                     + data[consumed:])
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert [next(it)[0].tolist() for _ in range(6)] == expected
+
+
 def test_bad_inputs(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{not json\n')

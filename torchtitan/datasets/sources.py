@@ -12,7 +12,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -87,41 +87,103 @@ def _local_files(dataset_path: str) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True)
+class StreamPosition:
+    """A point between two documents of a source's stream: `index` documents come before it.
+
+    For local files it also says where reading continues, so that a resumed run seeks there rather
+    than reading everything before it again: file number `file` of the sorted list (named `name`),
+    at byte `offset` of a JSON-lines file (whose next line is number `line`), or row `offset` of a
+    Parquet file; a plain-text file is one document, and offset 1 means it was read. A hub stream
+    has no such place and is resumed by skipping `index` documents.
+    """
+
+    index: int = 0
+    file: int = 0
+    offset: int = 0
+    line: int = 1
+    name: str = ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "file": self.file, "offset": self.offset, "line": self.line, "name": self.name}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> StreamPosition:
+        return cls(int(state["index"]), int(state["file"]), int(state["offset"]), int(state["line"]), str(state["name"]))
+
+
 def read_documents(source: Path | list[Path] | HFSource, counter: BadLineCounter | None = None) -> Iterator[str]:
     """All documents of a source, in a fixed order (files sorted by path)."""
+    for doc, _ in read_from(source, counter):
+        yield doc
+
+
+def read_from(source: Path | list[Path] | HFSource, counter: BadLineCounter | None = None,
+              start: StreamPosition | None = None) -> Iterator[tuple[str, StreamPosition]]:
+    """The documents after `start` (default: all), each with the position just after it."""
     counter = counter or BadLineCounter()
+    start = start or StreamPosition()
     if isinstance(source, HFSource):
-        yield from _read_hf(source)
+        for i, doc in enumerate(_read_hf(source)):  # a stream cannot seek: skip by count
+            if i >= start.index:
+                yield doc, StreamPosition(index=i + 1)
         return
-    for path in [source] if isinstance(source, Path) else source:
-        if path.suffix == ".jsonl":
-            yield from _read_jsonl(path, counter)
-        elif path.suffix == ".parquet":
-            yield from _read_parquet(path)
-        else:
-            yield from _read_text(path, counter)
+    files = [source] if isinstance(source, Path) else source
+    if start.index and not _can_seek(files, start):
+        logger.warning(f"the dataset's files changed since this data position was saved (file {start.file} was "
+                       f"{start.name!r}); finding the position by counting {start.index} documents instead")
+        for doc, position in read_from(source, counter):
+            if position.index > start.index:
+                yield doc, position
+        return
+    index = start.index
+    for n in range(start.file, len(files)):
+        path = files[n]
+        offset, line = (start.offset, start.line) if n == start.file else (0, 1)
+        for doc, offset, line in _READERS.get(path.suffix, _read_text)(path, counter, offset, line):
+            index += 1
+            yield doc, StreamPosition(index, n, offset, line, path.name)
 
 
-def _read_jsonl(path: Path, counter: BadLineCounter) -> Iterator[str]:
+def _can_seek(files: list[Path], start: StreamPosition) -> bool:
+    """Whether `start` still points between two documents of the same file."""
+    if start.file >= len(files) or files[start.file].name != start.name:
+        return False
+    path = files[start.file]
+    if path.suffix != ".jsonl" or start.offset == 0:
+        return True
+    if start.offset > path.stat().st_size:
+        return False
+    with path.open("rb") as f:  # a line must end right before the offset
+        f.seek(start.offset - 1)
+        return f.read(1) == b"\n"
+
+
+def _read_jsonl(path: Path, counter: BadLineCounter, offset: int, line_no: int) -> Iterator[tuple[str, int, int]]:
     with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        f.seek(offset)
+        for raw in f:
+            offset, line_no = offset + len(raw), line_no + 1
             if not raw.strip():
                 continue
+            where = f"{path}:{line_no - 1}"
             try:
                 text = json.loads(raw.decode("utf-8"))["text"]
             except UnicodeDecodeError as e:
-                counter.bad(f"{path}:{line_no}", f"invalid UTF-8 at byte {e.start} of the line")
+                counter.bad(where, f"invalid UTF-8 at byte {e.start} of the line")
                 continue
             except (json.JSONDecodeError, KeyError, TypeError):
-                counter.bad(f"{path}:{line_no}", "not a JSON object with a 'text' field")
+                counter.bad(where, "not a JSON object with a 'text' field")
                 continue
             if not isinstance(text, str):
-                counter.bad(f"{path}:{line_no}", f"'text' is a {type(text).__name__}, not a string")
+                counter.bad(where, f"'text' is a {type(text).__name__}, not a string")
                 continue
-            yield text
+            yield text, offset, line_no
 
 
-def _read_text(path: Path, counter: BadLineCounter) -> Iterator[str]:
+def _read_text(path: Path, counter: BadLineCounter, offset: int, line_no: int) -> Iterator[tuple[str, int, int]]:
+    if offset:  # already read
+        return
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -129,10 +191,10 @@ def _read_text(path: Path, counter: BadLineCounter) -> Iterator[str]:
         counter.bad(f"{path}", f"invalid UTF-8 at byte {e.start}")
         text = data.decode("utf-8", errors="replace")
     if text.strip():
-        yield text
+        yield text, 1, 1
 
 
-def _read_parquet(path: Path) -> Iterator[str]:
+def _read_parquet(path: Path, counter: BadLineCounter, row: int, line_no: int) -> Iterator[tuple[str, int, int]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -140,8 +202,22 @@ def _read_parquet(path: Path) -> Iterator[str]:
     table = pq.ParquetFile(path)
     if "text" not in table.schema_arrow.names:
         raise DatasetError(f"{path} has no 'text' column (columns: {', '.join(table.schema_arrow.names)})")
-    for batch in table.iter_batches(columns=["text"]):
-        yield from (t for t in batch.column(0).to_pylist() if t)
+    # Whole row groups before `row` are never read; within the first one, rows before it are dropped.
+    first, before = 0, 0
+    while first < table.num_row_groups and before + table.metadata.row_group(first).num_rows <= row:
+        before += table.metadata.row_group(first).num_rows
+        first += 1
+    groups = list(range(first, table.num_row_groups))
+    if not groups:
+        return
+    for batch in table.iter_batches(columns=["text"], row_groups=groups):
+        for text in batch.column(0).to_pylist():
+            before += 1
+            if before > row and text:
+                yield text, before, 1
+
+
+_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
 def _read_hf(source: HFSource) -> Iterator[str]:

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.config_manager import JobConfig
-from torchtitan.datasets.sources import BadLineCounter, DatasetError, HFSource, read_documents, resolve_source
+from torchtitan.datasets.sources import BadLineCounter, DatasetError, HFSource, StreamPosition, read_from, resolve_source
 from torchtitan.datasets.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class _ShardPacker:
         self.counter = counter or BadLineCounter()
         self.docs_done = 0  # documents of this shard consumed in the current epoch
         self.epoch = 0
+        self.position = StreamPosition()  # in the source's stream, just after the last of them
         self.buffer: list[int] = []
         self._docs: Iterator[str] | None = None
 
@@ -46,14 +47,12 @@ class _ShardPacker:
         """The shard's next document; None when a finite source is used up."""
         while True:
             if self._docs is None:
-                docs = read_documents(self.source, self.counter)
-                mine = (d for i, d in enumerate(docs) if i % self.num_shards == self.shard)
-                for _ in range(self.docs_done):  # resume: skip what earlier runs consumed
-                    next(mine)
-                self._docs = mine
-            doc = next(self._docs, None)
+                # Reading continues right after this shard's last document (a resumed run seeks there).
+                self._docs = ((d, p) for d, p in read_from(self.source, self.counter, self.position)
+                              if (p.index - 1) % self.num_shards == self.shard)
+            doc, position = next(self._docs, (None, None))
             if doc is not None:
-                self.docs_done += 1
+                self.docs_done, self.position = self.docs_done + 1, position
                 return doc
             if self.docs_done == 0:
                 raise DatasetError(
@@ -62,7 +61,7 @@ class _ShardPacker:
                 )
             if not self.infinite:
                 return None
-            self.epoch, self.docs_done, self._docs = self.epoch + 1, 0, None
+            self.epoch, self.docs_done, self.position, self._docs = self.epoch + 1, 0, StreamPosition(), None
             logger.info(f"data shard {self.shard}: starting epoch {self.epoch} over {_describe(self.source)}")
 
     def next_window(self) -> list[int] | None:
@@ -77,10 +76,12 @@ class _ShardPacker:
         return window
 
     def state_dict(self) -> dict[str, Any]:
-        return {"docs_done": self.docs_done, "epoch": self.epoch, "buffer": list(self.buffer)}
+        return {"docs_done": self.docs_done, "epoch": self.epoch, "buffer": list(self.buffer),
+                "position": self.position.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.docs_done, self.epoch, self.buffer = state["docs_done"], state["epoch"], list(state["buffer"])
+        self.position = StreamPosition.from_state_dict(state["position"])
         self._docs = None
 
 
