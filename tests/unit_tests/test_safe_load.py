@@ -12,7 +12,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
-
 # DCP warns that these single-process saves and loads are single-process; they are meant to be.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -139,8 +139,8 @@ def read_from(source: Path | list[Path] | HFSource, counter: BadLineCounter | No
     index = start.index
     for n in range(start.file, len(files)):
         path = files[n]
-        offset, line = (start.offset, start.line) if n == start.file else (0, 1)
-        for doc, offset, line in _READERS.get(path.suffix, _read_text)(path, counter, offset, line):
+        begin = (start.offset, start.line) if n == start.file else (0, 1)
+        for doc, offset, line in _READERS.get(path.suffix, _read_text)(path, counter, *begin):
             index += 1
             yield doc, StreamPosition(index, n, offset, line, path.name)
 
