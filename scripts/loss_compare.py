@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {layout.name} | {layout.nproc} | | | | run failed |", flush=True)
                 print(str(e)[-3000:], file=sys.stderr)
                 continue
-            ok = c.max_loss_diff <= args.tolerance and c.grad_norm_rel_diff <= harness.grad_norm_rtol
+            ok = c.max_loss_diff <= harness.tolerance_for(layout) and c.grad_norm_rel_diff <= harness.grad_norm_rtol
             failed += not ok
             comparisons.append(c)
             print(f"| {layout.name} | {layout.nproc} | {c.max_loss_diff:.2e} | {c.grad_norm_rel_diff:.2e} | "

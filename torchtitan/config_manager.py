@@ -197,9 +197,11 @@ class ActivationCheckpoint:
 
 @dataclass
 class Float8:
-    enable_float8_linear: bool = opt(False, "Float8 linear layers through torchao (CUDA only).")
+    enable_float8_linear: bool = opt(False, "Float8 linear layers through torchao (GPUs of compute capability 8.9+).")
     enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8.")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "Compute float8 scales for all parameters at once.")
+    emulate: bool = opt(False, "Emulate the float8 matmuls in high precision, so float8 runs where the hardware has "
+                               "no float8 units (CPU, older GPUs): for tests and debugging, never faster.")
 
 
 @dataclass

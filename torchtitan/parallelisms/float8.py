@@ -1,8 +1,11 @@
 """Float8 training of linear layers through torchao (optional dependency, CUDA with float8 units).
 
 The model's nn.Linear layers (except the output projection, whose accuracy matters most) are
-swapped for torchao's Float8Linear before any other parallelism, so FSDP shards the float8
-modules and, when asked, all-gathers their weights in float8.
+swapped for torchao's Float8Linear before any other parallelism. Tensor parallelism then uses
+torchao's float8 plan styles for them (`float8_tp_styles`), which cast to float8 before the TP
+collectives, so all-gathers move float8 bytes and scales come from the amax over the whole
+(sharded) tensor. FSDP shards the float8 modules and, when asked, all-gathers their weights in
+float8 too. `float8.emulate` runs the same code where there are no float8 units (CPU tests).
 """
 
 from __future__ import annotations
@@ -20,31 +23,52 @@ logger = logging.getLogger(__name__)
 
 def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bool) -> None:
     """Refuses float8 where it cannot run, before any process group exists."""
-    if not job_config.float8.enable_float8_linear:
+    f = job_config.float8
+    if not f.enable_float8_linear:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("float8.enable_float8_linear needs torchao: .venv/bin/pip install -e '.[float8]'")
+    if device_type == "cpu" and tp_enabled and not job_config.training.disable_sequence_parallel:
+        raise ConfigError("float8 with sequence parallelism all-gathers float8 tensors, which gloo (CPU) cannot "
+                          "send; add --training.disable_sequence_parallel, or run on CUDA GPUs")
+    if f.emulate:  # runs anywhere; apply_float8 says it is emulated
         return
     if device_type != "cuda":
         raise ConfigError("float8.enable_float8_linear needs CUDA GPUs with float8 units (H100 or newer); "
-                          "this machine has none")
+                          "this machine has none (float8.emulate runs it emulated, for tests)")
     if torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError(f"float8.enable_float8_linear needs a GPU of compute capability 8.9 or newer; "
                           f"{torch.cuda.get_device_name()} has {torch.cuda.get_device_capability()}")
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("float8.enable_float8_linear needs torchao: .venv/bin/pip install -e '.[float8]'")
-    if tp_enabled:
-        raise ConfigError("float8.enable_float8_linear with training.tensor_parallel_degree > 1 is not supported yet")
 
 
 def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     f = job_config.float8
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather, emulate=f.emulate)
     # Float8 matmuls need dimensions divisible by 16; the output projection stays in high precision.
     convert_to_float8_training(
         model, config=config,
         module_filter_fn=lambda module, fqn: fqn != "output" and module.in_features % 16 == 0 and module.out_features % 16 == 0,
     )
-    logger.info(f"converted linear layers to float8 (FSDP float8 all-gather {'on' if f.enable_fsdp_float8_all_gather else 'off'})")
+    logger.info(f"converted linear layers to float8 (FSDP float8 all-gather {'on' if f.enable_fsdp_float8_all_gather else 'off'}"
+                f"{'; matmuls emulated in high precision, for tests only' if f.emulate else ''})")
+
+
+def is_float8(module: nn.Module) -> bool:
+    """Whether apply_float8 converted this module (torchao is imported only when float8 is on)."""
+    return type(module).__name__ == "Float8Linear"
+
+
+def float8_tp_styles() -> tuple[type, type, type]:
+    """torchao's float8 versions of ColwiseParallel, RowwiseParallel and PrepareModuleInput."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

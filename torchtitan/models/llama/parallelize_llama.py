@@ -31,7 +31,7 @@ from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.distributed import resolve_param_dtype
-from torchtitan.parallelisms.float8 import apply_float8
+from torchtitan.parallelisms.float8 import apply_float8, float8_tp_styles, is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.get_mesh("tp")
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
-                 sequence_parallel=not t.disable_sequence_parallel)
+                 sequence_parallel=not t.disable_sequence_parallel, float8=job_config.float8.enable_float8_linear)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
@@ -114,7 +114,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool,
+             float8: bool = False) -> None:
     """Megatron-style tensor parallelism with DTensor plans, applied by module name.
 
     In each block, q/k/v and w1/w3 are split by output features (column-wise: each rank owns a
@@ -125,6 +126,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     column-wise matmuls. Without it, the reductions are all-reduces and activations are replicated.
     The embedding is split by vocabulary rows; the output projection by vocabulary columns, and
     with loss parallelism its logits stay sharded into the cross-entropy.
+
+    With float8 linear layers, the block's projections use torchao's float8 styles, which cast to
+    float8 before the collectives (the embedding and the output stay in high precision).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     root_plan = {
@@ -139,26 +143,34 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         model.vocab_mask = ShardedVocabMask(model.vocab_mask.vocab_size)
 
     for block in model.layers.values():
+        # torchao's float8 styles need every projection they touch converted (apply_float8 skips
+        # shapes float8 matmuls cannot take); otherwise the block keeps the high-precision plan.
+        names = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+        block_float8 = float8 and all(is_float8(block.get_submodule(n)) for n in names)
+        colwise, rowwise, prepare_input = (float8_tp_styles() if block_float8
+                                           else (ColwiseParallel, RowwiseParallel, PrepareModuleInput))
         plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=seq),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w3": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=seq),
         }
         if sequence_parallel:
             plan.update({
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
                 # Gather the sequence before the column-wise projections; the RoPE table passes as is.
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention": prepare_input(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
         parallelize_module(block, tp_mesh, plan)
     logger.info(f"applied tensor parallelism over mesh {{'tp': {tp_mesh.size()}}} (sequence parallel "
-                f"{'on' if sequence_parallel else 'off'}, loss parallel {'on' if loss_parallel else 'off'})")
+                f"{'on' if sequence_parallel else 'off'}, loss parallel {'on' if loss_parallel else 'off'}"
+                f"{', float8 projections' if float8 else ''})")
 
 
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:
