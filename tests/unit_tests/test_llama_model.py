@@ -15,6 +15,7 @@ from torchtitan.models.llama.model import (
     ffn_hidden_dim,
     precompute_rope,
 )
+from torchtitan.models.loss import cross_entropy_loss
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=32, multiple_of=16)
 
@@ -40,10 +41,19 @@ def build_tiny(seed=0, **overrides):
 @pytest.mark.parametrize(
     "configs,flavor,billions",
     [(llama3_configs, "8B", 8.03), (llama2_configs, "7B", 6.74), (llama3_configs, "70B", 70.55),
-     (llama3_configs, "405B", 405.85)],
+     (llama3_configs, "405B", 405.85), (llama3_configs, "1B", 1.24), (llama3_configs, "3B", 3.21)],
 )
 def test_published_parameter_counts(configs, flavor, billions):
     assert round(n_params(build_on_meta(configs[flavor])) / 1e9, 2) == billions
+
+
+def test_llama32_small_models_match_their_published_shapes():
+    """Llama 3.2 1B and 3B (tied embeddings): exact parameter counts and feed-forward sizes."""
+    for flavor, total, hidden in (("1B", 1_235_814_400, 8192), ("3B", 3_212_749_824, 8192)):
+        model = build_on_meta(llama3_configs[flavor])
+        assert model.output.weight is model.tok_embeddings.weight
+        assert n_params(model) == total
+        assert model.layers["0"].feed_forward.w1.out_features == hidden
 
 
 @pytest.mark.parametrize(
@@ -107,6 +117,16 @@ def test_tied_embeddings_survive_meta_to_empty_init():
     assert model.output.weight is model.tok_embeddings.weight
     assert n_params(model) == n_params(build_on_meta(ModelArgs(**TINY))) - 100 * 64
     assert torch.isfinite(model(torch.randint(0, 100, (1, 8)))).all()
+
+
+def test_tied_model_starts_near_the_uniform_loss():
+    """The shared matrix is initialised at the output projection's scale, so the first loss is
+    about ln(vocab), as for an untied model, and not in the hundreds."""
+    tokens = torch.randint(0, 100, (2, 16))
+    for tie in (False, True):
+        model = build_tiny(tie_word_embeddings=tie)
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        assert abs(loss.item() - math.log(100)) < 1.0, (tie, loss.item())
 
 
 def test_causality():

@@ -158,6 +158,15 @@ SUITES: dict[str, list[Layout]] = {
         L("float8_tp2", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
           "float8 projections", shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
     ],
+    # Tied input and output embeddings (Llama 3.2 style), against one process of the tied model.
+    "tied": [
+        L("tied_fsdp2", 2, "--training.data_parallel_shard_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}",
+          shared="--model.flavor debugmodel_tied"),
+        L("tied_tp2", 2, "--training.tensor_parallel_degree 2", "applied tensor parallelism over mesh {'tp': 2}",
+          shared="--model.flavor debugmodel_tied"),
+        L("tied_fsdp2_tp2", 4, "--training.data_parallel_shard_degree 2 --training.tensor_parallel_degree 2",
+          "applied FSDP over mesh {'dp_shard_cp': 2}", shared="--model.flavor debugmodel_tied"),
+    ],
     # Eight-process layouts whose parts each have their own row above. On two cores one costs about
     # two minutes, so the test suite leaves them out (TESTED_SUITES); scripts/loss_compare.py runs them.
     "large": [
@@ -166,7 +175,7 @@ SUITES: dict[str, list[Layout]] = {
     ],
 }
 # The suites the parity tests run (tests/integration/test_parity.py).
-TESTED_SUITES = ("dp", "ac", "tp", "pp", "cp", "float8")
+TESTED_SUITES = ("dp", "ac", "tp", "pp", "cp", "float8", "tied")
 
 
 def all_layouts() -> dict[str, Layout]:

@@ -207,18 +207,20 @@ def _rope_scaling_from_hf(raw: dict[str, Any] | None) -> RopeScaling | None:
                           for f in dataclasses.fields(RopeScaling)})
 
 
-def _known_ffn_settings() -> list[tuple[int, float | None]]:
+def _known_ffn_settings(dim: int) -> list[tuple[int, float | None]]:
     """(multiple_of, ffn_dim_multiplier) pairs of the published flavors, so that a converted
-    config gets the familiar values when they fit (they do for every Llama 2 and 3 release)."""
+    config gets the familiar values when they fit (they do for every Llama 2 and 3 release).
+    Flavors of the same width come first: several pairs can give the same size."""
     from torchtitan.models.llama import llama2_configs, llama3_configs  # here: the package may import this module
 
-    pairs = [(a.multiple_of, a.ffn_dim_multiplier) for a in (*llama2_configs.values(), *llama3_configs.values())]
-    return list(dict.fromkeys([(256, None), *pairs]))
+    flavors = (*llama2_configs.values(), *llama3_configs.values())
+    same_width = [(a.multiple_of, a.ffn_dim_multiplier) for a in flavors if a.dim == dim]
+    return list(dict.fromkeys([*same_width, (256, None), *((a.multiple_of, a.ffn_dim_multiplier) for a in flavors)]))
 
 
 def with_ffn_hidden_dim(args: ModelArgs, hidden: int) -> ModelArgs:
     """`args` with multiple_of / ffn_dim_multiplier chosen so that `ffn_hidden_dim` gives `hidden`."""
-    for multiple_of, multiplier in _known_ffn_settings():
+    for multiple_of, multiplier in _known_ffn_settings(args.dim):
         candidate = dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
         if ffn_hidden_dim(candidate) == hidden:
             return candidate

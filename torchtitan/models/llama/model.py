@@ -224,14 +224,23 @@ class Transformer(nn.Module):
             # to_empty() gives every parameter its own storage, which unties them.
             self.output.weight = self.tok_embeddings.weight
         with torch.no_grad():
+            std = self.args.dim**-0.5
             if self.tok_embeddings is not None:
-                nn.init.normal_(self.tok_embeddings.weight)
+                if self.args.tie_word_embeddings:
+                    # The shared matrix is also the output projection. After the final norm the
+                    # hidden state is mostly the input token's own embedding scaled to unit RMS, so
+                    # that token's logit is about init std x dim: with the embedding's usual unit std
+                    # the first loss is in the hundreds. std 1/dim keeps that logit near 1.
+                    tied_std = 1.0 / self.args.dim
+                    nn.init.trunc_normal_(self.tok_embeddings.weight, mean=0.0, std=tied_std,
+                                          a=-3 * tied_std, b=3 * tied_std)
+                else:
+                    nn.init.normal_(self.tok_embeddings.weight)
             for layer in self.layers.values():
                 layer.init_weights()
             if self.norm is not None:
                 reset_norm(self.norm)
             if self.output is not None and not self.args.tie_word_embeddings:
-                std = self.args.dim**-0.5
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

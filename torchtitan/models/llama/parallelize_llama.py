@@ -56,8 +56,6 @@ def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, job_config: Job
     if vocab % tp:
         raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the vocabulary ({vocab} tokens); set "
                           f"model.vocab_size_divisible_by to {tp} (or a multiple of it) to pad it")
-    if args.tie_word_embeddings:
-        raise ConfigError(f"{flavor} ties its input and output embeddings, which tensor parallelism does not support yet")
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
