@@ -127,6 +127,8 @@ def train(job_config: JobConfig) -> None:
         with torch.no_grad():
             part.init_weights(buffer_device=device)
         part.train()
+    if pipeline is not None and pipeline.tied is not None:
+        pipeline.tied.sync_values()  # the last stage's copy of a tied weight starts as the first's
 
     optimizers = train_spec.build_optimizers_fn(model_parts, job_config)
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
@@ -202,7 +204,11 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                     loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
                     loss.backward()
             step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.get_mesh("pp"))
+        tied = pipeline.tied if pipeline is not None else None
+        if tied is not None:
+            tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients
+        grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.get_mesh("pp"),
+                                            uncounted=tied.uncounted if tied is not None else ())
         lr = lr_schedulers.get_last_lr()
         optimizers.step()
         if job_config.float8.precompute_float8_dynamic_scale_for_fsdp:

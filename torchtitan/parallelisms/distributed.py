@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import sys
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,8 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 
 def clip_grad_norm_(
-    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None,
+    uncounted: Sequence[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clips gradients to a global L2 norm and returns that norm.
 
@@ -86,14 +88,18 @@ def clip_grad_norm_(
     sharded on. Plain-tensor gradients (parameters no parallelism touched, e.g. the norms under
     TP without sequence parallelism) are the same on every rank and are added once. With
     pipeline stages each rank holds only its stages' gradients, so the squared norms are also
-    summed across pp. max_norm <= 0 only measures.
+    summed across pp. `uncounted` parameters (a second copy of a tied weight) are clipped but
+    left out of the norm. max_norm <= 0 only measures.
     """
     params = [p for p in parameters if p.grad is not None]
     # foreach kernels cannot mix DTensors with plain tensors: one group of each.
     groups = [g for g in ([p for p in params if isinstance(p.grad, DTensor)],
                           [p for p in params if not isinstance(p.grad, DTensor)]) if g]
+    skip = {id(p) for p in uncounted}
     norms = []
-    for group in groups:
+    for group in ([p for p in g if id(p) not in skip] for g in groups):
+        if not group:
+            continue
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:  # no parameter received a gradient (a pp rank still joins the sum below)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config_manager import ConfigError
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan
+from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
 
 def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None, csv_path: str = ""):
@@ -74,12 +75,14 @@ class BusyTimer:
 
 @dataclasses.dataclass
 class Pipeline:
-    """What a model's pipelining_fn returns: the schedule and this rank's stages."""
+    """What a model's pipelining_fn returns: the schedule and this rank's stages (and, for a model
+    whose first and last stage share a weight, the TiedWeights that keep its copies one weight)."""
 
     schedule: Any
     model_parts: list[nn.Module]
     has_first_stage: bool
     has_last_stage: bool
+    tied: TiedWeights | None = None
 
     def __post_init__(self) -> None:
         self.timer = BusyTimer(self.schedule)

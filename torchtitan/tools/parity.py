@@ -166,6 +166,12 @@ SUITES: dict[str, list[Layout]] = {
           shared="--model.flavor debugmodel_tied"),
         L("tied_fsdp2_tp2", 4, "--training.data_parallel_shard_degree 2 --training.tensor_parallel_degree 2",
           "applied FSDP over mesh {'dp_shard_cp': 2}", shared="--model.flavor debugmodel_tied"),
+        L("tied_pp2", 2, "--experimental.pipeline_parallel_degree 2", "schedule 1F1B",
+          shared="--model.flavor debugmodel_tied"),
+        L("tied_pp2_zbv", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule "
+          "ZBVZeroBubble", "schedule ZBVZeroBubble", shared="--model.flavor debugmodel_tied"),
+        L("tied_pp2_fsdp2", 4, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2",
+          "applied FSDP over mesh {'dp_shard_cp': 2}", shared="--model.flavor debugmodel_tied"),
     ],
     # Eight-process layouts whose parts each have their own row above. On two cores one costs about
     # two minutes, so the test suite leaves them out (TESTED_SUITES); scripts/loss_compare.py runs them.

@@ -240,7 +240,10 @@ class Transformer(nn.Module):
                 layer.init_weights()
             if self.norm is not None:
                 reset_norm(self.norm)
-            if self.output is not None and not self.args.tie_word_embeddings:
+            if self.output is not None and not (self.args.tie_word_embeddings and self.tok_embeddings is not None):
+                # Untied, or the last pipeline stage's copy of a tied matrix (pipelining then gives
+                # it the first stage's values).
+                std = 1.0 / self.args.dim if self.args.tie_word_embeddings else std
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

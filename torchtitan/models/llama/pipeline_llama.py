@@ -20,6 +20,7 @@ from torchtitan.models.llama.parallelize_llama import parallelize_llama
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split, plan_pipeline, stage_ids_for_rank
 from torchtitan.parallelisms.pipeline_runtime import build_schedule, make_stages
+from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,6 @@ def split_points_for(args: ModelArgs, job_config: JobConfig, plan: PipelinePlan)
 
 def validate_pipeline_llama(args: ModelArgs, job_config: JobConfig) -> None:
     """Pipeline checks that need the model's shape (run before any process group exists)."""
-    if args.tie_word_embeddings:
-        raise ConfigError("pipeline parallelism with tied input/output embeddings is not supported: the embedding "
-                          "lives on the first stage and the output on the last; use a flavor without "
-                          "tie_word_embeddings")
     split_points_for(args, job_config, plan_pipeline(job_config))
 
 
@@ -95,7 +92,7 @@ def pipeline_llama(model: Transformer, parallel_dims: ParallelDims, job_config: 
                    model_args: ModelArgs, loss_fn):
     """Splits `model` into this rank's stages, parallelizes each, and builds the schedule.
 
-    Returns (schedule, model_parts, has_first_stage, has_last_stage).
+    Returns (schedule, model_parts, has_first_stage, has_last_stage, tied weights or None).
     """
     plan = plan_pipeline(job_config)
     pp_mesh = parallel_dims.get_mesh("pp")
@@ -122,4 +119,13 @@ def pipeline_llama(model: Transformer, parallel_dims: ParallelDims, job_config: 
 
     # Every rank passes the loss function: a schedule without one runs forward only.
     schedule = build_schedule(plan, stages, microbatch_loss, job_config.experimental.pipeline_parallel_schedule_csv)
-    return schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids
+    tied = None
+    if model_args.tie_word_embeddings:
+        # The embedding (first stage) and the output projection (last stage) share one matrix.
+        by_stage = dict(zip(stage_ids, modules))
+        last_stage = plan.num_stages - 1
+        owners = tuple(next(r for r in range(plan.pp) if s in stage_ids_for_rank(r, plan)) for s in (0, last_stage))
+        tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
+                           (by_stage[last_stage], "output") if last_stage in by_stage else None,
+                           owners, parallel_dims.get_mesh("world"))
+    return schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied
