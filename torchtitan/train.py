@@ -86,7 +86,7 @@ def train(job_config: JobConfig) -> None:
         train_spec.validate_fn(model_args, parallel_dims, job_config)
     device_type = tt_dist.device_type()
     tt_dist.check_device_features(job_config, device_type)
-    check_float8_support(job_config, device_type)
+    check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
 
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)

@@ -95,14 +95,22 @@ def test_vocab_padding_refused_for_a_model_without_the_field():
     assert build_model_args(spec, config, vocab_size=2304).vocab_size == 2304  # already divisible: no padding needed
 
 
-def test_float8_refused_on_cpu_unless_emulated():
-    with pytest.raises(ConfigError, match="needs CUDA GPUs with float8 units"):
-        check_float8_support(parse_args(["--float8.enable_float8_linear"]), "cpu")
-    check_float8_support(parse_args(["--float8.enable_float8_linear", "--float8.emulate"]), "cpu")
+@pytest.mark.parametrize("args,tp,device,fragment", [
+    ([], 1, "cpu", "needs CUDA GPUs with float8 units"),
+    (["--float8.emulate"], 2, "cpu", "float8 with sequence parallelism sends float8 tensors through collectives"),
+])
+def test_float8_refusals(args, tp, device, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        check_float8_support(parse_args(["--float8.enable_float8_linear", *args]), device, tp_enabled=tp > 1)
+
+
+def test_float8_emulated_runs_where_it_can():
+    for extra, tp in ([], False), (["--training.tensor_parallel_degree", "2", "--training.disable_sequence_parallel"], True):
+        check_float8_support(parse_args(["--float8.enable_float8_linear", "--float8.emulate", *extra]), "cpu", tp)
 
 
 def test_float8_without_torchao_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs torchao: .*pip install -e '.\[float8\]'"):
-        check_float8_support(parse_args(["--float8.enable_float8_linear", "--float8.emulate"]), "cpu")
+        check_float8_support(parse_args(["--float8.enable_float8_linear", "--float8.emulate"]), "cpu", False)

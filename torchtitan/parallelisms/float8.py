@@ -21,13 +21,18 @@ from torchtitan.config_manager import ConfigError, JobConfig
 logger = logging.getLogger(__name__)
 
 
-def check_float8_support(job_config: JobConfig, device_type: str) -> None:
+def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bool) -> None:
     """Refuses float8 where it cannot run, before any process group exists."""
     f = job_config.float8
     if not f.enable_float8_linear:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("float8.enable_float8_linear needs torchao: .venv/bin/pip install -e '.[float8]'")
+    if device_type == "cpu" and tp_enabled and not job_config.training.disable_sequence_parallel:
+        # torchao's sequence-parallel styles move float8 activations (forward) and float8 gradients
+        # (backward) through the TP collectives.
+        raise ConfigError("float8 with sequence parallelism sends float8 tensors through collectives, which gloo "
+                          "(CPU) cannot do; add --training.disable_sequence_parallel, or run on CUDA GPUs")
     if f.emulate:  # runs anywhere; apply_float8 says it is emulated
         return
     if device_type != "cuda":

@@ -155,9 +155,7 @@ SUITES: dict[str, list[Layout]] = {
         L("float8_fsdp2_float8_gather", 2, "--training.data_parallel_shard_degree 2 "
           "--float8.enable_fsdp_float8_all_gather --float8.precompute_float8_dynamic_scale_for_fsdp",
           "FSDP float8 all-gather on", shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
-        L("float8_tp2", 2, "--training.tensor_parallel_degree 2", "float8 projections", shared=FLOAT8,
-          loss_tolerance=FLOAT8_TOLERANCE),
-        L("float8_tp2_no_sp", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
+        L("float8_tp2", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
           "float8 projections", shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
     ],
     # Tied input and output embeddings (Llama 3.2 style), against one process of the tied model.

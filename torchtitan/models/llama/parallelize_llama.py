@@ -126,8 +126,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     with loss parallelism its logits stay sharded into the cross-entropy.
 
     With float8 linear layers, the block's projections use torchao's float8 styles, which cast to
-    float8 before the collectives (the embedding and the output stay in high precision); on CPU the
-    sequence-parallel all-gather stays in high precision, because gloo cannot send float8.
+    float8 before the collectives (the embedding and the output stay in high precision).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     root_plan = {
@@ -149,10 +148,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         block_float8 = float8 and all(is_float8(block.get_submodule(n)) for n in names)
         colwise, rowwise, prepare_input = (float8_tp_styles() if block_float8
                                            else (ColwiseParallel, RowwiseParallel, PrepareModuleInput))
-        if tp_mesh.device_type == "cpu":
-            # gloo cannot send float8 tensors: gather the sequence in high precision and cast after
-            # (the same float8 values, since the scale comes from the whole activation either way).
-            prepare_input = PrepareModuleInput
         plan = {
             "attention.wq": colwise(),
             "attention.wk": colwise(),
