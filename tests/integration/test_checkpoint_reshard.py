@@ -16,22 +16,24 @@ LAYOUTS = {  # name: (processes, per-rank batch, overrides)
     "fsdp4": (4, 2, ["--training.data_parallel_shard_degree", "4"]),
     "tp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2"]),
     "pp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--experimental.pipeline_parallel_degree", "2"]),
+    "pp2": (2, 8, ["--experimental.pipeline_parallel_degree", "2"]),
     "single": (1, 8, []),
 }
 
 
-def run(folder, layout):
+def run(folder, layout, extra=()):
     nproc, batch, overrides = LAYOUTS[layout]
     args = [*TINY_RUN, "--training.steps", str(STEPS), "--training.deterministic", "--checkpoint.enable_checkpoint",
-            "--checkpoint.interval", "5", "--training.batch_size", str(batch), "--job.dump_folder", str(folder), *overrides]
+            "--checkpoint.interval", "5", "--training.batch_size", str(batch), "--job.dump_folder", str(folder),
+            *overrides, *extra]
     return run_train(args, nproc=nproc, timeout=400)
 
 
-def resume(tmp_path, name, layout, source, step):
+def resume(tmp_path, name, layout, source, step, extra=()):
     """Starts `layout` in a new job folder that holds only `source`'s step-`step` checkpoint."""
     folder = tmp_path / name
     shutil.copytree(source / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
-    result = run(folder, layout)
+    result = run(folder, layout, extra)
     assert f"resuming after step {step}" in result.stdout
     return folder, result
 
@@ -67,3 +69,14 @@ def test_fsdp4_to_tp2_fsdp2_to_pp2_fsdp2_and_to_one_process(reference, tmp_path)
     single, result = resume(tmp_path, "single", "single", tp_fsdp, 10)
     assert "(4 per data-parallel rank)" in result.stdout
     assert_continues(reference, single, 11)
+
+
+def test_tied_embeddings_saved_by_two_pipeline_stages_load_into_one_weight(tmp_path):
+    """Under PP the first stage saves the tied matrix as tok_embeddings.weight and the last as
+    output.weight; one process loads both names into its single weight and continues with the
+    pipeline run's losses."""
+    tied = ["--model.flavor", "debugmodel_tied"]
+    pipeline = tmp_path / "tied_pp2"
+    run(pipeline, "pp2", tied)
+    single, _ = resume(tmp_path, "tied_single", "single", pipeline, 10, tied)
+    assert_continues(pipeline, single, 11)
