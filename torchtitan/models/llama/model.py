@@ -191,6 +191,11 @@ class PaddedVocabMask(nn.Module):
         return logits.masked_fill(ids >= self.vocab_size, float("-inf"))
 
 
+def _trunc_normal(weight: torch.Tensor, std: float) -> None:
+    """Normal init cut at three standard deviations."""
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
 class Transformer(nn.Module):
     """Llama decoder: token embedding -> blocks -> norm -> output projection (logits)."""
 
@@ -223,28 +228,26 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings and self.output is not None and self.tok_embeddings is not None:
             # to_empty() gives every parameter its own storage, which unties them.
             self.output.weight = self.tok_embeddings.weight
+        tied = self.args.tie_word_embeddings
+        # A tied matrix is also the output projection. After the final norm the hidden state is
+        # mostly the input token's own embedding scaled to unit RMS, so that token's logit is about
+        # init std x dim: the embedding's usual unit std would start the loss in the hundreds, and
+        # std 1/dim keeps that logit near 1.
+        out_std = 1.0 / self.args.dim if tied else self.args.dim**-0.5
         with torch.no_grad():
-            std = self.args.dim**-0.5
             if self.tok_embeddings is not None:
-                if self.args.tie_word_embeddings:
-                    # The shared matrix is also the output projection. After the final norm the
-                    # hidden state is mostly the input token's own embedding scaled to unit RMS, so
-                    # that token's logit is about init std x dim: with the embedding's usual unit std
-                    # the first loss is in the hundreds. std 1/dim keeps that logit near 1.
-                    tied_std = 1.0 / self.args.dim
-                    nn.init.trunc_normal_(self.tok_embeddings.weight, mean=0.0, std=tied_std,
-                                          a=-3 * tied_std, b=3 * tied_std)
+                if tied:
+                    _trunc_normal(self.tok_embeddings.weight, out_std)
                 else:
                     nn.init.normal_(self.tok_embeddings.weight)
             for layer in self.layers.values():
                 layer.init_weights()
             if self.norm is not None:
                 reset_norm(self.norm)
-            if self.output is not None and not (self.args.tie_word_embeddings and self.tok_embeddings is not None):
+            if self.output is not None and not (tied and self.tok_embeddings is not None):
                 # Untied, or the last pipeline stage's copy of a tied matrix (pipelining then gives
                 # it the first stage's values).
-                std = 1.0 / self.args.dim if self.args.tie_word_embeddings else std
-                nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+                _trunc_normal(self.output.weight, out_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) ints -> logits (batch, seq, vocab). A pipeline stage without the

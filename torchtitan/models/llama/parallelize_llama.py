@@ -140,12 +140,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     if loss_parallel and getattr(model, "vocab_mask", None) is not None:
         model.vocab_mask = ShardedVocabMask(model.vocab_mask.vocab_size)
 
+    projections = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                   "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
     for block in model.layers.values():
         # torchao's float8 styles need every projection they touch converted (apply_float8 skips
         # shapes float8 matmuls cannot take); otherwise the block keeps the high-precision plan.
-        names = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-        block_float8 = float8 and all(is_float8(block.get_submodule(n)) for n in names)
+        block_float8 = float8 and all(is_float8(block.get_submodule(n)) for n in projections)
         colwise, rowwise, prepare_input = (float8_tp_styles() if block_float8
                                            else (ColwiseParallel, RowwiseParallel, PrepareModuleInput))
         plan = {
