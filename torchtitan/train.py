@@ -97,8 +97,7 @@ def train(job_config: JobConfig) -> None:
 
     # Data: each data-parallel rank reads its own share; tp/cp/pp peers read the same. A resumed
     # run reads the data in as many shards as its checkpoint's data position refers to.
-    dp_mesh = parallel_dims.get_mesh("dp")
-    dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    dp_rank, dp_degree = parallel_dims.data_parallel_coordinates()
     resume = None if job_config.checkpoint.create_seed_checkpoint else find_resume_point(job_config)
     if resume is not None:
         resume.adopt_data_shards(job_config, dp_degree)
@@ -162,8 +161,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
-    loss_mesh = parallel_dims.get_mesh("dp_cp")
-    cp_mesh = parallel_dims.get_mesh("cp")
+    loss_mesh, cp_mesh, pp_mesh = parallel_dims.loss_mesh, parallel_dims.cp_mesh, parallel_dims.pp_mesh
     # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
     loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
     # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
@@ -207,7 +205,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         tied = pipeline.tied if pipeline is not None else None
         if tied is not None:
             tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients
-        grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.get_mesh("pp"),
+        grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, pp_mesh,
                                             uncounted=tied.uncounted if tied is not None else ())
         lr = lr_schedulers.get_last_lr()
         optimizers.step()
@@ -219,9 +217,9 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps:
             if pipeline is not None:
                 # Only the last stage has a loss; the others contribute zero to the sum over pp.
-                step_loss = tt_dist.sum_across(step_loss, parallel_dims.get_mesh("pp"))
+                step_loss = tt_dist.sum_across(step_loss, pp_mesh)
             loss_value = tt_dist.mean_across(step_loss, loss_mesh)
-            bubble = pipeline.bubble_since_last_call(parallel_dims.get_mesh("pp")) if pipeline is not None else None
+            bubble = pipeline.bubble_since_last_call(pp_mesh) if pipeline is not None else None
             elapsed = time.perf_counter() - window_start
             # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
             # per device, every token counts once per group (so MFU compares with one device's peak).

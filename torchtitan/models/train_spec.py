@@ -14,7 +14,7 @@ from torch import nn
 from torchtitan.config_manager import ConfigError
 
 # Builder signatures (kept as plain callables so a model can reuse or replace any of them):
-#   parallelize_fn(model, parallel_dims, job_config) -> model  (meshes via parallel_dims.get_mesh)
+#   parallelize_fn(model, parallel_dims, job_config) -> model  (meshes by role: parallel_dims.fsdp_mesh, .tp_mesh, ...)
 #   pipelining_fn(model, parallel_dims, job_config, device, model_args, loss_fn)
 #       -> (schedule, model_parts); None while the family has no pipeline support
 #   build_optimizers_fn(model_parts, job_config) -> OptimizersContainer

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 # Mesh dimension order, outermost first. Pipeline stages talk least often, so pp is outermost;
 # tp talks every layer, so it is innermost (ranks that are neighbours on one host).
 MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Flattened views of several dims, each named for its use.
+# Flattened views of several dims, each named for its use (see the role properties of ParallelDims).
 FLATTENED_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),  # data loading: ranks that read different data
     "dp_shard_cp": ("dp_shard", "cp"),  # FSDP: ranks that share one parameter shard set
@@ -67,10 +67,10 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """Builds the named world mesh (size-1 dims left out) and its FLATTENED_VIEWS.
+        """Builds the named world mesh (size-1 dims left out), its FLATTENED_VIEWS and the role views.
 
-        The meshes are kept here and handed out by name through `get_mesh`. A single process
-        needs no mesh: the world mesh is None and every `get_mesh` answers None.
+        The meshes are kept here and handed out by role (`fsdp_mesh`, `replicate_mesh`, ...) or by
+        name through `get_mesh`. A single process needs no mesh: every mesh is None.
         """
         # Imported here so that validation alone (the launcher's pre-flight check) needs no torch.
         from torch.distributed.device_mesh import init_device_mesh
@@ -88,17 +88,71 @@ class ParallelDims:
                 # Flattened meshes are kept by name here: slicing them back out of the world
                 # mesh is deprecated in PyTorch.
                 self._meshes[flat_name] = world[present]._flatten(mesh_dim_name=flat_name)
+        if self.fsdp_enabled and self.dp_replicate_enabled:
+            self._meshes["hsdp"] = _join(world, self._meshes["dp_replicate"], self._meshes["dp_shard_cp"])
         logger.info(f"built world mesh {dict(zip(names, shape))} on {device_type}")
         return world
 
     def get_mesh(self, name: str) -> DeviceMesh | None:
-        """The world mesh, one of its dims, or a flattened view by name; None when of size 1."""
+        """The world mesh, one of its dims, or a view by name; None when of size 1."""
         meshes = getattr(self, "_meshes", None)
         if meshes is None:
             raise RuntimeError("ParallelDims.build_mesh() must be called before get_mesh()")
-        if name not in meshes and name not in ("world", *MESH_DIM_ORDER, *FLATTENED_VIEWS):
+        if name not in meshes and name not in ("world", "hsdp", *MESH_DIM_ORDER, *FLATTENED_VIEWS):
             raise KeyError(f"unknown mesh name {name!r}")
         return meshes.get(name)
+
+    # Meshes by role. Every parallelize function asks for a role, so the choice of which mesh dims
+    # form which group is made here, once, for every model family.
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """What FSDP shards parameters over: `dp_shard x cp` (context-parallel peers hold different
+        tokens, so they reduce gradients like data-parallel ranks and may share one parameter
+        shard set). With replicas as well it is HSDP's 2-D (dp_replicate, dp_shard_cp) mesh:
+        replicated over the outer dim, sharded over the inner. None without FSDP."""
+        if not self.fsdp_enabled:
+            return None
+        return self.get_mesh("hsdp") if self.dp_replicate_enabled else self.get_mesh("dp_shard_cp")
+
+    @property
+    def replicate_mesh(self) -> DeviceMesh | None:
+        """Ranks holding full replicas of the same parameters: DDP's group, HSDP's outer dim and
+        the group ZeRO-1 spreads optimizer state over."""
+        return self.get_mesh("dp_replicate")
+
+    @property
+    def loss_mesh(self) -> DeviceMesh | None:
+        """Ranks whose losses are averaged into the step's loss: every rank that holds different
+        tokens (dp_replicate x dp_shard x cp)."""
+        return self.get_mesh("dp_cp")
+
+    @property
+    def data_mesh(self) -> DeviceMesh | None:
+        """Ranks that read different data (dp_replicate x dp_shard); tp, cp and pp peers read the
+        same batches."""
+        return self.get_mesh("dp")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.get_mesh("tp")
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        return self.get_mesh("cp")
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self.get_mesh("pp")
+
+    @property
+    def world_mesh(self) -> DeviceMesh | None:
+        return self.get_mesh("world")
+
+    def data_parallel_coordinates(self) -> tuple[int, int]:
+        """(this rank's index among the ranks that read different data, their number)."""
+        mesh = self.data_mesh
+        return (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
 
     @property
     def dp_enabled(self) -> bool:
@@ -165,3 +219,13 @@ def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> Paralle
         world_size=world_size,
         enable_loss_parallel=not t.disable_loss_parallel,
     )
+
+
+def _join(world: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
+    """The 2-D mesh (outer, inner) of two 1-D views of `world`, reusing their process groups."""
+    from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+
+    if hasattr(_DeviceMesh, "_concatenate"):  # joins the views as they are: no new process groups
+        return _DeviceMesh._concatenate([outer, inner])
+    # Without it, slice the flattened dim back out of the world mesh (deprecated where the above exists).
+    return world[(outer.mesh_dim_names[0], inner.mesh_dim_names[0])]

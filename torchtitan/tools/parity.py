@@ -63,7 +63,7 @@ SUITES: dict[str, list[Layout]] = {
         L("fsdp2", 2, "--training.data_parallel_shard_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}"),
         L("fsdp4", 4, "--training.data_parallel_shard_degree 4", "applied FSDP over mesh {'dp_shard_cp': 4}"),
         L("hsdp2x2", 4, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 2",
-          "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard': 2}"),
+          "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard_cp': 2}"),
         L("ddp2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1",
           "applied DDP over mesh {'dp_replicate': 2}"),
         L("ddp4", 4, "--training.data_parallel_replicate_degree 4 --training.data_parallel_shard_degree 1",
@@ -177,7 +177,7 @@ SUITES: dict[str, list[Layout]] = {
     # two minutes, so the test suite leaves them out (TESTED_SUITES); scripts/loss_compare.py runs them.
     "large": [
         L("hsdp2x2_tp2", 8, "--training.tensor_parallel_degree 2 --training.data_parallel_replicate_degree 2 "
-          "--training.data_parallel_shard_degree 2", "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard': 2}"),
+          "--training.data_parallel_shard_degree 2", "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard_cp': 2}"),
     ],
 }
 # The suites the parity tests run (tests/integration/test_parity.py).

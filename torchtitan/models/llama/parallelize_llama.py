@@ -7,15 +7,11 @@ before any process group exists, that the model's shapes allow the requested lay
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import replicate
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -24,18 +20,16 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.nn.parallel import DistributedDataParallel
 
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.context_parallel import apply_cp
-from torchtitan.parallelisms.distributed import resolve_param_dtype
+from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.float8 import apply_float8, float8_tp_styles, is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
-_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
@@ -64,13 +58,13 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if job_config.float8.enable_float8_linear:
         apply_float8(model, job_config)  # before TP and FSDP, which then handle the float8 modules
     if parallel_dims.tp_enabled:
-        tp_mesh = parallel_dims.get_mesh("tp")
+        tp_mesh = parallel_dims.tp_mesh
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
                  sequence_parallel=not t.disable_sequence_parallel, float8=job_config.float8.enable_float8_linear)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.get_mesh("cp"), t.seq_len)  # before AC wraps the blocks
+        apply_cp(model, parallel_dims.cp_mesh, t.seq_len)  # before AC wraps the blocks
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
@@ -81,34 +75,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             # embedding's redistribute then receives a plain tensor. A copy breaks the alias.
             model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
 
-    if parallel_dims.fsdp_enabled:
-        if parallel_dims.dp_replicate_enabled:
-            # HSDP: replicate over the outer dim, shard within each replica group.
-            fsdp_mesh = parallel_dims.get_mesh("world")[("dp_replicate", "dp_shard")]
-        else:
-            fsdp_mesh = parallel_dims.get_mesh("dp_shard_cp")
-        apply_fsdp(
-            model,
-            fsdp_mesh,
-            param_dtype=resolve_param_dtype(t.mixed_precision_param, fsdp_mesh.device_type),
-            reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, fsdp_mesh.device_type),
-            # A pipeline stage runs forward once per microbatch before its backwards: freeing the
-            # gathered parameters after each forward would gather them again every microbatch.
-            reshard_after_forward=("never" if parallel_dims.pp_enabled and t.fsdp_reshard_after_forward == "default"
-                                   else t.fsdp_reshard_after_forward),
-            cpu_offload=t.enable_cpu_offload,
-        )
-    elif parallel_dims.ddp_enabled and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
-        apply_fsdp_replicate(model, parallel_dims.get_mesh("dp_replicate"),
-                             reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"))
-    elif parallel_dims.ddp_enabled:
-        apply_ddp(
-            model,
-            parallel_dims.get_mesh("dp_replicate"),
-            bucket_cap_mb=t.ddp_bucket_cap_mb,
-            reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"),
-            compiled=t.compile,
-        )
+    apply_data_parallel(model, parallel_dims, t)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
     return model
 
 
@@ -206,73 +173,3 @@ def apply_compile(model: nn.Module) -> None:
     for block in model.layers.values():
         block.compile(fullgraph=True)
     logger.info(f"compiled {len(model.layers)} transformer blocks with torch.compile")
-
-
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dtype: torch.dtype, compiled: bool) -> None:
-    """Replicated data parallelism (DDP) through PyTorch's composable `replicate`.
-
-    Gradients are all-reduced in buckets of `bucket_cap_mb` as backward produces them, so
-    communication overlaps the rest of backward.
-    """
-    if compiled:
-        # Dynamo splits compiled graphs at bucket boundaries so the all-reduces still overlap.
-        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
-    # Buffers (the RoPE table) are computed alike on every rank: no broadcast before each forward.
-    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
-                      else {"broadcast_buffers": False})  # torch < 2.13
-    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, **no_buffer_sync)
-    if reduce_dtype == torch.bfloat16:
-        if mesh.device_type != "cuda":
-            raise ConfigError("training.mixed_precision_reduce bfloat16 under DDP uses PyTorch's bf16 compression hook, "
-                              "which needs CUDA and NCCL; on CPU leave it at float32")
-        # Halves the all-reduce volume; gradients are cast back to their own dtype afterwards.
-        model.register_comm_hook(mesh.get_group(), default_hooks.bf16_compress_hook)
-    logger.info(f"applied DDP over mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} "
-                f"(bucket {bucket_cap_mb} MB, reduce {reduce_dtype})")
-
-
-def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch.dtype) -> None:
-    """Replicated data parallelism for a model that other parallelisms already touched: PyTorch's
-    FSDP-based `replicate`, per block and at the root. Unlike the composable DDP it accepts TP's
-    DTensor parameters, and a pipeline stage can defer its all-reduce to the last microbatch."""
-    try:
-        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
-    except ImportError:
-        raise ConfigError(f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
-                          f"which torch {torch.__version__} lacks; shard instead (data_parallel_shard_degree > 1)") from None
-    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
-    for block in model.layers.values():
-        replicate_fsdp(block, mesh=mesh, mp_policy=policy)
-    replicate_fsdp(model, mesh=mesh, mp_policy=policy)
-    logger.info(f"applied DDP (FSDP-based replicate) over mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} "
-                f"(reduce {reduce_dtype})")
-
-
-def apply_fsdp(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    reshard_after_forward: str,
-    cpu_offload: bool = False,
-) -> None:
-    """FSDP2 `fully_shard` per transformer block, then at the root (embedding, norm, output)."""
-    config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
-    if cpu_offload:
-        # Pinned host memory makes the host-device copies asynchronous; it needs an accelerator.
-        config["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        if reshard_after_forward == "default":
-            # The last block's parameters would be gathered again at once for backward, so
-            # keeping them after forward saves one all-gather at no extra peak memory.
-            reshard = i < len(blocks) - 1
-        else:
-            reshard = reshard_after_forward == "always"
-        fully_shard(block, **config, reshard_after_forward=reshard)
-    # The root's parameters (embedding, final norm, output) are used first in backward.
-    fully_shard(model, **config, reshard_after_forward=reshard_after_forward == "always")
-    kind = "HSDP" if mesh.ndim > 1 else "FSDP"
-    offload = "; parameters, gradients and optimizer state offloaded to CPU" if cpu_offload else ""
-    logger.info(f"applied {kind} over mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} (params {param_dtype}, "
-                f"reduce {reduce_dtype}, reshard after forward: {reshard_after_forward}{offload})")

@@ -95,7 +95,7 @@ def pipeline_llama(model: Transformer, parallel_dims: ParallelDims, job_config: 
     Returns (schedule, model_parts, has_first_stage, has_last_stage, tied weights or None).
     """
     plan = plan_pipeline(job_config)
-    pp_mesh = parallel_dims.get_mesh("pp")
+    pp_mesh = parallel_dims.pp_mesh
     starts = split_points_for(model_args, job_config, plan)
     bounds = [0, *starts, model_args.n_layers]
     names = [f"layers.{bounds[i]}-{bounds[i + 1] - 1}" for i in range(plan.num_stages)]
@@ -127,5 +127,5 @@ def pipeline_llama(model: Transformer, parallel_dims: ParallelDims, job_config: 
         owners = tuple(next(r for r in range(plan.pp) if s in stage_ids_for_rank(r, plan)) for s in (0, last_stage))
         tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
                            (by_stage[last_stage], "output") if last_stage in by_stage else None,
-                           owners, parallel_dims.get_mesh("world"))
+                           owners, parallel_dims.world_mesh)
     return schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied

@@ -1,0 +1,127 @@
+"""Data parallelism for any model family: FSDP2 / HSDP, DDP, or FSDP-based replication.
+
+Which one applies, and over which mesh, follows from `ParallelDims` alone (its role meshes), so
+every model's parallelize function calls `apply_data_parallel` last and decides nothing itself.
+The model only has to keep its transformer blocks in `model.layers` (each block is wrapped on
+its own, then the root).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from torchtitan.config_manager import ConfigError, Training
+from torchtitan.parallelisms.distributed import resolve_param_dtype
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, t: Training) -> None:
+    """FSDP / HSDP when anything shards parameters (dp_shard or cp > 1), else DDP over the replicas.
+
+    Replicas of a model that tensor or pipeline parallelism already touched use PyTorch's
+    FSDP-based `replicate`, because the composable DDP does not accept DTensor parameters.
+    """
+    if parallel_dims.fsdp_enabled:
+        mesh = parallel_dims.fsdp_mesh
+        apply_fsdp(
+            model,
+            mesh,
+            param_dtype=resolve_param_dtype(t.mixed_precision_param, mesh.device_type),
+            reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, mesh.device_type),
+            # A pipeline stage runs forward once per microbatch before its backwards: freeing the
+            # gathered parameters after each forward would gather them again every microbatch.
+            reshard_after_forward=("never" if parallel_dims.pp_enabled and t.fsdp_reshard_after_forward == "default"
+                                   else t.fsdp_reshard_after_forward),
+            cpu_offload=t.enable_cpu_offload,
+        )
+    elif parallel_dims.ddp_enabled and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
+        apply_fsdp_replicate(model, parallel_dims.replicate_mesh,
+                             reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"))
+    elif parallel_dims.ddp_enabled:
+        apply_ddp(model, parallel_dims.replicate_mesh, bucket_cap_mb=t.ddp_bucket_cap_mb,
+                  reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"), compiled=t.compile)
+
+
+def _mesh_text(mesh: DeviceMesh) -> str:
+    return str(dict(zip(mesh.mesh_dim_names, mesh.shape)))
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dtype: torch.dtype, compiled: bool) -> None:
+    """Replicated data parallelism (DDP) through PyTorch's composable `replicate`.
+
+    Gradients are all-reduced in buckets of `bucket_cap_mb` as backward produces them, so
+    communication overlaps the rest of backward.
+    """
+    if compiled:
+        # Dynamo splits compiled graphs at bucket boundaries so the all-reduces still overlap.
+        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
+    # Buffers (the RoPE table) are computed alike on every rank: no broadcast before each forward.
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
+                      else {"broadcast_buffers": False})  # torch < 2.13
+    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, **no_buffer_sync)
+    if reduce_dtype == torch.bfloat16:
+        if mesh.device_type != "cuda":
+            raise ConfigError("training.mixed_precision_reduce bfloat16 under DDP uses PyTorch's bf16 compression hook, "
+                              "which needs CUDA and NCCL; on CPU leave it at float32")
+        # Halves the all-reduce volume; gradients are cast back to their own dtype afterwards.
+        model.register_comm_hook(mesh.get_group(), default_hooks.bf16_compress_hook)
+    logger.info(f"applied DDP over mesh {_mesh_text(mesh)} (bucket {bucket_cap_mb} MB, reduce {reduce_dtype})")
+
+
+def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch.dtype) -> None:
+    """Replicated data parallelism for a model that other parallelisms already touched: PyTorch's
+    FSDP-based `replicate`, per block and at the root. Unlike the composable DDP it accepts TP's
+    DTensor parameters, and a pipeline stage can defer its all-reduce to the last microbatch."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
+    except ImportError:
+        raise ConfigError(f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
+                          f"which torch {torch.__version__} lacks; shard instead (data_parallel_shard_degree > 1)") from None
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        replicate_fsdp(block, mesh=mesh, mp_policy=policy)
+    replicate_fsdp(model, mesh=mesh, mp_policy=policy)
+    logger.info(f"applied DDP (FSDP-based replicate) over mesh {_mesh_text(mesh)} (reduce {reduce_dtype})")
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str,
+    cpu_offload: bool = False,
+) -> None:
+    """FSDP2 `fully_shard` per transformer block, then at the root (embedding, norm, output).
+    A 2-D mesh gives HSDP: replicated over its first dim, sharded over its second."""
+    config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload:
+        # Pinned host memory makes the host-device copies asynchronous; it needs an accelerator.
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        if reshard_after_forward == "default":
+            # The last block's parameters would be gathered again at once for backward, so
+            # keeping them after forward saves one all-gather at no extra peak memory.
+            reshard = i < len(blocks) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(block, **config, reshard_after_forward=reshard)
+    # The root's parameters (embedding, final norm, output) are used first in backward.
+    fully_shard(model, **config, reshard_after_forward=reshard_after_forward == "always")
+    kind = "HSDP" if mesh.ndim > 1 else "FSDP"
+    offload = "; parameters, gradients and optimizer state offloaded to CPU" if cpu_offload else ""
+    logger.info(f"applied {kind} over mesh {_mesh_text(mesh)} (params {param_dtype}, "
+                f"reduce {reduce_dtype}, reshard after forward: {reshard_after_forward}{offload})")
