@@ -89,6 +89,10 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon.")
     weight_decay: float = opt(0.1, "Decoupled (AdamW) or L2 (Adam) weight decay.")
     fused: bool = opt(False, "Use the fused kernel (CUDA); otherwise the multi-tensor foreach path.")
+    zero1: bool = opt(
+        False, "ZeRO-1: shard the optimizer state over the data-parallel replicas (training."
+        "data_parallel_replicate_degree > 1): each replica keeps and updates the state of its share of the "
+        "parameters, then broadcasts them. Composes with FSDP (HSDP), TP, CP and PP; losses are unchanged.")
 
 
 @dataclass
@@ -542,6 +546,10 @@ def validate_world_size(config: JobConfig, world_size: int) -> ParallelDims:
 
     dims = parallel_dims_from_config(config, world_size)
     _check_fsdp_only_options(config.training, dims)
+    if config.optimizer.zero1 and not dims.dp_replicate_enabled:
+        raise ConfigError("optimizer.zero1 shards the optimizer state over data-parallel replicas, and this layout has "
+                          "none (training.data_parallel_replicate_degree is 1); raise it, or rely on FSDP, which already "
+                          "shards the optimizer state over data_parallel_shard_degree")
     if config.checkpoint.create_seed_checkpoint and world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {world_size} (set NGPU=1)")
     return dims

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any
 
@@ -18,35 +19,53 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.zero1 import ReplicaOwnership
 
+logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 
-def _param_groups(part: nn.Module) -> list[dict[str, Any]]:
+def _param_groups(params: list[nn.Parameter]) -> list[dict[str, Any]]:
     """DTensor and plain parameters in separate groups (same hyperparameters): the foreach
     kernels of one group cannot mix the two, and a layout may leave some parameters plain (the
-    norms under tensor parallelism without sequence parallelism)."""
-    params = list(part.parameters())
+    norms under tensor parallelism without sequence parallelism). A ZeRO-1 replica may own none
+    of a part's parameters: its optimizer then has one empty group (and no state)."""
     dtensors = [p for p in params if isinstance(p, DTensor)]
     plain = [p for p in params if not isinstance(p, DTensor)]
-    return [{"params": group} for group in (dtensors, plain) if group]
+    return [{"params": group} for group in (dtensors, plain) if group] or [{"params": []}]
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
 
 
 class OptimizersContainer(Stateful):
-    """Steps one optimizer per model part as if they were one; checkpointed by parameter name."""
+    """Steps one optimizer per model part as if they were one; checkpointed by parameter name.
 
-    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any]):
+    With `zero1`, each optimizer holds only the parameters this replica owns (parallelisms/zero1.py),
+    and every step ends by sending the owners' updates to the other replicas.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any],
+                 zero1: ReplicaOwnership | None = None):
         self.model_parts = model_parts
-        self.optimizers = [optimizer_cls(_param_groups(part), **kwargs) for part in model_parts]
+        self.zero1 = zero1
+        keep = zero1.owns if zero1 is not None else (lambda p: True)
+        self.optimizers = [optimizer_cls(_param_groups([p for p in part.parameters() if keep(p)]), **kwargs)
+                           for part in model_parts]
 
     def step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
+        if self.zero1 is not None:
+            self.zero1.broadcast_updates()
 
     def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        # Every parameter's gradient, including those whose update another ZeRO-1 replica owns.
+        for part in self.model_parts:
+            part.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         # Fully qualified parameter names make the state independent of the parallel layout.
@@ -67,7 +86,8 @@ class OptimizersContainer(Stateful):
                 group["lr"] = lr
 
 
-def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
+def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
+                     parallel_dims: ParallelDims | None = None) -> OptimizersContainer:
     o = job_config.optimizer
     kwargs = {
         "lr": o.lr,
@@ -78,7 +98,14 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> Opt
         "fused": o.fused,
         "foreach": not o.fused,
     }
-    return OptimizersContainer(model_parts, _OPTIMIZERS[o.name], kwargs)
+    zero1 = None
+    if o.zero1:  # validated to come with dp_replicate > 1 (config_manager)
+        zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)
+        owned = [p for p in zero1.params if zero1.owns(p)]
+        logger.info(f"applied ZeRO-1 over mesh {{'dp_replicate': {zero1.size}}}: this replica keeps the optimizer state "
+                    f"of {len(owned)} of {len(zero1.params)} parameter tensors "
+                    f"({sum(_local_numel(p) for p in owned):,} of {sum(_local_numel(p) for p in zero1.params):,} elements)")
+    return OptimizersContainer(model_parts, _OPTIMIZERS[o.name], kwargs, zero1)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:

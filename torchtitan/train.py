@@ -129,7 +129,7 @@ def train(job_config: JobConfig) -> None:
     if pipeline is not None and pipeline.tied is not None:
         pipeline.tied.sync_values()  # the last stage's copy of a tied weight starts as the first's
 
-    optimizers = train_spec.build_optimizers_fn(model_parts, job_config)
+    optimizers = train_spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
     train_state = TrainState()
     checkpoint = CheckpointManager(job_config, parallel_dims, model_parts, optimizers, lr_schedulers, dataloader,

@@ -224,6 +224,22 @@ def test_main_refuses_fsdp_options_without_fsdp(monkeypatch, capsys, world, argv
     assert_one_line_error_from_main(capsys, argv, fragments)
 
 
+@pytest.mark.parametrize("world,argv", [(2, []), (4, ["--training.data_parallel_shard_degree", "4"]),
+                                        (4, ["--training.tensor_parallel_degree", "2"])])
+def test_main_refuses_zero1_without_replicas(monkeypatch, capsys, world, argv):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert_one_line_error_from_main(capsys, [*argv, "--optimizer.zero1"],
+                                    ["optimizer.zero1", "data_parallel_replicate_degree is 1"])
+
+
+def test_main_accepts_zero1_with_replicas(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    for argv in (["--training.data_parallel_replicate_degree", "8"],  # DDP
+                 ["--training.data_parallel_replicate_degree", "2", "--experimental.context_parallel_degree", "2"],
+                 ["--training.data_parallel_replicate_degree", "2", "--training.tensor_parallel_degree", "2"]):
+        assert main([*argv, "--optimizer.zero1"]) == 0, argv
+
+
 def test_main_refuses_seed_checkpoint_on_several_ranks(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["--checkpoint.create_seed_checkpoint"]) == 0

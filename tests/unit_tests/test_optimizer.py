@@ -9,6 +9,7 @@ from torch import nn
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.optimizer import build_lr_schedulers, build_optimizers, lr_factor
+from torchtitan.parallelisms.zero1 import assign_owners
 
 
 def test_warmup_rises_linearly_to_one():
@@ -189,3 +190,14 @@ def test_resumed_lr_is_the_schedules_whatever_the_load_order():
         assert fresh_sched.get_last_lr() == pytest.approx(expected)
         for optimizer in fresh.optimizers:
             assert optimizer.param_groups[0]["lr"] == pytest.approx(expected) != 0.01 * lr_factor(5, 2, 10, "linear", 0.1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_zero1_owners_balance_the_state_within_one_parameter(n):
+    sizes = [577536, 65536, 16384, 16384, 65536, 196608, 196608, 196608, 256, 256] * 4 + [577536, 256]
+    owners = assign_owners(sizes, n)
+    assert sorted(set(owners)) == list(range(min(n, len(sizes))))
+    load = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(n)]
+    assert sum(load) == sum(sizes)
+    assert max(load) - min(load) <= max(sizes)  # greedy largest-first: within one parameter of even
+    assert owners == assign_owners(list(sizes), n)  # every replica computes the same assignment

@@ -17,7 +17,7 @@ from torchtitan.config_manager import ConfigError
 #   parallelize_fn(model, parallel_dims, job_config) -> model  (meshes by role: parallel_dims.fsdp_mesh, .tp_mesh, ...)
 #   pipelining_fn(model, parallel_dims, job_config, device, model_args, loss_fn)
 #       -> (schedule, model_parts); None while the family has no pipeline support
-#   build_optimizers_fn(model_parts, job_config) -> OptimizersContainer
+#   build_optimizers_fn(model_parts, job_config, parallel_dims) -> OptimizersContainer
 #   build_lr_schedulers_fn(optimizers, job_config) -> LRSchedulersContainer
 #   build_tokenizer_fn(job_config) -> Tokenizer
 #   build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree) -> Stateful iterable of (inputs, labels)
