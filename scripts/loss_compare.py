@@ -3,11 +3,17 @@
     .venv/bin/python scripts/loss_compare.py --suite dp                 # a whole suite
     .venv/bin/python scripts/loss_compare.py --layout fsdp2 --layout ddp2 --plot outputs/loss.png
     .venv/bin/python scripts/loss_compare.py --custom mine 2 "--training.data_parallel_shard_degree 2"
+    .venv/bin/python scripts/loss_compare.py --suite matrix             # every generated layout (about 15 min)
+    .venv/bin/python scripts/loss_compare.py --suite matrix-ci          # the subset the test suite runs
     .venv/bin/python scripts/loss_compare.py --list
 
 Every run starts from one seed checkpoint with the same global batch and data order, in
 deterministic fp32 on the CPU (torchtitan/tools/parity.py, the harness the parity tests use).
 Prints one table row per layout and exits with 1 when any layout is outside the tolerance.
+The `matrix` suites are the generated layout matrix (torchtitan/tools/layout_matrix.py): each
+point is either refused before start-up (its row gives the one-line reason) or compared; any
+other outcome (a crash, a missing log line, a difference outside the tolerance, a refusal the
+generator did not plan) fails.
 """
 
 from __future__ import annotations
@@ -15,16 +21,22 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torchtitan.config_manager import ConfigError
+from torchtitan.tools import layout_matrix
 from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts
 from torchtitan.tools.runs import TrainingFailed
+
+MATRIX_SUITES = ("matrix", "matrix-ci")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", action="append", default=[], choices=sorted(SUITES), help="run every layout of a suite")
+    p.add_argument("--suite", action="append", default=[], choices=[*sorted(SUITES), *MATRIX_SUITES],
+                   help="run every layout of a suite; 'matrix' is the whole generated layout matrix, 'matrix-ci' the "
+                   "part of it the test suite runs")
     p.add_argument("--layout", action="append", default=[], help="run one named layout (see --list)")
     p.add_argument("--custom", action="append", nargs=3, default=[], metavar=("NAME", "NPROC", "OVERRIDES"),
                    help="an ad-hoc layout: a name, a process count and its overrides as one quoted string")
@@ -39,13 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def selected_layouts(args: argparse.Namespace) -> list[Layout]:
     known = all_layouts()
-    layouts = [layout for suite in args.suite for layout in SUITES[suite]]
+    layouts = [layout for suite in args.suite if suite in SUITES for layout in SUITES[suite]]
     for name in args.layout:
         if name not in known:
             sys.exit(f"error: unknown layout {name!r}; see --list")
         layouts.append(known[name])
     layouts += [Layout(name, int(nproc), tuple(overrides.split())) for name, nproc, overrides in args.custom]
-    if not layouts:
+    if not layouts and not set(args.suite) & set(MATRIX_SUITES):
         sys.exit("error: choose layouts with --suite, --layout or --custom (see --list)")
     return list({layout.name: layout for layout in layouts}.values())  # each once, in order
 
@@ -79,14 +91,56 @@ def plot(path: Path, baseline, comparisons) -> None:
     print(f"wrote {path}")
 
 
+def run_matrix(points: list[layout_matrix.Point], workdir: Path, steps: int) -> int:
+    """Runs matrix points and prints their table; returns the number that did not have their
+    planned outcome."""
+    runner = layout_matrix.MatrixRunner(workdir / "matrix", steps=steps)
+    refused = sum(p.refused_by_design for p in points)
+    print(f"layout matrix: {len(points)} points ({len(points) - refused} to compare with one process, {refused} to be "
+          f"refused); {', '.join(f'{n} ranks: {sum(p.nproc == n for p in points)}' for n in layout_matrix.WORLD_SIZES)}\n")
+    print("| layout | ranks | max \\|loss diff\\| | final grad norm rel. diff | wall s | result |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    failed, worst = 0, (0.0, 0.0)
+    for point in points:
+        start = time.perf_counter()
+        outcome = runner.run(point)
+        planned = outcome.status == ("refused" if point.refused_by_design else "ok")
+        failed += not planned
+        c = outcome.comparison
+        if c is not None:
+            worst = (max(worst[0], c.max_loss_diff), max(worst[1], c.grad_norm_rel_diff))
+        numbers = f"{c.max_loss_diff:.2e} | {c.grad_norm_rel_diff:.2e}" if c is not None else " | "
+        result = {"ok": "ok" if planned else "FAIL (trained, but planned to be refused)", "FAIL": "FAIL",
+                  "error": "FAIL (run failed)"}.get(outcome.status, "")
+        if outcome.status == "refused":
+            result = ("refused: " if planned else "FAIL (refused unplanned): ") + outcome.detail.replace("|", "\\|")
+        print(f"| {point.name} | {point.nproc} | {numbers} | {time.perf_counter() - start:.0f} | {result} |", flush=True)
+        if outcome.status == "error":
+            print(outcome.detail, file=sys.stderr)
+    print(f"\nlargest |loss diff| {worst[0]:.2e}, largest final grad-norm difference {worst[1]:.2e} (relative); "
+          f"{failed} point(s) without their planned outcome")
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         for suite, layouts in SUITES.items():
             for layout in layouts:
                 print(f"{suite:5} {layout.name:24} {layout.nproc} ranks  {' '.join(layout.overrides)}")
+        for point in layout_matrix.generate():
+            print(f"matrix {point.name:40} {point.nproc} ranks  {' '.join(point.overrides())}")
         return 0
     layouts = selected_layouts(args)
+    matrix = [s for s in args.suite if s in MATRIX_SUITES]
+    if matrix:
+        points = list(layout_matrix.generate()) if "matrix" in matrix else layout_matrix.ci_points()
+        with tempfile.TemporaryDirectory() as tmp:
+            failed = run_matrix(points, args.workdir or Path(tmp), args.steps)
+        if not layouts:
+            return 1 if failed else 0
+    else:
+        failed = 0
     if args.plot:
         pyplot()  # a missing matplotlib is reported before minutes of training, not after
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baseline: 1 process, {args.steps} steps, losses {baseline.losses[0]:.4f} -> {baseline.losses[-1]:.4f}\n")
         print("| layout | ranks | max \\|loss diff\\| | final grad norm rel. diff | wall s | result |")
         print("| --- | ---: | ---: | ---: | ---: | --- |")
-        comparisons, failed = [], 0
+        comparisons = []
         for layout in layouts:
             try:
                 c = harness.compare(layout)

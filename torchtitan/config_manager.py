@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import typing
@@ -244,11 +245,13 @@ class JobConfig:
 # Reading values
 
 
+@functools.cache  # the classes are fixed; resolving their type hints is the slow part of parsing
 def _sections() -> dict[str, type]:
     hints = typing.get_type_hints(JobConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
 
 
+@functools.cache
 def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}

@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 import warnings
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -30,6 +30,7 @@ from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
+from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_profiling
 
@@ -69,10 +70,20 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
     return dataclasses.replace(flavor, **{k: v for k, v in updates.items() if k == "vocab_size" or hasattr(flavor, k)})
 
 
-def train(job_config: JobConfig) -> None:
-    t = job_config.training
-    # Everything that can be checked without a process group is checked first, on every rank.
-    parallel_dims = validate_world_size(job_config, tt_dist.world_size())
+class Preflight(NamedTuple):
+    """What a job is checked and built from before any process group exists."""
+
+    parallel_dims: ParallelDims
+    train_spec: TrainSpec
+    tokenizer: Any
+    model_args: Any
+
+
+def preflight(job_config: JobConfig, world_size: int) -> Preflight:
+    """Every check that needs no process group, in the order a run meets them; raises ConfigError
+    (or another user error) with one line. Runs on every rank before start-up, and in-process
+    wherever a layout must be judged without starting it (the layout matrix)."""
+    parallel_dims = validate_world_size(job_config, world_size)
     if job_config.experimental.custom_import:
         importlib.import_module(job_config.experimental.custom_import)  # registers extra models
     train_spec = get_train_spec(job_config.model.name)
@@ -87,7 +98,14 @@ def train(job_config: JobConfig) -> None:
     device_type = tt_dist.device_type()
     tt_dist.check_device_features(job_config, device_type)
     check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
+    return Preflight(parallel_dims, train_spec, tokenizer, model_args)
 
+
+def train(job_config: JobConfig) -> None:
+    t = job_config.training
+    # Everything that can be checked without a process group is checked first, on every rank.
+    parallel_dims, train_spec, tokenizer, model_args = preflight(job_config, tt_dist.world_size())
+    device_type = tt_dist.device_type()
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
     tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)

@@ -1,10 +1,18 @@
 import pytest
 
+from torchtitan.tools.layout_matrix import MatrixRunner
 from torchtitan.tools.parity import ParityHarness
 
 
 @pytest.fixture(scope="session")
 def parity(tmp_path_factory) -> ParityHarness:
     """One harness per test session: the seed checkpoint and the baseline are made once and
-    shared by every parity and memory test."""
+    shared by every parity test."""
     return ParityHarness(tmp_path_factory.mktemp("parity"))
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory) -> MatrixRunner:
+    """The layout matrix's runner, shared by the matrix and memory tests: each point runs once,
+    each model's seed checkpoint and baseline once."""
+    return MatrixRunner(tmp_path_factory.mktemp("matrix"))

@@ -1,6 +1,6 @@
 """A checkpoint written under one parallel layout continues under another with the losses of a
 run that never changed layout (within 1e-4), the data position included: FSDP 4 -> TP 2 x FSDP 2
--> PP 2 x FSDP 2, and TP 2 x FSDP 2 -> one process. Every run keeps the global batch (8 rows);
+-> PP 2 x FSDP 2, TP 2 x FSDP 2 -> one process, and FSDP 4 -> ZeRO-1 HSDP 2 x 2 -> ZeRO-1 DDP 4. Every run keeps the global batch (8 rows);
 the data-parallel degree changes from 4 to 2 to 1, and the resumed runs read the data in the
 checkpoint's 4 shards (training.dataset_shards stays at its default, -1)."""
 
@@ -18,6 +18,11 @@ LAYOUTS = {  # name: (processes, per-rank batch, overrides)
     "pp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--experimental.pipeline_parallel_degree", "2"]),
     "pp2": (2, 8, ["--experimental.pipeline_parallel_degree", "2"]),
     "single": (1, 8, []),
+    # ZeRO-1: optimizer state split over the replicas (2 and then 4 owners per parameter set).
+    "zero1_hsdp2x2": (4, 2, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree",
+                             "2", "--optimizer.zero1"]),
+    "zero1_ddp4": (4, 2, ["--training.data_parallel_replicate_degree", "4", "--training.data_parallel_shard_degree",
+                          "1", "--optimizer.zero1"]),
 }
 
 
@@ -69,6 +74,18 @@ def test_fsdp4_to_tp2_fsdp2_to_pp2_fsdp2_and_to_one_process(reference, tmp_path)
     single, result = resume(tmp_path, "single", "single", tp_fsdp, 10)
     assert "(4 per data-parallel rank)" in result.stdout
     assert_continues(reference, single, 11)
+
+
+def test_zero1_checkpoints_hold_every_replicas_share_and_load_under_other_owners(reference, tmp_path):
+    """Each ZeRO-1 replica saves only the optimizer state it owns, by parameter name; FSDP 4's
+    checkpoint loads into HSDP 2 x 2 with ZeRO-1 (each replica takes its owned half), whose
+    checkpoint then loads into DDP 4 with ZeRO-1 (other owners, no sharding), losses unchanged."""
+    hsdp, result = resume(tmp_path, "zero1_hsdp2x2", "zero1_hsdp2x2", reference, 5)
+    assert "applied ZeRO-1 over mesh {'dp_replicate': 2}" in result.stdout
+    assert_continues(reference, hsdp, 6)
+    ddp, result = resume(tmp_path, "zero1_ddp4", "zero1_ddp4", hsdp, 10)
+    assert "applied ZeRO-1 over mesh {'dp_replicate': 4}" in result.stdout
+    assert_continues(reference, ddp, 11)
 
 
 def test_tied_embeddings_saved_by_two_pipeline_stages_load_into_one_weight(tmp_path):

@@ -1,45 +1,51 @@
-"""FSDP shards what each rank holds: per-rank parameter + optimizer-state bytes under FSDP N are
-about 1/N of the single-process total (DDP keeps a full copy on every rank).
+"""What each rank holds under data parallelism, measured on the layout matrix's runs (no runs of
+its own): parameters are split over the ranks that shard them (dp_shard x cp); optimizer state is
+split over those and, with ZeRO-1, over the replicas too; plain DDP keeps a full copy.
 
-The counts come from the line every rank logs after its first step; the runs are the parity
-harness's, so this test adds no training runs of its own.
+The counts come from the line every rank logs after its first step.
 """
 
 import re
 
-import torch
+import pytest
 
-from torchtitan.models import get_train_spec
-from torchtitan.tools.parity import all_layouts
+from torchtitan.tools.layout_matrix import ci_points
 
 _LINE = re.compile(r"rank (\d+) holds parameters ([\d.]+) MiB, optimizer state ([\d.]+) MiB")
+# Data-parallel points only: TP and PP split the model itself, by other rules.
+DATA_PARALLEL = [p for p in ci_points() if p.nproc > 1 and not p.refused_by_design
+                 and set(p.degrees.active) <= {"dp_replicate", "dp_shard", "cp"}]
 
 
-def state_bytes_per_rank(stdout: str) -> dict[int, float]:
-    return {int(r): (float(p) + float(o)) * 2**20 for r, p, o in _LINE.findall(stdout)}
+def held_per_rank(stdout: str) -> dict[int, tuple[float, float]]:
+    """{rank: (parameter MiB, optimizer-state MiB)}."""
+    return {int(r): (float(p), float(o)) for r, p, o in _LINE.findall(stdout)}
 
 
-def one_block_bytes() -> float:
-    """A transformer block's parameters and their two AdamW moments, in fp32."""
-    spec = get_train_spec("llama3")
-    with torch.device("meta"):
-        model = spec.model_cls.from_model_args(spec.config["debugmodel"])
-    return 3 * 4 * sum(p.numel() for p in model.layers["0"].parameters())
+def test_the_points_cover_fsdp_hsdp_and_zero1():
+    kinds = {("zero1" if p.value("zero1") == "on" else "hsdp" if p.degrees.dp_replicate > 1 and
+              p.degrees.dp_shard * p.degrees.cp > 1 else "ddp" if p.degrees.dp_replicate > 1 else "fsdp")
+             for p in DATA_PARALLEL}
+    assert {"fsdp", "hsdp", "zero1"} <= kinds, kinds
 
 
-def test_fsdp_holds_one_nth_of_the_state_per_rank(parity):
-    (total,) = state_bytes_per_rank(parity.baseline().stdout).values()
-    block = one_block_bytes()
-    assert total > 8 * block  # the debug model has 8 blocks plus embedding and output
-    for name, n in (("fsdp2", 2), ("fsdp4", 4), ("hsdp2x2", 2)):
-        per_rank = state_bytes_per_rank(parity.run(all_layouts()[name]).stdout)
-        assert sorted(per_rank) == list(range(all_layouts()[name].nproc)), per_rank
-        for rank, held in per_rank.items():
-            print(f"{name} rank {rank}: {held / 2**20:.2f} MiB of {total / 2**20:.2f} MiB (1/{n} = {total / n / 2**20:.2f})")
-            assert abs(held - total / n) <= 0.1 * total / n + block, (name, rank, held, total)
-
-
-def test_ddp_holds_a_full_copy_per_rank(parity):
-    (total,) = state_bytes_per_rank(parity.baseline().stdout).values()
-    per_rank = state_bytes_per_rank(parity.run(all_layouts()["ddp2"]).stdout)
-    assert len(per_rank) == 2 and all(held == total for held in per_rank.values()), (per_rank, total)
+@pytest.mark.parametrize("point", DATA_PARALLEL, ids=[p.name for p in DATA_PARALLEL])
+def test_each_rank_holds_its_share(matrix, point):
+    outcome = matrix.check(point)
+    (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared()).stdout).values()
+    held = held_per_rank(outcome.comparison.run.stdout)
+    assert sorted(held) == list(range(point.nproc)), held
+    d = point.degrees
+    shards = d.dp_shard * d.cp
+    state_shards = shards * (d.dp_replicate if point.value("zero1") == "on" else 1)
+    # FSDP shards each tensor (the last rank's share can be short); ZeRO-1 hands out whole tensors,
+    # so its shares are even up to the largest tensor's state (the embedding: 2 x 2256 x 128 x 4 B).
+    largest_state = 2 * 2256 * 128 * 4 / 2**20 if state_shards > shards else 0.0
+    for rank, (params, state) in held.items():
+        print(f"{point.name} rank {rank}: parameters {params:.3f} of {total_params:.3f} MiB (1/{shards}), "
+              f"optimizer state {state:.3f} of {total_state:.3f} MiB (1/{state_shards})")
+        assert abs(params - total_params / shards) <= 0.1 * total_params / shards, (rank, params)
+        assert abs(state - total_state / state_shards) <= 0.1 * total_state / state_shards + largest_state, (rank, state)
+    # Nothing is lost: the shares add up to the whole (each replica group holds it all once).
+    groups = d.dp_replicate if state_shards == shards else 1
+    assert sum(s for _, s in held.values()) == pytest.approx(groups * total_state, rel=1e-3)

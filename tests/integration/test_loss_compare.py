@@ -14,8 +14,8 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_table_passes_an_equal_layout_and_fails_a_different_one(tmp_path):
-    result = run_script("--steps", "3", "--workdir", str(tmp_path), "--layout", "ac_full",
-                        "--custom", "higher_lr", "1", "--optimizer.lr 2e-3")
+    result = run_script("--steps", "3", "--workdir", str(tmp_path), "--custom", "ac_full", "1",
+                        "--activation_checkpoint.mode full", "--custom", "higher_lr", "1", "--optimizer.lr 2e-3")
     assert result.returncode == 1, result.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
     assert rows["ac_full"].rstrip().endswith("| ok |") and "| 0.00e+00 |" in rows["ac_full"]
@@ -25,6 +25,26 @@ def test_table_passes_an_equal_layout_and_fails_a_different_one(tmp_path):
 
 def test_list_and_bad_names():
     listed = run_script("--list")
-    assert listed.returncode == 0 and "ddp2" in listed.stdout and "fsdp2_cpu_offload" in listed.stdout
+    assert listed.returncode == 0 and "fsdp2_cpu_offload" in listed.stdout
+    assert "matrix rep2_fsdp2_cp2 " in listed.stdout  # the generated matrix's points are listed too
     bad = run_script("--layout", "nope")
     assert bad.returncode != 0 and "unknown layout 'nope'" in bad.stderr
+
+
+def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(tmp_path, capsys):
+    """The matrix part of the script: a refused point's row carries its one-line reason; a point
+    whose outcome differs from the plan (here: planned as refused, but it trains) counts as failed."""
+    import importlib.util
+
+    from torchtitan.tools import layout_matrix as lm
+
+    spec = importlib.util.spec_from_file_location("loss_compare", REPO_ROOT / "scripts" / "loss_compare.py")
+    loss_compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loss_compare)
+    refused = next(p for p in lm.generate() if p.refused_by_design)
+    plain = lm._point({}, dp_shard=1)
+    mislabelled = lm.Point(plain.degrees, plain.variants, plain.schedule, refused_by_design=True)
+    assert loss_compare.run_matrix([refused, mislabelled], tmp_path, steps=2) == 1
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert f"refused: {lm.refusal(refused)}" in rows[refused.name]
+    assert rows["single"].rstrip().endswith("| FAIL (trained, but planned to be refused) |")

@@ -174,6 +174,28 @@ def test_shipped_csv_gives_csv_plan():
     assert len(rows) == plan.pp and all(len(row.split(",")) == 2 * plan.microbatches for row in rows)
 
 
+@pytest.mark.parametrize("schedule", [s for s, kind in SCHEDULES.items() if kind.split_backward])
+def test_op_level_checkpointing_refused_with_split_backward_schedules(schedule):
+    op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    base = ["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_schedule", schedule]
+    with pytest.raises(ConfigError, match="selective_ac_option 'op' cannot run under pipeline schedule"):
+        parse_args([*base, *op_ac])
+    # Block-level checkpointing, and op-level with a schedule that runs backward in one pass, are fine.
+    assert plan_pipeline(parse_args([*base, "--activation_checkpoint.mode", "full"])).split_backward
+    assert not plan_pipeline(parse_args([*op_ac, *base[:3], "Interleaved1F1B"])).split_backward
+
+
+def test_csv_with_weight_gradient_actions_splits_backward(tmp_path):
+    csv = tmp_path / "zb.csv"
+    csv.write_text("0F0,0I0,0W0\n1F0,1I0,1W0\n")
+    assert plan_pipeline(pp_config(pp=2, schedule_csv=csv, microbatches=1)).split_backward
+    assert not plan_pipeline(pp_config(pp=2, schedule_csv=SHIPPED_CSV)).split_backward
+    with pytest.raises(ConfigError, match="schedule CSV"):
+        parse_args(["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_schedule_csv",
+                    str(csv), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                    "op"])
+
+
 # ----------------------------------------------------------------------------- stage placement
 
 

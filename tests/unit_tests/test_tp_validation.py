@@ -97,7 +97,7 @@ def test_vocab_padding_refused_for_a_model_without_the_field():
 
 @pytest.mark.parametrize("args,tp,device,fragment", [
     ([], 1, "cpu", "needs CUDA GPUs with float8 units"),
-    (["--float8.emulate"], 2, "cpu", "float8 with sequence parallelism sends float8 tensors through collectives"),
+    (["--float8.emulate"], 2, "cpu", "float8 with tensor and sequence parallelism sends float8 tensors through the TP collectives"),
 ])
 def test_float8_refusals(args, tp, device, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -92,12 +92,14 @@ def clip_grad_norm_(
     left out of the norm. max_norm <= 0 only measures.
     """
     params = [p for p in parameters if p.grad is not None]
-    # foreach kernels cannot mix DTensors with plain tensors: one group of each.
-    groups = [g for g in ([p for p in params if isinstance(p.grad, DTensor)],
-                          [p for p in params if not isinstance(p.grad, DTensor)]) if g]
+    # foreach kernels cannot mix DTensors with plain tensors, nor DTensors of different meshes (under
+    # TP without sequence parallelism, FSDP/HSDP leaves the norms on a mesh without the tp dim).
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     skip = {id(p) for p in uncounted}
     norms = []
-    for group in ([p for p in g if id(p) not in skip] for g in groups):
+    for group in ([p for p in g if id(p) not in skip] for g in groups.values()):
         if not group:
             continue
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
@@ -111,7 +113,7 @@ def clip_grad_norm_(
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total.sqrt()
     if max_norm > 0:
-        for group in groups:
+        for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 

@@ -31,8 +31,9 @@ def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bo
     if device_type == "cpu" and tp_enabled and not job_config.training.disable_sequence_parallel:
         # torchao's sequence-parallel styles move float8 activations (forward) and float8 gradients
         # (backward) through the TP collectives.
-        raise ConfigError("float8 with sequence parallelism sends float8 tensors through collectives, which gloo "
-                          "(CPU) cannot do; add --training.disable_sequence_parallel, or run on CUDA GPUs")
+        raise ConfigError("float8 with tensor and sequence parallelism sends float8 tensors through the TP collectives, "
+                          "which gloo (CPU) cannot carry; on CPU add --training.disable_sequence_parallel (float8 TP "
+                          "without it runs here); on CUDA GPUs NCCL carries them and the layout runs as configured")
     if f.emulate:  # runs anywhere; apply_float8 says it is emulated
         return
     if device_type != "cuda":

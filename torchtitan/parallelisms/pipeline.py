@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +28,7 @@ class ScheduleKind:
     v_shape: bool  # stages placed V-wise: rank r holds stages r and (num_stages - 1 - r)
     per_round: bool  # microbatches run in rounds of pp, so their count must be a multiple of pp
     min_microbatches: str  # "one", "pp", or "stages" (pp x stages per rank)
+    split_backward: bool = False  # runs input and weight gradients as two backward passes (zero bubble)
 
 
 # Every schedule PyTorch ships (torch.distributed.pipelining), keyed by the name users type.
@@ -35,9 +37,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "1F1B": ScheduleKind(False, False, False, "stages"),
     "Interleaved1F1B": ScheduleKind(True, False, True, "pp"),
     "LoopedBFS": ScheduleKind(True, False, False, "one"),
-    "InterleavedZeroBubble": ScheduleKind(True, False, True, "pp"),
-    "ZBVZeroBubble": ScheduleKind(True, True, False, "stages"),
-    "DualPipeV": ScheduleKind(True, True, False, "stages"),
+    "InterleavedZeroBubble": ScheduleKind(True, False, True, "pp", split_backward=True),
+    "ZBVZeroBubble": ScheduleKind(True, True, False, "stages", split_backward=True),
+    "DualPipeV": ScheduleKind(True, True, False, "stages", split_backward=True),
 }
 CSV_SCHEDULE = "CSV"
 
@@ -72,6 +74,8 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
+
+    split_backward: bool = False  # input and weight gradients in two backward passes (zero bubble, CSV I/W)
 
     @property
     def v_shape(self) -> bool:
@@ -132,7 +136,29 @@ def plan_pipeline(job_config: JobConfig) -> PipelinePlan:
         if kind.per_round and microbatches % pp:
             raise ConfigError(f"pipeline schedule {schedule} runs microbatches in rounds of the pipeline degree {pp}; "
                               f"{microbatches} microbatches is not a multiple of it")
-    return PipelinePlan(schedule, pp, stages_per_rank, microbatches)
+    split_backward = _splits_backward(job_config, kind)
+    _check_backward_passes(job_config, schedule, split_backward)
+    return PipelinePlan(schedule, pp, stages_per_rank, microbatches, split_backward)
+
+
+def _splits_backward(job_config: JobConfig, kind: ScheduleKind | None) -> bool:
+    """Whether the schedule runs the input and the weight gradients of a microbatch as two backward
+    passes over the same graph: the zero-bubble family, and CSV schedules with I / W actions."""
+    if kind is not None:
+        return kind.split_backward
+    with open(job_config.experimental.pipeline_parallel_schedule_csv) as f:
+        return re.search(r"\d+[IW]\d+", f.read()) is not None
+
+
+def _check_backward_passes(job_config: JobConfig, schedule: str, split_backward: bool) -> None:
+    """Op-level selective activation checkpointing keeps each saved tensor for exactly one backward
+    pass, so it cannot serve a schedule that splits backward in two."""
+    ac = job_config.activation_checkpoint
+    if split_backward and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ConfigError(f"activation_checkpoint.selective_ac_option 'op' cannot run under pipeline schedule {schedule}: "
+                          "the schedule computes input and weight gradients in two backward passes, and op-level "
+                          "checkpointing keeps its saved tensors for one; use activation_checkpoint.mode full, a block "
+                          "option (selective_ac_option 2), or a schedule without split backward (1F1B, Interleaved1F1B)")
 
 
 def stage_ids_for_rank(pp_rank: int, plan: PipelinePlan) -> list[int]:

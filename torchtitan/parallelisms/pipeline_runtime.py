@@ -24,6 +24,11 @@ def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None, c
     already divides by the number of microbatches (and accumulation steps), so gradients that
     accumulate over several `step()` calls are never divided twice.
     """
+    if plan.split_backward:
+        # Zero-bubble schedules run each microbatch's backward as two passes over one graph (input
+        # gradients with retain_graph, then weight gradients); compiled blocks must then keep the
+        # buffers they would otherwise donate to the first pass. Compilation is lazy, so this is in time.
+        torch._functorch.config.donated_buffer = False
     if plan.schedule == CSV_SCHEDULE:
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn,
                                                       scale_grads=False)

@@ -71,8 +71,19 @@ class TiedWeights:
         """Sums the two copies' gradients (after the last backward of a step, before clipping)."""
         first, last = self._weight(self.first), self._weight(self.last)
         if first is not None and last is not None:
-            total = _local(first.grad) + _local(last.grad)
-            _local(first.grad).copy_(total)
-            _local(last.grad).copy_(total)
+            total = _local_grad(first) + _local_grad(last)
+            _local_grad(first).copy_(total)
+            _local_grad(last).copy_(total)
         elif self.group is not None:
-            dist.all_reduce(_local((first if first is not None else last).grad), group=self.group)
+            dist.all_reduce(_local_grad(first if first is not None else last), group=self.group)
+
+
+def _local_grad(weight: nn.Parameter) -> torch.Tensor:
+    """This rank's part of `weight`'s gradient, laid out like the weight itself. Under tensor
+    parallelism the vocabulary-sharded embedding's gradient arrives as a pending sum over the tp
+    ranks (Partial), not sharded like its weight; the two stages' copies only line up shard for
+    shard once it is redistributed to the weight's placements."""
+    grad = weight.grad
+    if isinstance(grad, DTensor) and grad.placements != weight.placements:
+        grad = weight.grad = grad.redistribute(grad.device_mesh, weight.placements)
+    return _local(grad)

@@ -7,8 +7,9 @@ baseline. A layout is a name, a process count and a list of overrides; the harne
 per-rank batch size from the layout's data-parallel degree and gradient-accumulation steps, so
 the global batch never changes.
 
-Used by the parity tests (tests/integration/test_parity.py) and by scripts/loss_compare.py,
-which prints a table and can plot the loss curves. Later parallelisms add their own SUITES.
+Used by the parity tests (tests/integration/test_parity.py), by the layout matrix
+(layout_matrix.py) and by scripts/loss_compare.py, which prints a table and can plot the loss
+curves.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Layout:
     name: str
     nproc: int
     overrides: tuple[str, ...]
-    expect_log: str = ""
+    expect_log: str | tuple[str, ...] = ""  # one line, or several that must all appear
     shared: tuple[str, ...] = ()
     loss_tolerance: float | None = None
 
@@ -57,96 +58,27 @@ FLOAT8 = "--float8.enable_float8_linear --float8.emulate"
 FLOAT8_TOLERANCE = 1e-3
 
 
-# The layout tables, one suite per parallelism family. Each runs against the same baseline.
+# Hand-picked layouts for what the layout matrix (layout_matrix.py) does not vary: options of one
+# parallelism (DDP buckets, FSDP resharding and offload, vocabulary padding, CSV schedules) and
+# float8. The layouts themselves, every combination of degrees and the variants that interact
+# with them, are the matrix's job. Each suite runs against a baseline of the debug model.
 SUITES: dict[str, list[Layout]] = {
     "dp": [
-        L("fsdp2", 2, "--training.data_parallel_shard_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}"),
-        L("fsdp4", 4, "--training.data_parallel_shard_degree 4", "applied FSDP over mesh {'dp_shard_cp': 4}"),
-        L("hsdp2x2", 4, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 2",
-          "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard_cp': 2}"),
-        L("ddp2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1",
-          "applied DDP over mesh {'dp_replicate': 2}"),
-        L("ddp4", 4, "--training.data_parallel_replicate_degree 4 --training.data_parallel_shard_degree 1",
-          "applied DDP over mesh {'dp_replicate': 4}"),
         L("ddp2_bucket1mb_accum2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1 "
           "--training.ddp_bucket_cap_mb 1 --training.gradient_accumulation_steps 2", "(bucket 1 MB"),
-        L("fsdp2_accum2", 2, "--training.data_parallel_shard_degree 2 --training.gradient_accumulation_steps 2",
-          "applied FSDP over mesh {'dp_shard_cp': 2}"),
         L("fsdp2_reshard_never", 2, "--training.data_parallel_shard_degree 2 --training.fsdp_reshard_after_forward never",
           "reshard after forward: never"),
         L("fsdp2_cpu_offload", 2, "--training.data_parallel_shard_degree 2 --training.enable_cpu_offload",
           "offloaded to CPU"),
-        L("ddp2_compile", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1 "
-          "--training.compile", "compiled 8 transformer blocks"),
-    ],
-    "ac": [
-        L("ac_full", 1, "--activation_checkpoint.mode full", "applied full activation checkpointing to 8 of 8 blocks"),
-        L("ac_selective2", 1, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2",
-          "applied selective activation checkpointing to 4 of 8 blocks"),
-        L("ac_op", 1, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
-          "applied selective (op-level) activation checkpointing to 8 of 8 blocks"),
     ],
     "tp": [
-        L("tp2", 2, "--training.tensor_parallel_degree 2",
-          "applied tensor parallelism over mesh {'tp': 2} (sequence parallel on, loss parallel on)"),
-        L("tp2_no_sp", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
-          "(sequence parallel off, loss parallel on)"),
-        L("tp2_no_lp", 2, "--training.tensor_parallel_degree 2 --training.disable_loss_parallel",
-          "(sequence parallel on, loss parallel off)"),
-        L("tp4", 4, "--training.tensor_parallel_degree 4", "applied tensor parallelism over mesh {'tp': 4}"),
         L("tp2_padded_vocab", 2, "--training.tensor_parallel_degree 2", "vocab 2256 (+48 padding)",
           shared="--model.vocab_size_divisible_by 64"),
-        L("fsdp2_tp2", 4, "--training.tensor_parallel_degree 2 --training.data_parallel_shard_degree 2",
-          "applied FSDP over mesh {'dp_shard_cp': 2}"),
-        L("ddp2_tp2", 4, "--training.tensor_parallel_degree 2 --training.data_parallel_replicate_degree 2 "
-          "--training.data_parallel_shard_degree 1", "applied DDP (FSDP-based replicate) over mesh {'dp_replicate': 2}"),
-        L("tp2_ac_full", 2, "--training.tensor_parallel_degree 2 --activation_checkpoint.mode full",
-          "applied full activation checkpointing to 8 of 8 blocks"),
-        L("tp2_ac_selective2", 2, "--training.tensor_parallel_degree 2 --activation_checkpoint.mode selective "
-          "--activation_checkpoint.selective_ac_option 2", "applied selective activation checkpointing to 4 of 8 blocks"),
-        L("tp2_compile", 2, "--training.tensor_parallel_degree 2 --training.compile", "compiled 8 transformer blocks"),
     ],
     "pp": [
-        L("pp2_gpipe", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule GPipe",
-          "schedule GPipe, 2 microbatches"),
-        L("pp2_1f1b", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule 1F1B",
-          "schedule 1F1B, 2 microbatches"),
-        L("pp2_interleaved1f1b", 2, "--experimental.pipeline_parallel_degree 2 "
-          "--experimental.pipeline_parallel_schedule Interleaved1F1B", "4 stages (cost-balanced"),
-        L("pp2_loopedbfs", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule LoopedBFS",
-          "schedule LoopedBFS, 4 microbatches"),
-        L("pp2_interleaved_zb", 2, "--experimental.pipeline_parallel_degree 2 "
-          "--experimental.pipeline_parallel_schedule InterleavedZeroBubble", "schedule InterleavedZeroBubble"),
-        L("pp2_zbv", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule ZBVZeroBubble",
-          "schedule ZBVZeroBubble"),
-        L("pp2_dualpipev", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule DualPipeV",
-          "schedule DualPipeV"),
-        L("pp2_accum2", 2, "--experimental.pipeline_parallel_degree 2 --training.gradient_accumulation_steps 2",
-          "schedule 1F1B, 2 microbatches"),
-        L("pp4_1f1b", 4, "--experimental.pipeline_parallel_degree 4", "schedule 1F1B, 4 microbatches"),
         L("pp2_csv_1f1b", 2, "--experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_schedule_csv train_configs/pipeline_schedules/1f1b_pp2_2microbatches.csv",
           "schedule CSV, 2 microbatches"),
-        L("pp2_fsdp2", 4, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2",
-          "applied FSDP over mesh {'dp_shard_cp': 2}"),
-        L("pp2_ddp2", 4, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_replicate_degree 2 "
-          "--training.data_parallel_shard_degree 1", "applied DDP (FSDP-based replicate) over mesh {'dp_replicate': 2}"),
-        L("pp2_tp2", 4, "--experimental.pipeline_parallel_degree 2 --training.tensor_parallel_degree 2",
-          "applied tensor parallelism over mesh {'tp': 2}"),
-        L("pp2_fsdp2_tp2", 8, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2 "
-          "--training.tensor_parallel_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}"),
-    ],
-    "cp": [
-        L("cp2", 2, "--experimental.context_parallel_degree 2", "applied context parallelism over mesh {'cp': 2}"),
-        L("cp4", 4, "--experimental.context_parallel_degree 4", "applied context parallelism over mesh {'cp': 4}"),
-        L("fsdp2_cp2", 4, "--experimental.context_parallel_degree 2 --training.data_parallel_shard_degree 2",
-          "applied FSDP over mesh {'dp_shard_cp': 4}"),
-        L("tp2_cp2", 4, "--experimental.context_parallel_degree 2 --training.tensor_parallel_degree 2",
-          "applied context parallelism over mesh {'cp': 2}"),
-        L("pp2_cp2", 4, "--experimental.context_parallel_degree 2 --experimental.pipeline_parallel_degree 2",
-          "applied context parallelism over mesh {'cp': 2}"),
-        L("fsdp2_tp2_cp2", 8, "--experimental.context_parallel_degree 2 --training.data_parallel_shard_degree 2 "
-          "--training.tensor_parallel_degree 2", "applied FSDP over mesh {'dp_shard_cp': 4}"),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [
@@ -158,30 +90,7 @@ SUITES: dict[str, list[Layout]] = {
         L("float8_tp2", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
           "float8 projections", shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
     ],
-    # Tied input and output embeddings (Llama 3.2 style), against one process of the tied model.
-    "tied": [
-        L("tied_fsdp2", 2, "--training.data_parallel_shard_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}",
-          shared="--model.flavor debugmodel_tied"),
-        L("tied_tp2", 2, "--training.tensor_parallel_degree 2", "applied tensor parallelism over mesh {'tp': 2}",
-          shared="--model.flavor debugmodel_tied"),
-        L("tied_fsdp2_tp2", 4, "--training.data_parallel_shard_degree 2 --training.tensor_parallel_degree 2",
-          "applied FSDP over mesh {'dp_shard_cp': 2}", shared="--model.flavor debugmodel_tied"),
-        L("tied_pp2", 2, "--experimental.pipeline_parallel_degree 2", "schedule 1F1B",
-          shared="--model.flavor debugmodel_tied"),
-        L("tied_pp2_zbv", 2, "--experimental.pipeline_parallel_degree 2 --experimental.pipeline_parallel_schedule "
-          "ZBVZeroBubble", "schedule ZBVZeroBubble", shared="--model.flavor debugmodel_tied"),
-        L("tied_pp2_fsdp2", 4, "--experimental.pipeline_parallel_degree 2 --training.data_parallel_shard_degree 2",
-          "applied FSDP over mesh {'dp_shard_cp': 2}", shared="--model.flavor debugmodel_tied"),
-    ],
-    # Eight-process layouts whose parts each have their own row above. On two cores one costs about
-    # two minutes, so the test suite leaves them out (TESTED_SUITES); scripts/loss_compare.py runs them.
-    "large": [
-        L("hsdp2x2_tp2", 8, "--training.tensor_parallel_degree 2 --training.data_parallel_replicate_degree 2 "
-          "--training.data_parallel_shard_degree 2", "applied HSDP over mesh {'dp_replicate': 2, 'dp_shard_cp': 2}"),
-    ],
 }
-# The suites the parity tests run (tests/integration/test_parity.py).
-TESTED_SUITES = ("dp", "ac", "tp", "pp", "cp", "float8", "tied")
 
 
 def all_layouts() -> dict[str, Layout]:
@@ -269,8 +178,10 @@ class ParityHarness:
             seconds = time.perf_counter() - start
             if "loaded model from" not in result.stdout:
                 raise ParityError(f"{layout.name}: the run did not start from the seed checkpoint")
-            if layout.expect_log and layout.expect_log not in result.stdout:
-                raise ParityError(f"{layout.name}: expected the log line {layout.expect_log!r}; the layout was not applied")
+            expected = (layout.expect_log,) if isinstance(layout.expect_log, str) else layout.expect_log
+            for line in expected:
+                if line and line not in result.stdout:
+                    raise ParityError(f"{layout.name}: expected the log line {line!r}; the layout was not applied")
             self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds)
         return self._runs[layout.name]
 

@@ -1,7 +1,8 @@
 """parallelize_llama: applies parallelisms to a Llama model (or one pipeline stage of it).
 
 Order matters and is fixed: tensor parallelism -> context parallelism -> activation checkpointing
--> torch.compile -> FSDP/HSDP or DDP. Each step is one small `apply_*` that logs one line. `validate_llama` checks,
+-> torch.compile -> FSDP/HSDP or DDP (under TP, block-level checkpointing wraps the compiled block
+instead; see there). Each step is one small `apply_*` that logs one line. `validate_llama` checks,
 before any process group exists, that the model's shapes allow the requested layout.
 """
 
@@ -65,7 +66,12 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh, t.seq_len)  # before AC wraps the blocks
-    if ac.mode != "none":
+    # PyTorch 2.13 cannot compile a block-level checkpoint around DTensor (TP) code: AOT autograd tries
+    # to save the DTensor's mesh for backward. Under TP such blocks are compiled first and checkpointed
+    # around the compiled code (op-level AC keeps its policy inside the graph and compiles as usual).
+    op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
+    checkpoint_compiled = t.compile and parallel_dims.tp_enabled and not op_level
+    if ac.mode != "none" and not checkpoint_compiled:
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
         apply_compile(model)
@@ -74,6 +80,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             # (the embedding's output), its input gradient skips the to_local's backward, and the
             # embedding's redistribute then receives a plain tensor. A copy breaks the alias.
             model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
+    if ac.mode != "none" and checkpoint_compiled:
+        apply_ac(model, ac.mode, ac.selective_ac_option)
 
     apply_data_parallel(model, parallel_dims, t)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
     return model

@@ -1,0 +1,87 @@
+"""The layout matrix generator (torchtitan/tools/layout_matrix.py): the points it must contain, the
+coverage it promises, and the CI subset. No training runs here; refusals use the in-process preflight."""
+
+import itertools
+
+import pytest
+
+from torchtitan.tools import layout_matrix as lm
+from torchtitan.tools.parity import ParityError
+
+Degrees = lm.Degrees
+
+
+@pytest.fixture(scope="module")
+def points():
+    return lm.generate()
+
+
+def test_base_points_are_every_power_of_two_assignment():
+    base = lm.all_degrees()
+    assert len(base) == len(set(base)) == 1 + 5 + 15 + 35  # C(k+4, 4) assignments of 2^k over 5 dims
+    assert {d.nproc for d in base} == {1, 2, 4, 8}
+    assert Degrees(dp_replicate=2, cp=2) in base and Degrees(dp_replicate=2, dp_shard=2, cp=2) in base
+
+
+
+def test_every_base_point_is_in_the_matrix_once(points):
+    degrees = [p.degrees for p in points]
+    for d in lm.all_degrees():
+        assert d in degrees
+    assert len({p.name for p in points}) == len(points)
+
+
+def test_required_eight_rank_points_are_all_present(points):
+    """Every 8-rank point with dp_replicate > 1 or cp > 1 or three or more dims > 1 (issue 15)."""
+    present = {p.degrees for p in points}
+    required = [d for d in lm.all_degrees((8,)) if d.dp_replicate > 1 or d.cp > 1 or len(d.active) >= 3]
+    assert len(required) == 26 and all(d in present for d in required)
+
+
+def test_every_variant_meets_every_dim_it_interacts_with(points):
+    assert lm.uncovered_goals(points) == []
+    for factor in lm.FACTORS:
+        for value, dim in itertools.product(factor.values, factor.meets):
+            assert any(p.value(factor.name) == value and p.degrees.over(dim) for p in points), (factor.name, value, dim)
+
+
+def test_points_are_refused_exactly_when_planned(points):
+    for p in points:
+        reason = lm.refusal(p)
+        assert (reason is not None) == p.refused_by_design, (p.name, reason)
+        if reason is not None:
+            assert "\n" not in reason and len(reason) < 400, reason
+    # No base point is given up: every refused point is an extra one, added to show its refusal.
+    base = set(lm.all_degrees())
+    assert all(p.degrees in base for p in points if not p.refused_by_design)
+    assert sum(p.refused_by_design for p in points) >= 1
+
+
+def test_ci_subset(points):
+    ci = lm.ci_points(points)
+    assert [p for p in points if p.nproc <= 4] == [p for p in ci if p.nproc <= 4]
+    eight = [p for p in ci if p.nproc == 8]
+    assert len(eight) >= lm.CI_EIGHT_RANK_POINTS
+    for pair in itertools.combinations(lm.DIMS, 2):
+        assert any(all(p.degrees.over(d) for d in pair) for p in eight), pair
+    # The reported layouts and the known holes run in CI; so do every variant goal and every schedule.
+    assert lm.uncovered_goals(ci) == []
+    assert {p.schedule for p in ci if p.schedule} == {s for kind in lm.SCHEDULES.values() for s in kind}
+    assert Degrees(dp_replicate=2, dp_shard=2, cp=2) in {p.degrees for p in eight}
+
+
+def test_points_run_the_depth_their_pipeline_needs(points):
+    for p in points:
+        stages = p.degrees.pp * (2 if p.value("schedule") in ("interleaved", "V") else 1)
+        assert p.depth >= stages and p.depth in (2, 4, 8, 16)
+
+
+def test_generation_is_deterministic(points):
+    assert lm.generate.__wrapped__() == points
+
+
+def test_a_point_refused_against_the_plan_fails_the_check(tmp_path):
+    compile_with_cp = lm._point({"compile": "on"}, cp=2)
+    assert lm.refusal(compile_with_cp) is not None and not compile_with_cp.refused_by_design
+    with pytest.raises(ParityError, match="expected ok, got refused"):
+        lm.MatrixRunner(tmp_path).check(compile_with_cp)

@@ -1,0 +1,429 @@
+"""The layout matrix: every parallel layout up to 8 ranks, with its variants, proven or refused.
+
+Hand-picked parity layouts miss the combinations nobody thought of, so the layout space is
+generated instead:
+
+1. **Base points**: every assignment of power-of-two degrees (dp_replicate, dp_shard, cp, tp, pp)
+   whose product is 1, 2, 4 or 8 (56 points).
+2. **Variants** that change how a layout runs (`FACTORS`: pipeline schedule kind, sequence and
+   loss parallelism, activation checkpointing, compile, tied embeddings, gradient accumulation,
+   ZeRO-1)
+   are placed on the base points greedily, as a pairwise covering rather than the full product:
+   each value of each variant must meet every parallel dim it interacts with at least once
+   (weight 10), the known holes in `NAMED_GOALS` must be met (weight 10), and every pair of
+   variant values (weight 1) meets on some point: on a base point where one has room, else on a
+   small extra point. Expensive values (compile, accumulation,
+   more blocks) cost in proportion to the ranks they run on, so they land on small points.
+   A placement the product refuses is never chosen for a base point; a goal that only refused
+   placements can meet gets a point of its own (for a pair of variants, only then), which must
+   then be refused.
+3. **Outcomes**: a point is either refused before any process starts (the same `preflight` every
+   rank runs before joining the process group, so the refusal is one `ConfigError` line) or
+   trained 10 steps from a seed checkpoint with the global batch of one process, and its losses
+   compared (parity.py). There is no third outcome: a crash, hang or divergence is a bug.
+
+Runs use the `llama3_matrix` model (matrix_model.py), as deep as each point's pipeline needs.
+`ci_points()` is the subset the test suite runs (every point up to 4 ranks and at least 12
+8-rank points covering every pair of dims); `scripts/loss_compare.py --suite matrix` runs all.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from torchtitan.tools.matrix_model import DEPTHS, MODEL_NAME, flavor_name
+from torchtitan.tools.parity import COMPARISON_ARGS, Comparison, Layout, ParityError, ParityHarness
+from torchtitan.tools.runs import TINY_RUN, TrainingFailed
+
+DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+_SHORT = {"dp_replicate": "rep", "dp_shard": "fsdp", "cp": "cp", "tp": "tp", "pp": "pp"}
+_OPTION = {"dp_replicate": "--training.data_parallel_replicate_degree", "dp_shard": "--training.data_parallel_shard_degree",
+           "cp": "--experimental.context_parallel_degree", "tp": "--training.tensor_parallel_degree",
+           "pp": "--experimental.pipeline_parallel_degree"}
+# The mesh's dim order (outermost first), as ParallelDims logs it.
+_MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+WORLD_SIZES = (1, 2, 4, 8)
+GLOBAL_BATCH, DATASET_SHARDS = 16, 8  # divisible by every data-parallel degree x accumulation up to 8 x 2
+CI_EIGHT_RANK_POINTS = 12
+
+
+@dataclass(frozen=True, order=True)
+class Degrees:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def nproc(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    def over(self, dim: str) -> bool:
+        return getattr(self, dim) > 1
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        return tuple(d for d in DIMS if self.over(d))
+
+    @property
+    def name(self) -> str:
+        return "_".join(f"{_SHORT[d]}{getattr(self, d)}" for d in DIMS if self.over(d)) or "single"
+
+    def mesh_text(self) -> str:
+        """The world mesh as the trainer logs it: "{'dp_replicate': 2, 'cp': 2}"."""
+        return str({d: getattr(self, d) for d in _MESH_ORDER if self.over(d)})
+
+
+def all_degrees(world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[Degrees]:
+    """Every power-of-two assignment of the five degrees whose product is in `world_sizes`, fewest
+    ranks first."""
+    powers = [1, 2, 4, 8]
+    points = [Degrees(*d) for d in itertools.product(powers, repeat=len(DIMS))]
+    return sorted((p for p in points if p.nproc in world_sizes), key=lambda p: (p.nproc, [-getattr(p, d) for d in DIMS]))
+
+
+@dataclass(frozen=True)
+class Factor:
+    """A variant of how a layout runs. `values[0]` is what a plain run does; `applies` says on
+    which degrees the variant exists at all; each value must meet every dim in `meets`."""
+
+    name: str
+    values: tuple[str, ...]
+    applies: Callable[[Degrees], bool]
+    meets: tuple[str, ...]
+
+
+FACTORS = (
+    # Single-stage (1F1B, GPipe), multi-stage round-robin (Interleaved1F1B, ...) or V-shaped stages.
+    Factor("schedule", ("single", "interleaved", "V"), lambda d: d.pp > 1, ("dp_replicate", "dp_shard", "cp", "tp")),
+    Factor("sp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp")),
+    Factor("lp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp")),  # loss parallel
+    Factor("ac", ("none", "full", "selective", "op"), lambda d: True, DIMS),
+    Factor("compile", ("off", "on"), lambda d: True, DIMS),
+    Factor("tied", ("untied", "tied"), lambda d: True, DIMS),
+    Factor("accum", ("1", "2"), lambda d: True, DIMS),
+    Factor("zero1", ("off", "on"), lambda d: d.dp_replicate > 1, ("dp_shard", "cp", "tp", "pp")),
+)
+_FACTOR = {f.name: f for f in FACTORS}
+# The concrete schedules of each kind, used in turn so the full matrix runs each of them.
+SCHEDULES = {"single": ("1F1B", "GPipe"), "interleaved": ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"),
+             "V": ("ZBVZeroBubble", "DualPipeV")}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One layout of the matrix: degrees, the value of every applicable variant, the concrete
+    pipeline schedule, and whether the generator placed it to be refused."""
+
+    degrees: Degrees
+    variants: tuple[tuple[str, str], ...]  # (factor, value) for every factor that applies, in FACTORS order
+    schedule: str = ""  # the concrete schedule when pp > 1
+    refused_by_design: bool = field(default=False, compare=False)
+
+    def value(self, factor: str) -> str | None:
+        return dict(self.variants).get(factor)
+
+    @property
+    def nproc(self) -> int:
+        return self.degrees.nproc
+
+    @property
+    def name(self) -> str:
+        extras = [f"{f}_{v}" if f in ("ac", "accum", "sp", "lp") else f
+                  for f, v in self.variants if v != _FACTOR[f].values[0] and f != "schedule"]
+        if self.schedule:
+            extras.insert(0, self.schedule)
+        return "+".join([self.degrees.name, *extras])
+
+    @property
+    def depth(self) -> int:
+        """Blocks the model needs: one per pipeline stage, at least 2."""
+        stages = self.degrees.pp * (2 if self.value("schedule") in ("interleaved", "V") else 1)
+        return next(d for d in DEPTHS if d >= stages)
+
+    def shared(self) -> tuple[str, ...]:
+        """Overrides that define the model (the seed checkpoint and the baseline use them too)."""
+        return ("--experimental.custom_import", "torchtitan.tools.matrix_model", "--model.name", MODEL_NAME,
+                "--model.flavor", flavor_name(self.depth, self.value("tied") == "tied"))
+
+    def overrides(self) -> tuple[str, ...]:
+        args = [a for d in DIMS for a in (_OPTION[d], str(getattr(self.degrees, d)))]
+        v = self.value
+        if self.schedule:
+            args += ["--experimental.pipeline_parallel_schedule", self.schedule]
+        if v("sp") == "off":
+            args.append("--training.disable_sequence_parallel")
+        if v("lp") == "off":
+            args.append("--training.disable_loss_parallel")
+        args += {"none": [], "full": ["--activation_checkpoint.mode", "full"],
+                 "selective": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+                 "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+                 }[v("ac")]
+        if v("compile") == "on":
+            args.append("--training.compile")
+        if v("accum") == "2":
+            args += ["--training.gradient_accumulation_steps", "2"]
+        if v("zero1") == "on":
+            args.append("--optimizer.zero1")
+        return tuple(args)
+
+    def expect_logs(self) -> tuple[str, ...]:
+        """Lines the run must print, proving that the layout and every variant were applied."""
+        v, lines = self.value, []
+        if self.nproc > 1:
+            lines.append(f"built world mesh {self.degrees.mesh_text()}")
+        if self.schedule:
+            lines.append(f"schedule {self.schedule},")
+        if v("sp") == "off":
+            lines.append("sequence parallel off")
+        if v("lp") == "off":
+            lines.append("loss parallel off")
+        lines += {"none": [], "full": ["applied full activation checkpointing"],
+                  "selective": ["applied selective activation checkpointing"],
+                  "op": ["applied selective (op-level) activation checkpointing"]}[v("ac")]
+        if v("compile") == "on":
+            lines.append("transformer blocks with torch.compile")
+        if v("zero1") == "on":
+            lines.append("applied ZeRO-1")
+        return tuple(lines)
+
+    def layout(self) -> Layout:
+        return Layout(self.name, self.nproc, self.overrides(), self.expect_logs(), self.shared())
+
+
+# ------------------------------------------------------------------------------------------------
+# What the placement must achieve
+
+
+@dataclass(frozen=True)
+class Goal:
+    text: str
+    weight: int
+    met_by: Callable[[Point], bool]
+    witness: Point | None = None  # a point that meets it on its own, if the base points do not
+
+
+def _point(variants: dict[str, str], **degrees: int) -> Point:
+    """A point with the given degrees and variant values, every other applicable variant at its default."""
+    d = Degrees(**degrees)
+    values = tuple((f.name, variants.get(f.name, f.values[0])) for f in FACTORS if f.applies(d))
+    kind = dict(values).get("schedule")
+    return Point(d, values, SCHEDULES[kind][0] if kind else "")
+
+
+# Combinations that broke or were untested before (issue 15), required by name.
+NAMED_GOALS = (
+    Goal("replicate x context parallel (the KeyError report)", 10,
+         lambda p: p.degrees == Degrees(dp_replicate=2, cp=2), _point({}, dp_replicate=2, cp=2)),
+    Goal("HSDP x context parallel (its 8-rank sibling)", 10,
+         lambda p: p.degrees == Degrees(dp_replicate=2, dp_shard=2, cp=2), _point({}, dp_replicate=2, dp_shard=2, cp=2)),
+    Goal("HSDP x TP x CP", 10, lambda p: all(p.degrees.over(d) for d in ("dp_replicate", "tp", "cp")),
+         _point({}, dp_replicate=2, tp=2, cp=2)),
+    Goal("tied embeddings under PP with more than 2 pipeline ranks", 10,
+         lambda p: p.value("tied") == "tied" and p.degrees.pp > 2, _point({"tied": "tied"}, pp=4)),
+    Goal("tied embeddings under PP x TP", 10,
+         lambda p: p.value("tied") == "tied" and p.degrees.over("pp") and p.degrees.over("tp"),
+         _point({"tied": "tied"}, pp=2, tp=2)),
+    Goal("PP x CP with a V schedule", 10, lambda p: p.value("schedule") == "V" and p.degrees.over("cp"),
+         _point({"schedule": "V"}, pp=2, cp=2)),
+    Goal("compile under plain DDP (dynamo's DDP optimizer)", 10,
+         lambda p: p.value("compile") == "on" and p.degrees.active == ("dp_replicate",), _point({"compile": "on"}, dp_replicate=2)),
+)
+
+
+def _witness_degrees(*factors: Factor, dim: str | None = None) -> dict[str, int]:
+    """The smallest degrees on which every one of `factors` applies (and `dim` > 1)."""
+    needs = {"schedule": "pp", "sp": "tp", "zero1": "dp_replicate"}
+    return {d: 2 for d in {dim, *(needs.get(f.name) for f in factors)} if d}
+
+
+def coverage_goals() -> list[Goal]:
+    goals = list(NAMED_GOALS)
+    for f in FACTORS:
+        for value in f.values:
+            for dim in f.meets:
+                goals.append(Goal(f"{f.name} {value} with {dim}", 10,
+                                  lambda p, f=f.name, v=value, d=dim: p.value(f) == v and p.degrees.over(d),
+                                  _point({f.name: value}, **_witness_degrees(f, dim=dim))))
+    for f1, f2 in itertools.combinations(FACTORS, 2):
+        for v1, v2 in itertools.product(f1.values, f2.values):
+            if v1 != f1.values[0] or v2 != f2.values[0]:
+                goals.append(Goal(f"{f1.name} {v1} with {f2.name} {v2}", 1,
+                                  lambda p, a=(f1.name, v1), b=(f2.name, v2): p.value(a[0]) == a[1] and p.value(b[0]) == b[1],
+                                  _point({f1.name: v1, f2.name: v2}, **_witness_degrees(f1, f2))))
+    return goals
+
+
+def cost(point: Point) -> float:
+    """Relative price of a point on a small CPU: per rank, compile costs most; accumulation,
+    activation checkpointing and deeper (multi-stage) models a little."""
+    v = point.value
+    per_rank = (1 + 4 * (v("compile") == "on") + 0.5 * (v("accum") == "2") + 0.5 * (v("ac") != "none")
+                + 0.3 * (point.depth > 2) + 0.1 * (v("tied") == "tied") + 0.1 * (v("zero1") == "on"))
+    return point.nproc * per_rank
+
+
+# ------------------------------------------------------------------------------------------------
+# Judging a point without starting it
+
+
+def _config_args(point: Point) -> list[str]:
+    dp = point.degrees.dp_replicate * point.degrees.dp_shard * int(point.value("accum"))
+    return [*TINY_RUN, *COMPARISON_ARGS, "--training.dataset_shards", str(DATASET_SHARDS),
+            "--training.batch_size", str(GLOBAL_BATCH // dp), *point.shared(), *point.overrides()]
+
+
+@lru_cache(maxsize=None)
+def refusal(point: Point) -> str | None:
+    """The one-line reason the trainer refuses `point` before any process group exists, or None.
+    Runs the trainer's own preflight in this process."""
+    from torchtitan.config_manager import parse_args
+    from torchtitan.train import USER_ERRORS, preflight
+
+    try:
+        preflight(parse_args(_config_args(point)), point.nproc)
+    except USER_ERRORS as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation
+
+
+def _candidates(degrees: Degrees, turn: dict[str, int]) -> list[Point]:
+    applicable = [f for f in FACTORS if f.applies(degrees)]
+    points = []
+    for values in itertools.product(*(f.values for f in applicable)):
+        variants = tuple(zip((f.name for f in applicable), values))
+        kind = dict(variants).get("schedule")
+        schedule = SCHEDULES[kind][turn[kind] % len(SCHEDULES[kind])] if kind else ""
+        points.append(Point(degrees, variants, schedule))
+    return points
+
+
+@lru_cache(maxsize=None)
+def generate(world_sizes: tuple[int, ...] = WORLD_SIZES) -> tuple[Point, ...]:
+    """The whole matrix: one point per base assignment of degrees, small extra points for pairs of
+    variant values the base points left apart, then one point for each required goal still open
+    (parity-tested if the product accepts it, else refused) and for each refused pair."""
+    goals = coverage_goals()
+    open_goals = list(goals)
+    turn = dict.fromkeys(SCHEDULES, 0)
+    points: list[Point] = []
+
+    def gain(p: Point) -> int:
+        return sum(g.weight for g in open_goals if g.met_by(p))
+
+    def take(p: Point) -> None:
+        points.append(p)
+        open_goals[:] = [g for g in open_goals if not g.met_by(p)]
+        if p.schedule:
+            turn[p.value("schedule")] += 1
+
+    for degrees in all_degrees(world_sizes):
+        ranked = sorted(_candidates(degrees, turn), key=lambda p: cost(p) - gain(p))
+        chosen = next((p for p in ranked if refusal(p) is None), None)
+        if chosen is None:  # every variant of these degrees is refused: the plain one stands for them
+            chosen = _point({}, **{d: getattr(degrees, d) for d in DIMS})
+            chosen = Point(chosen.degrees, chosen.variants, chosen.schedule, refused_by_design=True)
+        take(chosen)
+    # Pairs of variant values the base points left apart: small extra points on the fewest degrees
+    # that carry both, each chosen to bring together as many open pairs as it can.
+    pair_degrees = sorted({g.witness.degrees for g in open_goals if g.weight < 10}, key=lambda d: (d.nproc, d))
+    while True:
+        ranked = sorted((p for d in pair_degrees for p in _candidates(d, turn) if gain(p) > 0),
+                        key=lambda p: (-gain(p), cost(p)))
+        chosen = next((p for p in ranked if refusal(p) is None), None)
+        if chosen is None:
+            break
+        take(chosen)
+    # Goals no point met yet: a point of their own. A required goal gets one whatever its outcome;
+    # a pair of variants only when the product refuses the pair (so that the refusal is shown).
+    for goal in list(open_goals):
+        w = goal.witness
+        if goal not in open_goals or w is None or w.nproc not in world_sizes:
+            continue
+        refused = refusal(w) is not None
+        if goal.weight >= 10 or refused:
+            take(Point(w.degrees, w.variants, w.schedule, refused_by_design=refused))
+    return tuple(points)
+
+
+def uncovered_goals(points: tuple[Point, ...] | list[Point], weight: int = 10) -> list[str]:
+    """Goals of at least `weight` that no point meets."""
+    return [g.text for g in coverage_goals() if g.weight >= weight and not any(g.met_by(p) for p in points)]
+
+
+def ci_points(points: tuple[Point, ...] | None = None) -> list[Point]:
+    """What the test suite runs: every point of up to 4 ranks, and the 8-rank points chosen greedily
+    to cover every pair of dims (then triples, then variant goals the small points left open),
+    at least CI_EIGHT_RANK_POINTS of them."""
+    points = generate() if points is None else points
+    chosen = [p for p in points if p.nproc <= 4]
+    eight = [p for p in points if p.nproc == 8]
+    pairs = {frozenset(c) for c in itertools.combinations(DIMS, 2)}
+    triples = {frozenset(c) for c in itertools.combinations(DIMS, 3)}
+    variant_goals = [g for g in coverage_goals() if g.weight >= 10 and not any(g.met_by(p) for p in chosen)]
+
+    def gain(p: Point) -> float:
+        active = set(p.degrees.active)
+        return (100 * sum(s <= active for s in pairs) + 10 * sum(s <= active for s in triples)
+                + sum(g.met_by(p) for g in variant_goals) - 0.01 * cost(p))
+
+    picked: list[Point] = []
+    while eight and (pairs or len(picked) < CI_EIGHT_RANK_POINTS):
+        best = max(eight, key=gain)
+        eight.remove(best)
+        picked.append(best)
+        active = set(best.degrees.active)
+        pairs = {s for s in pairs if not s <= active}
+        triples = {s for s in triples if not s <= active}
+        variant_goals = [g for g in variant_goals if not g.met_by(best)]
+    return chosen + picked
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class Outcome:
+    point: Point
+    status: str  # "ok", "FAIL" (trained, outside the tolerance), "refused", or "error" (crashed or not applied)
+    comparison: Comparison | None = None
+    detail: str = ""  # the refusal line, or what went wrong
+
+
+class MatrixRunner:
+    """Judges points: refused by the preflight, or trained and compared with one process."""
+
+    def __init__(self, workdir: Path, steps: int = 10, timeout: int = 400):
+        self.harness = ParityHarness(workdir, steps=steps, global_batch=GLOBAL_BATCH, dataset_shards=DATASET_SHARDS,
+                                     timeout=timeout)
+
+    def run(self, point: Point) -> Outcome:
+        reason = refusal(point)
+        if reason is not None:
+            return Outcome(point, "refused", detail=reason)
+        try:
+            c = self.harness.compare(point.layout())
+        except (ParityError, TrainingFailed) as e:
+            return Outcome(point, "error", detail=str(e)[-3000:])
+        ok = c.max_loss_diff <= self.harness.loss_tolerance and c.grad_norm_rel_diff <= self.harness.grad_norm_rtol
+        return Outcome(point, "ok" if ok else "FAIL", c)
+
+    def check(self, point: Point) -> Outcome:
+        """Runs `point` and raises ParityError unless it had the outcome the generator planned."""
+        outcome = self.run(point)
+        expected = "refused" if point.refused_by_design else "ok"
+        if outcome.status != expected:
+            c = outcome.comparison
+            numbers = f" (max |loss diff| {c.max_loss_diff:.3e}, grad norm {c.grad_norm_rel_diff:.3e})" if c else ""
+            raise ParityError(f"{point.name}: expected {expected}, got {outcome.status}{numbers}: {outcome.detail}")
+        return outcome
