@@ -71,8 +71,11 @@ class ReplicaOwnership:
                 if o == owner:
                     local = _local(p)
                     by_dtype.setdefault(local.dtype, []).append(local)
-            for tensors in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in tensors])
+            for dtype, tensors in by_dtype.items():
+                if owner == self.rank:
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                else:  # filled by the broadcast
+                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
                 dist.broadcast(flat, src=src, group=self.group)
                 if owner != self.rank:
                     offset = 0

@@ -90,24 +90,37 @@ def all_degrees(world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[Degrees]:
 @dataclass(frozen=True)
 class Factor:
     """A variant of how a layout runs. `values[0]` is what a plain run does; `applies` says on
-    which degrees the variant exists at all; each value must meet every dim in `meets`."""
+    which degrees the variant exists at all; each value must meet every dim in `meets`. `args`
+    are the overrides of each value, `logs` the line a run with it must print."""
 
     name: str
     values: tuple[str, ...]
     applies: Callable[[Degrees], bool]
     meets: tuple[str, ...]
+    args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
 
 
+_AC = "--activation_checkpoint.mode"
+_SAC = "--activation_checkpoint.selective_ac_option"
 FACTORS = (
-    # Single-stage (1F1B, GPipe), multi-stage round-robin (Interleaved1F1B, ...) or V-shaped stages.
+    # Single-stage (1F1B, GPipe), multi-stage round-robin (Interleaved1F1B, ...) or V-shaped stages;
+    # the concrete schedule is the point's own (Point.schedule).
     Factor("schedule", ("single", "interleaved", "V"), lambda d: d.pp > 1, ("dp_replicate", "dp_shard", "cp", "tp")),
-    Factor("sp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp")),
-    Factor("lp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp")),  # loss parallel
-    Factor("ac", ("none", "full", "selective", "op"), lambda d: True, DIMS),
-    Factor("compile", ("off", "on"), lambda d: True, DIMS),
-    Factor("tied", ("untied", "tied"), lambda d: True, DIMS),
-    Factor("accum", ("1", "2"), lambda d: True, DIMS),
-    Factor("zero1", ("off", "on"), lambda d: d.dp_replicate > 1, ("dp_shard", "cp", "tp", "pp")),
+    Factor("sp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp"),
+           {"off": ("--training.disable_sequence_parallel",)}, {"off": "sequence parallel off"}),
+    Factor("lp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp"),  # loss parallel
+           {"off": ("--training.disable_loss_parallel",)}, {"off": "loss parallel off"}),
+    Factor("ac", ("none", "full", "selective", "op"), lambda d: True, DIMS,
+           {"full": (_AC, "full"), "selective": (_AC, "selective", _SAC, "2"), "op": (_AC, "selective", _SAC, "op")},
+           {"full": "applied full activation checkpointing", "selective": "applied selective activation checkpointing",
+            "op": "applied selective (op-level) activation checkpointing"}),
+    Factor("compile", ("off", "on"), lambda d: True, DIMS,
+           {"on": ("--training.compile",)}, {"on": "transformer blocks with torch.compile"}),
+    Factor("tied", ("untied", "tied"), lambda d: True, DIMS),  # a model flavor: Point.shared()
+    Factor("accum", ("1", "2"), lambda d: True, DIMS, {"2": ("--training.gradient_accumulation_steps", "2")}),
+    Factor("zero1", ("off", "on"), lambda d: d.dp_replicate > 1, ("dp_shard", "cp", "tp", "pp"),
+           {"on": ("--optimizer.zero1",)}, {"on": "applied ZeRO-1"}),
 )
 _FACTOR = {f.name: f for f in FACTORS}
 # The concrete schedules of each kind, used in turn so the full matrix runs each of them.
@@ -153,44 +166,18 @@ class Point:
 
     def overrides(self) -> tuple[str, ...]:
         args = [a for d in DIMS for a in (_OPTION[d], str(getattr(self.degrees, d)))]
-        v = self.value
         if self.schedule:
             args += ["--experimental.pipeline_parallel_schedule", self.schedule]
-        if v("sp") == "off":
-            args.append("--training.disable_sequence_parallel")
-        if v("lp") == "off":
-            args.append("--training.disable_loss_parallel")
-        args += {"none": [], "full": ["--activation_checkpoint.mode", "full"],
-                 "selective": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
-                 "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-                 }[v("ac")]
-        if v("compile") == "on":
-            args.append("--training.compile")
-        if v("accum") == "2":
-            args += ["--training.gradient_accumulation_steps", "2"]
-        if v("zero1") == "on":
-            args.append("--optimizer.zero1")
+        for f, v in self.variants:
+            args += _FACTOR[f].args.get(v, ())
         return tuple(args)
 
     def expect_logs(self) -> tuple[str, ...]:
         """Lines the run must print, proving that the layout and every variant were applied."""
-        v, lines = self.value, []
-        if self.nproc > 1:
-            lines.append(f"built world mesh {self.degrees.mesh_text()}")
+        lines = [f"built world mesh {self.degrees.mesh_text()}"] if self.nproc > 1 else []
         if self.schedule:
             lines.append(f"schedule {self.schedule},")
-        if v("sp") == "off":
-            lines.append("sequence parallel off")
-        if v("lp") == "off":
-            lines.append("loss parallel off")
-        lines += {"none": [], "full": ["applied full activation checkpointing"],
-                  "selective": ["applied selective activation checkpointing"],
-                  "op": ["applied selective (op-level) activation checkpointing"]}[v("ac")]
-        if v("compile") == "on":
-            lines.append("transformer blocks with torch.compile")
-        if v("zero1") == "on":
-            lines.append("applied ZeRO-1")
-        return tuple(lines)
+        return tuple(lines + [_FACTOR[f].logs[v] for f, v in self.variants if v in _FACTOR[f].logs])
 
     def layout(self) -> Layout:
         return Layout(self.name, self.nproc, self.overrides(), self.expect_logs(), self.shared())
