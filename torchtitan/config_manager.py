@@ -14,11 +14,15 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import math
+import importlib.util
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
+
+from torchtitan.errors import UserError
 
 if TYPE_CHECKING:  # imported lazily at run time: this module must load without torch
     from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -29,7 +33,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem the user can fix; its message is one line naming the option."""
 
 
@@ -66,14 +70,29 @@ class Metrics:
     disable_color_printing: bool = opt(False, "Print metrics without ANSI colours.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
     rank_0_only: bool = opt(True, "Write TensorBoard from the logging rank only (else one sub-folder per rank).")
-    save_jsonl: bool = opt(True, "Append each logged step's metrics to job.dump_folder/metrics.jsonl (rank 0), for plots and parity checks.")
+    save_jsonl: bool = opt(
+        True, "Write each logged step's metrics to job.dump_folder/metrics.jsonl (rank 0), for plots and parity checks. "
+        "A resumed run appends to it (dropping rows after its checkpoint's step, which it trains again); a fresh "
+        "run starts a new file and renames an existing one to metrics.<n>.jsonl (the first free n, so a larger n "
+        "is a later run), so two runs' steps never mix and none is lost.")
+    enable_color_printing: bool = opt(True, "Late-2024 spelling kept for old configs: false prints without ANSI "
+                                            "colours, like disable_color_printing true.")
+    enable_wandb: bool = opt(
+        False, "Also log the scalars to Weights & Biases (rank 0; needs the wandb package; run files under "
+        "job.dump_folder/wandb). The project is $WANDB_PROJECT or 'torchtitan'; WANDB_MODE=offline logs without a network.")
+    peak_tflops: float = opt(
+        0.0, "Peak TFLOP/s of one device that MFU is relative to; 0 = auto: a datasheet table of dense peaks for "
+        "known GPUs in the compute dtype, or on CPU a matmul peak measured once per CPU model, thread count and "
+        "dtype and cached in $TORCHTITAN_CACHE_DIR (default ~/.cache/torchtitan).")
 
 
 @dataclass
 class Model:
     name: str = opt("llama3", "Registered model name (see torchtitan.models).")
     flavor: str = opt("debugmodel", "Model size/shape, one of the registered model's flavors.")
-    norm_type: str = opt("rmsnorm", "Normalization layer.", choices=["rmsnorm", "layernorm", "np_layernorm"])
+    norm_type: str = opt("rmsnorm", "Normalization layer; fused_rmsnorm (the late-2024 name of a Triton kernel) computes "
+                         "the same RMSNorm, which torch.compile fuses.",
+                         choices=["rmsnorm", "layernorm", "np_layernorm", "fused_rmsnorm"])
     tokenizer_path: str = opt(
         "tests/assets/stdlib_docs/tokenizer.model",
         "Tokenizer file: a tiktoken rank file (Llama 3 format) or a sentencepiece .model (Llama 2 format).",
@@ -94,6 +113,11 @@ class Optimizer:
         False, "ZeRO-1: shard the optimizer state over the data-parallel replicas (training."
         "data_parallel_replicate_degree > 1): each replica keeps and updates the state of its share of the "
         "parameters, then broadcasts them. Composes with FSDP (HSDP), TP, CP and PP; losses are unchanged.")
+    early_step_in_backward: bool = opt(
+        False, "Step each parameter's optimizer in backward, as soon as its gradient is complete (after FSDP's "
+        "reduce-scatter), and free that gradient at once: the gradients of the whole model never exist together. "
+        "Same updates as the usual step. Needs training.max_norm 0 (clipping needs every gradient first) and no "
+        "gradient accumulation, pipeline parallelism, ZeRO-1 or plain DDP.")
 
 
 @dataclass
@@ -123,6 +147,7 @@ class Training:
     enable_cpu_offload: bool = opt(False, "Offload FSDP parameters, gradients and optimizer state to CPU.")
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree.")
     disable_loss_parallel: bool = opt(False, "Gather full logits instead of computing the loss vocab-sharded (TP).")
+    enable_loss_parallel: bool = opt(True, "Late-2024 spelling of the same switch: false means disable_loss_parallel.")
     disable_sequence_parallel: bool = opt(False, "TP without sequence parallelism for norms (all-reduce mode).")
     fsdp_reshard_after_forward: str = opt(
         "default",
@@ -139,6 +164,10 @@ class Training:
     gc_freq: int = opt(50, "Run Python's garbage collector every gc_freq steps (automatic GC is disabled).")
     seed: int = opt(-1, "Random seed; -1 = a fixed default (0) so runs repeat.")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower; for parity and debugging).")
+    on_nonfinite_loss: str = opt(
+        "stop", "At a non-finite loss or gradient norm: 'stop' before applying the step (exit code 3; the newest "
+        "checkpoint stays good; costs one host-device sync per step), or 'continue' (no check).",
+        choices=["stop", "continue"])
 
 
 @dataclass
@@ -192,6 +221,13 @@ class Checkpoint:
         "", "Checkpoint (e.g. a seed checkpoint's step-0 folder) whose model weights initialise a run that "
         "has no checkpoint of its own yet; any parallel layout can load it."
     )
+    exclude_from_loading: list[str] = opt(
+        [], "What not to load from the checkpoint (comma-separated): state names (optimizer, lr_scheduler, "
+        "dataloader, train_state, rng) or parameter-name prefixes (output, layers.7), which leave out those "
+        "parameters and their optimizer state. Excluded entries keep their initial values; each is logged.")
+    allow_partial_load: bool = opt(
+        False, "Load a checkpoint that does not fully fit the model (another model, flavor or optimizer): entries "
+        "on one side only or of another shape are left out, with a warning, instead of refused.")
 
 
 @dataclass
@@ -207,6 +243,15 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "Compute float8 scales for all parameters at once.")
     emulate: bool = opt(False, "Emulate the float8 matmuls in high precision, so float8 runs where the hardware has "
                                "no float8 units (CPU, older GPUs): for tests and debugging, never faster.")
+    scaling_type_input: str = opt(
+        "dynamic", "Float8 scaling of the linear inputs: dynamic (scale from each tensor's current amax). 'delayed' "
+        "(scales from an amax history) is accepted from late-2024 configs but refused: torchao removed it.",
+        choices=["dynamic", "delayed"])
+    scaling_type_weight: str = opt("dynamic", "Float8 scaling of the weights; dynamic only, as scaling_type_input.",
+                                   choices=["dynamic", "delayed"])
+    scaling_type_grad_output: str = opt(
+        "dynamic", "Float8 scaling of the output gradients; dynamic only, as scaling_type_input.",
+        choices=["dynamic", "delayed"])
 
 
 @dataclass
@@ -277,7 +322,8 @@ def _coerce(value: Any, typ: Any, where: str, from_text: bool) -> Any:
         (item_typ,) = typing.get_args(typ)
         return [_coerce(v, item_typ, where, from_text) for v in value]
     if isinstance(value, str) and not from_text and typ is not str:
-        raise ConfigError(f"{where} must be a {typ.__name__.replace('bool', 'boolean')}, not the string {value!r}")
+        kind = {"bool": "true or false", "int": "an integer", "float": "a number"}.get(typ.__name__, typ.__name__)
+        raise ConfigError(f"{where} must be {kind}, not the string {value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -430,6 +476,11 @@ _NOT_YET = {
 
 def validate(config: JobConfig) -> None:
     """Rejects impossible values and combinations, naming the option to change."""
+    for section in _sections():
+        for name, (typ, _) in _fields(_sections()[section]).items():
+            value = getattr(getattr(config, section), name)
+            if typ is float and not math.isfinite(value):  # nan slips through every comparison below
+                raise ConfigError(f"{section}.{name} must be a finite number, got {value}")
     t, m, o = config.training, config.metrics, config.optimizer
     positive = {
         "training.batch_size": t.batch_size,
@@ -460,9 +511,12 @@ def validate(config: JobConfig) -> None:
     if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1:
         raise ConfigError(f"optimizer.beta1 and beta2 must lie in [0, 1), got {o.beta1}, {o.beta2}")
     if o.eps <= 0 or o.weight_decay < 0:
-        raise ConfigError("optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+        raise ConfigError(f"optimizer.eps must be > 0 and optimizer.weight_decay >= 0, got {o.eps} and {o.weight_decay}")
     if t.warmup_steps < 0:
         raise ConfigError(f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if t.warmup_steps > t.steps:
+        raise ConfigError(f"training.warmup_steps {t.warmup_steps} is longer than the run (training.steps {t.steps}): "
+                          "the learning rate would never reach optimizer.lr; lower training.warmup_steps")
     if not 0 <= t.lr_min <= 1:
         raise ConfigError(f"training.lr_min is a fraction of optimizer.lr and must lie in [0, 1], got {t.lr_min}")
     if config.profiling.enable_profiling and config.profiling.profile_freq < 2:
@@ -480,6 +534,10 @@ def validate(config: JobConfig) -> None:
     if c.export_dtype != "float32" and not c.model_weights_only:
         raise ConfigError(f"checkpoint.export_dtype {c.export_dtype} applies to the weights-only final checkpoint; "
                           "set checkpoint.model_weights_only too (full checkpoints keep the training dtype)")
+    if (c.exclude_from_loading or c.allow_partial_load) and not (c.enable_checkpoint or c.initial_load_path):
+        option = "exclude_from_loading" if c.exclude_from_loading else "allow_partial_load"
+        raise ConfigError(f"checkpoint.{option} applies to a checkpoint being loaded; set checkpoint.enable_checkpoint "
+                          "(resume) or checkpoint.initial_load_path")
     ac = config.activation_checkpoint
     if ac.mode == "selective":
         opt_value = ac.selective_ac_option
@@ -499,6 +557,11 @@ def validate(config: JobConfig) -> None:
                           "float8.enable_float8_linear")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather")
+    for key in ("scaling_type_input", "scaling_type_weight", "scaling_type_grad_output"):
+        if getattr(f8, key) == "delayed":
+            raise ConfigError(f"float8.{key} 'delayed' is not supported: torchao (0.18) removed delayed scaling; use 'dynamic'")
+    _validate_metrics(m)
+    _validate_early_step(config)
     cp = config.experimental.context_parallel_degree
     if cp > 1:
         if t.seq_len % (2 * cp):
@@ -517,6 +580,41 @@ def validate(config: JobConfig) -> None:
     for (section, key), active in _NOT_YET.items():
         if active(getattr(getattr(config, section), key)):
             raise ConfigError(f"{section}.{key} is not implemented yet in this version; leave it at its default")
+
+
+def _module_available(name: str) -> bool:
+    if name in sys.modules:  # also what tests inject (a fake module, or None for "not installed")
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
+def _validate_metrics(m: Metrics) -> None:
+    if m.peak_tflops < 0:
+        raise ConfigError(f"metrics.peak_tflops must be >= 0 (0 = auto), got {m.peak_tflops}")
+    # Checked here, before torchrun starts any rank, rather than at the first log line.
+    if m.enable_wandb and not _module_available("wandb"):
+        raise ConfigError("metrics.enable_wandb needs the wandb package (pip install wandb)")
+
+
+def _validate_early_step(config: JobConfig) -> None:
+    """optimizer.early_step_in_backward steps each parameter as soon as its gradient is final and
+    frees it. Whatever needs all gradients at once, or a parameter's gradient more than once per
+    step, cannot compose with it."""
+    if not config.optimizer.early_step_in_backward:
+        return
+    t, name = config.training, "optimizer.early_step_in_backward"
+    if t.max_norm > 0:
+        raise ConfigError(f"{name} applies and frees each gradient during backward, so no global norm can clip "
+                          f"them; set training.max_norm 0 (got {t.max_norm})")
+    if t.gradient_accumulation_steps > 1:
+        raise ConfigError(f"{name} would step after the first micro-batch's gradient; set "
+                          "training.gradient_accumulation_steps 1")
+    if config.experimental.pipeline_parallel_degree > 1:
+        raise ConfigError(f"{name} does not compose with pipeline parallelism (each microbatch's backward adds to the "
+                          "gradients); set experimental.pipeline_parallel_degree 1")
+    if config.optimizer.zero1:
+        raise ConfigError(f"{name} does not compose with optimizer.zero1 (its owners broadcast updates after the "
+                          "whole step); use one or the other")
 
 
 def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
@@ -553,6 +651,13 @@ def validate_world_size(config: JobConfig, world_size: int) -> ParallelDims:
         raise ConfigError("optimizer.zero1 shards the optimizer state over data-parallel replicas, and this layout has "
                           "none (training.data_parallel_replicate_degree is 1); raise it, or rely on FSDP, which already "
                           "shards the optimizer state over data_parallel_shard_degree")
+    if config.optimizer.early_step_in_backward and dims.ddp_enabled and not (dims.tp_enabled or dims.pp_enabled):
+        # Composable DDP all-reduces gradient buckets after the per-parameter hooks have run, so
+        # each optimizer would see its rank's own gradient. FSDP (and the FSDP-based replicate
+        # used with TP) calls the hooks after the reduction.
+        raise ConfigError("optimizer.early_step_in_backward does not compose with DDP (data_parallel_replicate_degree "
+                          f"{dims.dp_replicate} with shard degree 1): DDP reduces gradients after the hooks step on "
+                          "them; shard instead (data_parallel_shard_degree > 1, HSDP with replicas)")
     if config.checkpoint.create_seed_checkpoint and world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {world_size} (set NGPU=1)")
     return dims
@@ -592,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "WORLD_SIZE" in os.environ:  # the launcher passes the number of ranks it will start
             validate_world_size(config, int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(e.line, file=sys.stderr)
         return 2
     return 0
 

@@ -1,10 +1,14 @@
-"""Training metrics: one console line per log step, TensorBoard scalars, throughput, MFU, memory."""
+"""Training metrics: one console line per log step, metrics.jsonl, TensorBoard and W&B scalars, throughput,
+MFU against a fixed peak, memory."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import platform
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -16,38 +20,130 @@ from torchtitan.config_manager import JobConfig
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 peak FLOP/s per device (no sparsity), by a substring of the CUDA device name.
-_GPU_PEAK_BF16 = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))
+# Dense (no 2:4 sparsity) peak TFLOP/s of one device from the vendors' datasheets, as
+# (name, bf16/fp16 tensor cores, tf32 tensor cores, fp32 without tensor cores). Matched as whole
+# words of the CUDA device name; the first match wins, so a variant ("H100 NVL") precedes its family
+# ("H100", the SXM part). Fixed figures keep MFU comparable between runs, machines and stacks.
+_GPU_PEAK_TFLOPS = (
+    ("H100 NVL", 835, 418, 60),
+    ("H100 PCIe", 756, 378, 51),
+    ("H100", 989, 495, 67),
+    ("H200 NVL", 835, 418, 60),
+    ("H200", 989, 495, 67),
+    ("GH200", 989, 495, 67),
+    ("B200", 2250, 1125, 75),  # HGX B200 figures divided by its 8 GPUs
+    ("A100", 312, 156, 19.5),
+    ("L40S", 362, 183, 91.6),
+    ("L40", 181, 90.5, 90.5),
+    ("L4", 121, 60, 30.3),
+    ("RTX A6000", 155, 77.4, 38.7),
+    ("MI300X", 1307, 654, 163),
+    ("MI325X", 1307, 654, 163),
+)
+CACHE_DIR_ENV = "TORCHTITAN_CACHE_DIR"
 
 
-def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
-    """Measures this process's matmul FLOP/s in `dtype` with its current thread count.
+def gpu_peak_flops(device_name: str, compute_dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Datasheet peak FLOP/s of a GPU in the dtype its matmuls run in; None for an unknown GPU.
 
-    CPUs have no datasheet figure that matches what PyTorch reaches, so MFU on CPU is relative to
-    this short probe of the same kernels the model uses (bf16 may use AMX tiles, far faster).
+    fp32 matmuls run on the tensor cores at TF32 rate only where PyTorch allows TF32 (`tf32`),
+    else at the much lower plain fp32 rate, which is PyTorch's default.
     """
-    n = 512
+    for key, bf16, tf32_peak, fp32 in _GPU_PEAK_TFLOPS:
+        if re.search(rf"\b{re.escape(key)}\b", device_name):
+            if compute_dtype in (torch.bfloat16, torch.float16):
+                return bf16 * 1e12
+            return (tf32_peak if tf32 else fp32) * 1e12
+    return None
+
+
+def _tf32_matmuls() -> bool:
+    return getattr(torch.backends.cuda.matmul, "fp32_precision", "none") == "tf32"
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0, n: int = 1024) -> float:
+    """Matmul FLOP/s of this process in `dtype` with its current thread count: the best of 8 short
+    rounds, since other load on the machine can only slow a round down."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):  # warm-up: thread pool start, caches
-        a @ b
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b
-        count += 1
-    return 2 * n**3 * count / elapsed
+    a @ b  # warm-up: thread pool start, kernel selection, caches
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / 8:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / elapsed)
+    return best
 
 
-def peak_flops(device: torch.device, compute_dtype: torch.dtype) -> float:
-    """Peak matmul FLOP/s of one device in the dtype the model computes in."""
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_cache(path: str) -> dict[str, float]:
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):  # missing or damaged: measured again and rewritten
+        return {}
+    return {k: v for k, v in cache.items() if isinstance(v, (int, float)) and v > 0} if isinstance(cache, dict) else {}
+
+
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """This CPU's matmul peak in `dtype` for this process's thread count, and where it came from.
+
+    CPUs have no datasheet figure that matches what PyTorch reaches, so the peak is measured, but
+    once per CPU model, thread count and dtype, and cached in $TORCHTITAN_CACHE_DIR (default
+    ~/.cache/torchtitan/cpu_peak_flops.json): every later run divides by the same figure, so MFU
+    moves only with the run's own speed. Delete the file to measure again (e.g. after upgrading
+    PyTorch, whose kernels set the peak).
+    """
+    key = f"{_cpu_model()} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')}"
+    folder = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "torchtitan")
+    path = os.path.join(folder, "cpu_peak_flops.json")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(path + ".lock", "a")
+    except OSError as e:
+        logger.warning(f"cannot write the CPU peak cache in {folder} ({e.strerror}); set {CACHE_DIR_ENV} to a writable "
+                       "folder. Measuring now: this run's MFU is comparable within the run only")
+        return measure_cpu_peak_flops(dtype), f"measured now for {key!r}, not cached"
+    with lock:
+        # The ranks on one machine take turns: the first measures alone and the others read its
+        # figure. Ranks measuring at the same time would slow each other down and disagree.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = _read_cache(path)
+        if key in cache:
+            return float(cache[key]), f"measured once for {key!r}, cached in {path}"
+        cache[key] = peak = measure_cpu_peak_flops(dtype)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    return peak, f"measured now for {key!r}, cached in {path}"
+
+
+def peak_flops(device: torch.device, compute_dtype: torch.dtype, override_tflops: float = 0.0) -> tuple[float, str]:
+    """Peak matmul FLOP/s of one device in the dtype the model computes in, and its source."""
+    if override_tflops > 0:
+        return override_tflops * 1e12, "metrics.peak_tflops"
     if device.type != "cuda":
         return cpu_peak_flops(compute_dtype)
     name = torch.cuda.get_device_name(device)
-    peak = next((value for key, value in _GPU_PEAK_BF16 if key in name), None)
+    tf32 = compute_dtype == torch.float32 and _tf32_matmuls()
+    peak = gpu_peak_flops(name, compute_dtype, tf32)
     if peak is None:
-        logger.warning(f"unknown GPU {name!r}: MFU is computed against the H100 SXM peak")
-        peak = 989e12
-    # fp32 matmuls run at TF32 rate at best: half the bf16 tensor-core rate.
-    return peak if compute_dtype in (torch.bfloat16, torch.float16) else peak / 2
+        logger.warning(f"unknown GPU {name!r}: MFU is computed against the H100 SXM peak; set metrics.peak_tflops "
+                       "to this GPU's dense peak")
+        return gpu_peak_flops("H100", compute_dtype, tf32), "H100 SXM datasheet (unknown GPU)"
+    return peak, f"datasheet figure for {name}{' with TF32 matmuls' if tf32 else ''}"
 
 
 def local_state_bytes(model_parts: list[torch.nn.Module], optimizers) -> tuple[int, int]:
@@ -75,16 +171,57 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
 
 
 def _open_jsonl(path: str, resumed_step: int):
-    """Opens metrics.jsonl for appending. A fresh run starts it anew; a resumed run keeps the rows
-    up to its checkpoint's step and drops later ones, which an interrupted job logged but will
-    now train again, so that every step appears once."""
-    if resumed_step <= 0 or not os.path.exists(path):
+    """Opens metrics.jsonl for appending this run's rows.
+
+    A resumed run continues the file, keeping the rows up to its checkpoint's step and dropping
+    later ones, which an interrupted job logged but will now train again, so that every step
+    appears once. A fresh run must neither mix its steps into an earlier run's file nor destroy
+    it: an existing file is renamed to metrics.<n>.jsonl (the first free n) and a new one started.
+    """
+    if resumed_step <= 0:
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            root, ext = os.path.splitext(path)
+            n = 1
+            while os.path.exists(f"{root}.{n}{ext}"):
+                n += 1
+            os.replace(path, f"{root}.{n}{ext}")
+            logger.info(f"{path} holds an earlier run's metrics: renamed it to {root}.{n}{ext}; this fresh run "
+                        "writes a new one")
         return open(path, "w")
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
-    f = open(path, "w")
-    f.writelines(kept)
-    return f
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # blank, or the half-written last line of a killed job
+                    continue
+                if isinstance(row, dict) and row.get("step", 0) <= resumed_step:
+                    kept.append(line.rstrip("\n") + "\n")
+    # Rewritten through a temporary file, so a crash here cannot leave the file truncated.
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
+
+
+class _WandbSink:
+    """Weights & Biases run of this job (rank 0): the same scalars as TensorBoard, under train/<name>."""
+
+    def __init__(self, job_config: JobConfig):
+        import wandb  # optional; config validation refused enable_wandb if it is missing
+
+        folder = job_config.job.dump_folder
+        os.makedirs(folder, exist_ok=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=folder,
+                              config=job_config.to_dict())
+        logger.info(f"Weights & Biases run files go to {os.path.join(folder, 'wandb')}")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log({f"train/{name}": value for name, value in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class _Colors:
@@ -116,10 +253,11 @@ class MetricsLogger:
                  compute_dtype: torch.dtype = torch.float32, resumed_step: int = 0):
         self.device = device
         self.flops_per_token = flops_per_token
-        self.peak_flops = peak_flops(device, compute_dtype)
-        self.colors = _Colors(not job_config.metrics.disable_color_printing)
-        self.writer = None
         m = job_config.metrics
+        self.peak_flops, peak_source = peak_flops(device, compute_dtype, m.peak_tflops)
+        self.colors = _Colors(m.enable_color_printing and not m.disable_color_printing)
+        self.writer = None
+        self.wandb = _WandbSink(job_config) if m.enable_wandb and rank == 0 else None
         self.jsonl = None
         if m.save_jsonl and rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
@@ -132,7 +270,8 @@ class MetricsLogger:
                 folder = os.path.join(folder, f"rank_{rank}")
             self.writer = SummaryWriter(folder)
             logger.info(f"TensorBoard scalars go to {folder}")
-        logger.info(f"peak FLOP/s per device for MFU: {self.peak_flops / 1e12:.3f} T ({device.type}, {compute_dtype})")
+        logger.info(f"peak FLOP/s per device for MFU: {self.peak_flops / 1e12:.3f} T ({device.type}, {compute_dtype}; "
+                    f"{peak_source})")
 
     def log(self, s: StepMetrics) -> dict[str, float]:
         tps = s.tokens / s.seconds
@@ -157,6 +296,8 @@ class MetricsLogger:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(f"train/{name}", value, s.step)
+        if self.wandb is not None:
+            self.wandb.log(values, s.step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": s.step, **values}) + "\n")
             self.jsonl.flush()
@@ -165,5 +306,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.jsonl is not None:
             self.jsonl.close()

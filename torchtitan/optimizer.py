@@ -55,6 +55,8 @@ class OptimizersContainer(Stateful):
         keep = zero1.owns if zero1 is not None else (lambda p: True)
         self.optimizers = [optimizer_cls(_param_groups([p for p in part.parameters() if keep(p)]), **kwargs)
                            for part in model_parts]
+        # Each part's optimizers, for the state dict: one here, one per parameter when they step in backward.
+        self._part_optimizers = [[optimizer] for optimizer in self.optimizers]
 
     def step(self) -> None:
         for optimizer in self.optimizers:
@@ -71,19 +73,79 @@ class OptimizersContainer(Stateful):
         # Fully qualified parameter names make the state independent of the parallel layout.
         # Flattened ("state.<param>.<key>") so the parts' entries never collide when merged.
         merged: dict[str, Any] = {}
-        for part, optimizer in zip(self.model_parts, self.optimizers):
-            merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+        for part, optimizers in zip(self.model_parts, self._part_optimizers):
+            merged.update(get_optimizer_state_dict(part, optimizers, options=_FLAT))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The learning rate belongs to the LR schedulers (restored beside this, in either order):
         # a resumed run with another schedule (e.g. more steps) must apply the rate it logs, not
         # the one the checkpoint's param groups happened to hold.
-        for part, optimizer in zip(self.model_parts, self.optimizers):
-            lrs = [group["lr"] for group in optimizer.param_groups]
-            set_optimizer_state_dict(part, optimizer, optim_state_dict=state_dict, options=_FLAT)
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr
+        for part, optimizers in zip(self.model_parts, self._part_optimizers):
+            lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
+            set_optimizer_state_dict(part, optimizers, optim_state_dict=state_dict, options=_FLAT)
+            for optimizer, saved in zip(optimizers, lrs):
+                for group, lr in zip(optimizer.param_groups, saved):
+                    group["lr"] = lr
+
+
+class OptimizersInBackwardContainer(OptimizersContainer):
+    """optimizer.early_step_in_backward: one optimizer per parameter, stepped by that parameter's
+    post-accumulate-grad hook as soon as backward has produced its final gradient, which is then
+    freed, so the whole model's gradients never exist at once. FSDP2 calls these hooks on the
+    sharded parameters after its reduce-scatter (and HSDP's all-reduce), so each step sees the
+    reduced gradient shard. step() has nothing left to do.
+
+    The updates equal the plain container's (same per-parameter math), and the state dict has the
+    same keys, so a checkpoint moves between the two. Layouts that cannot compose (clipping,
+    accumulation, pipelining, ZeRO-1, DDP) are refused by the config checks.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any]):
+        self.model_parts = model_parts
+        self.zero1 = None
+        # Norms of the gradients the hooks applied since zero_grad(), for grad_norm().
+        self._norms: list[torch.Tensor] = []
+        self._part_optimizers = []
+        for part in model_parts:
+            # Every parameter gets an optimizer (also frozen ones, as in the plain container) so the
+            # state dicts match; only those that receive gradients get a hook.
+            optimizers = [optimizer_cls([p], **kwargs) for p in part.parameters()]
+            for p, optimizer in zip(part.parameters(), optimizers):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(functools.partial(self._step_parameter, optimizer))
+            self._part_optimizers.append(optimizers)
+        self.optimizers = [optimizer for optimizers in self._part_optimizers for optimizer in optimizers]
+
+    def _step_parameter(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+        # The norm is a local reduction (a DTensor norm stays partial until grad_norm() combines it).
+        self._norms.append(torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Nothing: every parameter stepped in backward."""
+
+    def zero_grad(self) -> None:
+        self._norms.clear()
+        super().zero_grad()  # the hooks freed what they applied; this clears any gradient no hook saw
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients applied since zero_grad(): what clip_grad_norm_ measures in
+        the usual path, where the gradients still exist after backward."""
+        norms, by_layout = [], {}
+        for norm in self._norms:
+            if isinstance(norm, DTensor):
+                by_layout.setdefault((norm.device_mesh, norm.placements), []).append(norm.to_local())
+            else:
+                norms.append(norm.reshape(1))
+        # One collective per layout: the local norms of one (mesh, placements) stacked as one DTensor
+        # whose placements say how to combine them across ranks into each parameter's global norm.
+        for (mesh, placements), local in by_layout.items():
+            norms.append(DTensor.from_local(torch.stack(local), mesh, placements, run_check=False).full_tensor())
+        if not norms:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.cat(norms))
 
 
 def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
@@ -98,6 +160,10 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         "fused": o.fused,
         "foreach": not o.fused,
     }
+    if o.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config_manager)
+        logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
+                    "final, and the gradient freed")
+        return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[o.name], kwargs)
     zero1 = None
     if o.zero1:  # validated to come with dp_replicate > 1 (config_manager)
         zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)

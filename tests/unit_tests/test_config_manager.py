@@ -45,7 +45,7 @@ def test_list_defaults_are_not_shared_between_configs():
 
 
 def test_toml_overrides_defaults_and_cli_overrides_toml(tmp_path):
-    path = write_toml(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1e-3\nname = 'Adam'\n")
+    path = write_toml(tmp_path, "[training]\nsteps = 7\nwarmup_steps = 2\nseq_len = 64\n[optimizer]\nlr = 1e-3\nname = 'Adam'\n")
     from_toml = parse_args(["--job.config_file", path])
     assert (from_toml.training.steps, from_toml.training.seq_len) == (7, 64)
     assert from_toml.optimizer.lr == pytest.approx(1e-3)
@@ -61,8 +61,8 @@ def test_toml_overrides_defaults_and_cli_overrides_toml(tmp_path):
 
 
 def test_space_and_equals_forms():
-    assert parse_args(["--training.steps", "5"]).training.steps == 5
-    assert parse_args(["--training.steps=6"]).training.steps == 6
+    assert parse_args(["--training.steps", "500"]).training.steps == 500
+    assert parse_args(["--training.steps=600"]).training.steps == 600
     assert parse_args(["--optimizer.lr=0.5"]).optimizer.lr == pytest.approx(0.5)
     assert parse_args(["--job.description", "hello world"]).job.description == "hello world"
 
@@ -73,8 +73,8 @@ def test_bool_forms():
     assert parse_args(["--metrics.enable_tensorboard=true"]).metrics.enable_tensorboard is True
     assert parse_args(["--metrics.rank_0_only", "false"]).metrics.rank_0_only is False
     # A bare flag followed by another option does not swallow it.
-    config = parse_args(["--metrics.enable_tensorboard", "--training.steps", "3"])
-    assert config.metrics.enable_tensorboard is True and config.training.steps == 3
+    config = parse_args(["--metrics.enable_tensorboard", "--training.steps", "300"])
+    assert config.metrics.enable_tensorboard is True and config.training.steps == 300
 
 
 def test_list_option_from_cli_and_toml(tmp_path):
@@ -131,7 +131,7 @@ BAD_TOML = [
     ("steps = 3\n[training]\nseq_len = 8\n", ["steps", "table"]),
     ("[training]\nsteps = 0\n", ["training.steps"]),
     ('[training]\nsteps = "10"\n', ["training.steps", "not the string '10'"]),  # TOML values are typed
-    ('[metrics]\nenable_tensorboard = "yes"\n', ["metrics.enable_tensorboard", "boolean"]),
+    ('[metrics]\nenable_tensorboard = "yes"\n', ["metrics.enable_tensorboard", "true or false"]),
 ]
 
 
@@ -143,7 +143,7 @@ def assert_one_line_error(capsys, argv, fragments):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("config error: ")
+    assert err.startswith("error: ")
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
     for fragment in fragments:
@@ -181,7 +181,7 @@ def test_config_file_that_is_a_directory(tmp_path, capsys):
 def assert_one_line_error_from_main(capsys, argv, fragments):
     assert main(argv) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("config error: ") and len(err.strip().splitlines()) == 1
+    assert out == "" and err.startswith("error: ") and len(err.strip().splitlines()) == 1
     for fragment in fragments:
         assert fragment in err
 
@@ -286,3 +286,90 @@ def test_config_manager_does_not_import_torch():
     code = "import sys, torchtitan.config_manager; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ----------------------------------------------------------------------------- late-2024 torchtitan options
+
+
+def test_late_2024_metrics_optimizer_and_float8_options_are_accepted(tmp_path):
+    """The options of torchtitan's December 2024 schema that this one gained later, as its configs set them."""
+    text = """
+[metrics]
+log_freq = 1
+enable_color_printing = true
+enable_tensorboard = false
+enable_wandb = false
+[optimizer]
+name = "AdamW"
+early_step_in_backward = false
+[float8]
+enable_float8_linear = false
+scaling_type_input = "dynamic"
+scaling_type_weight = "dynamic"
+scaling_type_grad_output = "dynamic"
+"""
+    config = parse_args(["--job.config_file", write_toml(tmp_path, text)])
+    assert config.metrics.enable_color_printing is True and config.metrics.enable_wandb is False
+    assert config.float8.scaling_type_grad_output == "dynamic"
+
+
+@pytest.mark.parametrize("key", ["scaling_type_input", "scaling_type_weight", "scaling_type_grad_output"])
+def test_float8_delayed_scaling_is_refused_by_value(key):
+    with pytest.raises(ConfigError, match=rf"^float8.{key} 'delayed' is not supported: .*use 'dynamic'$"):
+        parse_args([f"--float8.{key}", "delayed"])
+    with pytest.raises(ConfigError, match="must be one of dynamic, delayed"):
+        parse_args([f"--float8.{key}", "static"])
+
+
+def test_peak_tflops_must_not_be_negative():
+    assert parse_args(["--metrics.peak_tflops", "989"]).metrics.peak_tflops == 989.0
+    with pytest.raises(ConfigError, match="metrics.peak_tflops must be >= 0"):
+        parse_args(["--metrics.peak_tflops", "-1"])
+
+
+EARLY = ["--optimizer.early_step_in_backward", "--training.max_norm", "0"]
+EARLY_REFUSED = [
+    (["--optimizer.early_step_in_backward"], "set training.max_norm 0"),  # clipping is on by default
+    ([*EARLY, "--training.gradient_accumulation_steps", "2"], "training.gradient_accumulation_steps 1"),
+    ([*EARLY, "--experimental.pipeline_parallel_degree", "2"], "experimental.pipeline_parallel_degree 1"),
+    ([*EARLY, "--optimizer.zero1"], "optimizer.zero1"),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", EARLY_REFUSED, ids=["max_norm", "accumulation", "pp", "zero1"])
+def test_early_step_in_backward_refuses_what_cannot_compose(argv, fragment):
+    with pytest.raises(ConfigError, match="^optimizer.early_step_in_backward") as raised:
+        parse_args(argv)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_early_step_in_backward_needs_fsdp_not_ddp(monkeypatch, capsys):
+    assert parse_args(EARLY).optimizer.early_step_in_backward is True
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(EARLY) == 0  # FSDP 4
+    assert main([*EARLY, "--training.data_parallel_replicate_degree", "2"]) == 0  # HSDP 2 x 2
+    # DDP with TP is FSDP's replicate, which steps after the all-reduce too.
+    assert main([*EARLY, "--training.data_parallel_replicate_degree", "2", "--training.tensor_parallel_degree", "2"]) == 0
+    capsys.readouterr()
+    assert main([*EARLY, "--training.data_parallel_replicate_degree", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.early_step_in_backward does not compose with DDP" in err and len(err.strip().splitlines()) == 1
+
+
+def test_warm_up_longer_than_the_run_is_refused():
+    with pytest.raises(ConfigError, match=r"training.warmup_steps 200 is longer than the run \(training.steps 50\)"):
+        parse_args(["--training.steps", "50"])
+    assert parse_args(["--training.steps", "50", "--training.warmup_steps", "50"]).training.steps == 50
+
+
+def test_late_2024_spellings_are_accepted(tmp_path):
+    path = write_toml(tmp_path, "[training]\nenable_loss_parallel = false\n[model]\nnorm_type = 'fused_rmsnorm'\n")
+    config = parse_args(["--job.config_file", path])
+    assert config.training.enable_loss_parallel is False and config.model.norm_type == "fused_rmsnorm"
+    from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
+
+    assert not parallel_dims_from_config(config, 2).loss_parallel_enabled  # without TP it is off anyway
+    config.training.tensor_parallel_degree = 2
+    assert not parallel_dims_from_config(config, 2).loss_parallel_enabled
+    config.training.enable_loss_parallel = True
+    assert parallel_dims_from_config(config, 2).loss_parallel_enabled

@@ -201,3 +201,80 @@ def test_zero1_owners_balance_the_state_within_one_parameter(n):
     assert sum(load) == sum(sizes)
     assert max(load) - min(load) <= max(sizes)  # greedy largest-first: within one parameter of even
     assert owners == assign_owners(list(sizes), n)  # every replica computes the same assignment
+
+
+# ----------------------------------------------------------------------------- optimizer steps in backward
+
+
+class TiedCheckpointedModel(nn.Module):
+    """Small model with the two things that could see a parameter before its gradient is final or
+    after its update: a weight used twice (tied output) and a recomputed (checkpointed) block."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        return self.out(self.norm(h))
+
+
+def train_tiny(early: bool, steps: int = 6, name: str = "AdamW"):
+    config = job_config(name=name, lr=0.01, warmup=2, steps=steps)
+    config.training.max_norm = 0.0
+    config.optimizer.early_step_in_backward = early
+    torch.manual_seed(0)
+    model = TiedCheckpointedModel()
+    optimizers = build_optimizers([model], config)
+    schedulers = build_lr_schedulers(optimizers, config)
+    gen = torch.Generator().manual_seed(3)
+    norms = []
+    for _ in range(steps):
+        optimizers.zero_grad()
+        tokens = torch.randint(0, 11, (4, 5), generator=gen)
+        logits = model(tokens)
+        nn.functional.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, 1).flatten()).backward()
+        if early:
+            assert all(p.grad is None for p in model.parameters())  # applied and freed in backward
+            norms.append(optimizers.grad_norm())
+        else:
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        optimizers.step()
+        schedulers.step()
+    return model, optimizers, schedulers, torch.stack(norms)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_early_step_in_backward_matches_the_usual_step(name):
+    plain, plain_opt, plain_sched, plain_norms = train_tiny(early=False, name=name)
+    early, early_opt, early_sched, early_norms = train_tiny(early=True, name=name)
+    assert len(early_opt.optimizers) == len(list(early.parameters())) == 7  # one per parameter, the tied one once
+    for (fqn, a), b in zip(plain.named_parameters(), early.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=fqn)  # same per-parameter math: bitwise on CPU
+    torch.testing.assert_close(early_norms, plain_norms, rtol=1e-5, atol=0)
+    assert early_sched.get_last_lr() == pytest.approx(plain_sched.get_last_lr())
+    # Same checkpoint keys and values: a checkpoint moves between the two modes.
+    plain_state, early_state = plain_opt.state_dict(), early_opt.state_dict()
+    assert sorted(early_state) == sorted(plain_state)
+    for key, value in plain_state.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(early_state[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_early_step_state_loads_into_the_usual_container():
+    early, early_opt, _, _ = train_tiny(early=True)
+    plain = TiedCheckpointedModel()
+    plain.load_state_dict(early.state_dict())
+    plain_opt = build_optimizers([plain], job_config())
+    plain_opt.load_state_dict(copy.deepcopy(early_opt.state_dict()))
+    (optimizer,) = plain_opt.optimizers
+    # The early container holds one optimizer per parameter, in parameter order.
+    for p_early, p_plain, per_param in zip(early.parameters(), plain.parameters(), early_opt.optimizers):
+        saved = per_param.state[p_early]
+        assert float(saved["step"]) == 6.0
+        torch.testing.assert_close(optimizer.state[p_plain]["exp_avg_sq"], saved["exp_avg_sq"], rtol=0, atol=0)

@@ -57,7 +57,7 @@ def test_optional_backends_missing_give_install_hints(tmp_path, monkeypatch):
     [
         (b'{"text": "ok"}\n{"text": "broken\n', "not a JSON object"),
         (b'{"text": "ok"}\n{"txt": "wrong key"}\n', "not a JSON object with a 'text' field"),
-        (b'{"text": "ok"}\n{"text": 7}\n', "'text' is a int"),
+        (b'{"text": "ok"}\n{"text": 7}\n', "'text' holds int '7'"),
         (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "invalid UTF-8"),
     ],
 )

@@ -56,7 +56,9 @@ def test_shards_are_disjoint_and_cover_all_documents(tmp_path, num_ranks):
     path = _corpus(tmp_path, docs)
     seen = []
     for shard in range(num_ranks):
-        packer_ds = PackedTextDataset(path, CharTokenizer(), 1000, batch_size=1, shards=[shard], num_shards=num_ranks)
+        # One window holds the shard's whole epoch (a shard smaller than one window is refused).
+        seq_len = len(_stream(path, [shard], num_ranks)[shard]) - 1
+        packer_ds = PackedTextDataset(path, CharTokenizer(), seq_len, batch_size=1, shards=[shard], num_shards=num_ranks)
         inputs, labels = next(iter(packer_ds))
         text = CharTokenizer().decode(inputs[0].tolist() + [labels[0, -1].item()])
         seen.append({i for i in range(12) if f"document number {i} " in text})
@@ -129,3 +131,17 @@ def test_bad_inputs(tmp_path):
     empty_shard = iter(PackedTextDataset(path, CharTokenizer(), 8, batch_size=1, shards=[1], num_shards=2))
     with pytest.raises(DatasetError, match="no documents for data shard 1"):
         next(empty_shard)
+
+
+@pytest.mark.parametrize("infinite", [True, False])
+def test_a_shard_smaller_than_its_share_of_one_batch_is_refused(tmp_path, infinite):
+    """Instead of looping over epochs to fill one batch (thousands of "starting epoch" lines), or
+    ending a finite run before its first step, the data is refused with the numbers."""
+    path = _corpus(tmp_path, ["a short document", "another one"])
+    tokens = len(_stream(path, [0], 1)[0])
+    ds = PackedTextDataset(path, CharTokenizer(), tokens, batch_size=1, shards=[0], num_shards=1, infinite=infinite)
+    with pytest.raises(DatasetError, match=rf"gives data shard 0 of 1 only {tokens} tokens, .*one batch \({tokens + 1}\)"):
+        next(iter(ds))
+    # One token fewer per window fits: the same data trains.
+    fits = PackedTextDataset(path, CharTokenizer(), tokens - 1, batch_size=1, shards=[0], num_shards=1, infinite=infinite)
+    assert next(iter(fits))[0].shape == (1, tokens - 1)

@@ -16,6 +16,9 @@ import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torchtitan.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +30,17 @@ _PARTIAL = re.compile(r"^step-(\d+)\.partial-")
 _DELETING = ".deleting-"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint the run cannot use (missing, incomplete, damaged, or from another model);
     the message is one line naming the folder and, where there is one, the option to change."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that could not be written (disk full, read-only, an I/O error). Every rank stops
+    at the same step; the unfinished folder is removed and every earlier checkpoint stays. The
+    trainer exits with `exit_code`, so a scheduler can tell it from a configuration mistake (2)."""
+
+    exit_code = 4
 
 
 @dataclass
@@ -40,6 +51,8 @@ class Manifest:
     contents: list[str]  # the Stateful names saved; ["model"] for weights-only checkpoints
     files: dict[str, int] = field(default_factory=dict)  # file name -> size in bytes
     model: dict[str, str] = field(default_factory=dict)  # {"name": ..., "flavor": ...}
+    model_args: dict[str, Any] = field(default_factory=dict)  # the writer's model args (shapes, vocabulary, ...)
+    tied: dict[str, str] | None = None  # parameter -> the one whose weight it shares; None: not recorded
     layout: dict[str, int] = field(default_factory=dict)  # parallel degrees and world size of the writer
     data_shards: int | None = None  # data shards whose positions the checkpoint keeps
     tokens_seen: int = 0

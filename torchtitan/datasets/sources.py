@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from torchtitan.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset name, file or line the user can fix; the message names it."""
 
 
@@ -176,7 +178,7 @@ def _read_jsonl(path: Path, counter: BadLineCounter, offset: int, line_no: int) 
                 counter.bad(where, "not a JSON object with a 'text' field")
                 continue
             if not isinstance(text, str):
-                counter.bad(where, f"'text' is a {type(text).__name__}, not a string")
+                counter.bad(where, f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string")
                 continue
             yield text, offset, line_no
 

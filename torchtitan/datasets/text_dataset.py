@@ -10,6 +10,7 @@ an equal slice of every shard it owns. Hence the global batch of a step depends 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -42,6 +43,10 @@ class _ShardPacker:
         self.position = StreamPosition()  # in the source's stream, just after the last of them
         self.buffer: list[int] = []
         self._docs: Iterator[str] | None = None
+        # Tokens one epoch of this shard must give to fill the shard's rows of one batch; an epoch
+        # seen whole (not resumed midway) that gives fewer means the data is too small to train on.
+        self.min_epoch_tokens = 0
+        self._epoch_tokens, self._whole_epoch = 0, True
 
     def _next_document(self) -> str | None:
         """The shard's next document; None when a finite source is used up."""
@@ -55,10 +60,19 @@ class _ShardPacker:
                 self.docs_done, self.position = self.docs_done + 1, position
                 return doc
             if self.docs_done == 0:
+                files = self.source if isinstance(self.source, list) else []
+                only_txt = 0 < len(files) < self.num_shards and all(Path(f).suffix == ".txt" for f in files)
+                why = (f"each .txt file is one document, and {len(files)} cannot feed {self.num_shards} data shards: give "
+                       "more files, or a .jsonl file with one document per line" if only_txt
+                       else "it is empty, or has fewer documents than training.dataset_shards")
                 raise DatasetError(
-                    f"{_describe(self.source)} has no documents for data shard {self.shard} of {self.num_shards} "
-                    "(it is empty, or has fewer documents than training.dataset_shards)"
-                )
+                    f"{_describe(self.source)} has no documents for data shard {self.shard} of {self.num_shards} ({why})")
+            if self._whole_epoch and self._epoch_tokens < self.min_epoch_tokens:
+                raise DatasetError(
+                    f"{_describe(self.source)} gives data shard {self.shard} of {self.num_shards} only "
+                    f"{self._epoch_tokens} tokens, fewer than its share of one batch ({self.min_epoch_tokens}); use more "
+                    "data, or lower training.batch_size, training.seq_len or training.dataset_shards")
+            self._epoch_tokens, self._whole_epoch = 0, True
             if not self.infinite:
                 return None
             self.epoch, self.docs_done, self.position, self._docs = self.epoch + 1, 0, StreamPosition(), None
@@ -70,7 +84,9 @@ class _ShardPacker:
             doc = self._next_document()
             if doc is None:
                 return None
-            self.buffer.extend(self.tokenizer.encode(doc, bos=True, eos=True))
+            tokens = self.tokenizer.encode(doc, bos=True, eos=True)
+            self._epoch_tokens += len(tokens)
+            self.buffer.extend(tokens)
         window = self.buffer[: self.seq_len + 1]
         self.buffer = self.buffer[self.seq_len :]
         return window
@@ -83,6 +99,7 @@ class _ShardPacker:
         self.docs_done, self.epoch, self.buffer = state["docs_done"], state["epoch"], list(state["buffer"])
         self.position = StreamPosition.from_state_dict(state["position"])
         self._docs = None
+        self._epoch_tokens, self._whole_epoch = 0, self.docs_done == 0
 
 
 class PackedTextDataset(IterableDataset, Stateful):
@@ -99,6 +116,8 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.rows_per_shard = batch_size // len(shards)
         counter = BadLineCounter(skip_bad_lines)
         self.packers = [_ShardPacker(source, tokenizer, seq_len, s, num_shards, infinite, counter) for s in shards]
+        for packer in self.packers:
+            packer.min_epoch_tokens = self.rows_per_shard * seq_len + 1
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:

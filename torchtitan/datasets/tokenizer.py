@@ -9,9 +9,10 @@ from abc import ABC, abstractmethod
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets.bpe_trainer import LLAMA3_PATTERN
+from torchtitan.errors import UserError
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """The tokenizer file is missing, empty or unreadable; the message names the path."""
 
 
@@ -151,6 +152,10 @@ _BASE64 = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/
 
 
 def _check_file(path: str) -> None:
+    if os.path.isdir(path):
+        candidates = sorted(n for n in os.listdir(path) if n.startswith("tokenizer") or n.endswith((".model", ".tiktoken")))
+        hint = f"; it holds {', '.join(candidates)}" if candidates else ""
+        raise TokenizerError(f"model.tokenizer_path {path} is a folder, not a tokenizer file{hint}")
     if not os.path.isfile(path):
         raise TokenizerError(f"tokenizer file not found: {path} (set --model.tokenizer_path)")
     if os.path.getsize(path) == 0:

@@ -6,7 +6,7 @@ from torch import nn
 
 def build_norm(norm_type: str, dim: int, eps: float = 1e-6) -> nn.Module:
     """Returns the normalization layer named by `norm_type` over the last `dim` features."""
-    if norm_type == "rmsnorm":
+    if norm_type in ("rmsnorm", "fused_rmsnorm"):  # the same math; compile fuses it
         return nn.RMSNorm(dim, eps=eps)
     if norm_type == "layernorm":
         return nn.LayerNorm(dim, eps=eps, bias=False)

@@ -52,9 +52,11 @@ class ParallelDims:
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others or self.world_size < others:
+                named = ", ".join(f"{_OPTION[n]} {getattr(self, n)}" for n in MESH_DIM_ORDER
+                                  if n != "dp_shard" and getattr(self, n) > 1)
                 raise ConfigError(
-                    f"no ranks left for training.data_parallel_shard_degree = -1: the other degrees multiply to "
-                    f"{others}, which does not divide the world size {self.world_size}"
+                    f"{named} multiply to {others}, which does not divide the world size {self.world_size} (NGPU); "
+                    "change those degrees or the number of processes"
                 )
             self.dp_shard = self.world_size // others
         product = others * self.dp_shard
@@ -217,7 +219,7 @@ def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> Paralle
         tp=t.tensor_parallel_degree,
         pp=e.pipeline_parallel_degree,
         world_size=world_size,
-        enable_loss_parallel=not t.disable_loss_parallel,
+        enable_loss_parallel=t.enable_loss_parallel and not t.disable_loss_parallel,
     )
 
 

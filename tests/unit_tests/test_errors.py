@@ -1,0 +1,111 @@
+"""How a run ends: exit codes, rank reports, the launcher's one line, stop signals, out of memory."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from torchtitan.config_manager import ConfigError
+from torchtitan.errors import (
+    REPORT_DIR_ENV,
+    OutOfMemory,
+    Report,
+    Stopped,
+    StopRequests,
+    TrainingDiverged,
+    out_of_memory,
+    read_reports,
+    say_how_it_ended,
+    summarize,
+)
+
+
+@pytest.fixture
+def report_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_each_rank_reports_and_the_first_error_is_the_root_cause(report_dir, capsys):
+    assert say_how_it_ended(1, ConfigError("bad option on rank 1")) == 2
+    try:
+        raise RuntimeError("connection closed by peer")  # what rank 0 meets once rank 1 is gone
+    except RuntimeError as e:
+        assert say_how_it_ended(0, e) == 1
+    assert capsys.readouterr().err == ""  # under a launcher the ranks print nothing themselves
+    reports = read_reports(str(report_dir))
+    assert [(r.rank, r.kind) for r in reports] == [(0, "bug"), (1, "error")]
+    assert summarize(reports, {0: 1, 1: 2}) == (2, "error: bad option on rank 1")
+
+
+def test_a_bug_is_one_traceback_naming_the_rank(report_dir):
+    try:
+        raise KeyError("surprise")
+    except KeyError as e:
+        say_how_it_ended(3, e)
+    code, text = summarize(read_reports(str(report_dir)), {3: 1})
+    assert code == 1 and text.startswith("rank 3 failed with an unexpected error (a bug):\nTraceback")
+    assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyError: 'surprise'")
+
+
+def test_a_stop_outranks_the_errors_it_causes_on_peers(report_dir):
+    say_how_it_ended(0, Stopped(signal.SIGINT, 7, "newest checkpoint: out/checkpoint/step-6"))
+    say_how_it_ended(1, RuntimeError("gloo: connection reset"), stop_requested=signal.SIGINT)
+    code, text = summarize(read_reports(str(report_dir)), {0: 130, 1: 130})
+    assert code == 130
+    assert text == "stopped: SIGINT received; stopped after step 7; newest checkpoint: out/checkpoint/step-6"
+
+
+def test_without_a_launcher_the_rank_prints_its_line(monkeypatch, capsys):
+    monkeypatch.delenv(REPORT_DIR_ENV, raising=False)
+    diverged = TrainingDiverged("non-finite loss at step 3")
+    diverged.add_context("no checkpoint saved yet")
+    assert say_how_it_ended(0, diverged) == 3
+    assert capsys.readouterr().err == "error: non-finite loss at step 3; no checkpoint saved yet\n"
+    with pytest.raises(ValueError, match="a bug"):  # a bug keeps Python's own traceback
+        say_how_it_ended(0, ValueError("a bug"))
+
+
+def test_ranks_that_said_nothing(tmp_path):
+    assert summarize([], {}) == (0, "")
+    code, text = summarize([], {0: -15, 1: -9})
+    assert code == 143 and text.startswith("error: rank 0 ended with signal SIGTERM without saying why")
+    code, text = summarize([], {0: -15, 1: 1})  # rank 1 failed; rank 0 was stopped because of it
+    assert code == 1 and text.startswith("error: rank 1 ended with exit code 1") and "LOG_RANK=1" in text
+    assert summarize([], {}, signum=signal.SIGINT)[0] == 130
+    # A report cut off mid-write is skipped, not a crash of the launcher.
+    (tmp_path / "rank-0.json").write_text('{"rank": 0, "co')
+    assert read_reports(str(tmp_path)) == []
+
+
+def test_real_allocation_failures_become_one_line():
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(2**62, dtype=torch.uint8)  # more than any machine has
+    oom = out_of_memory(info.value)
+    assert isinstance(oom, OutOfMemory) and oom.exit_code == 2
+    assert oom.line.startswith("error: out of memory: ") and "training.batch_size" in oom.line
+    assert "\n" not in oom.line and "alloc_cpu" not in oom.line
+    assert out_of_memory(MemoryError()) is not None
+    assert out_of_memory(RuntimeError("shapes do not match")) is None
+
+
+def test_first_signal_asks_second_would_end(monkeypatch):
+    stops = StopRequests().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stops.requested == signal.SIGTERM  # noted; the process goes on to the step boundary
+        exits = []
+        monkeypatch.setattr(os, "_exit", exits.append)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert exits == [128 + signal.SIGINT]
+    finally:
+        stops.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_report_round_trip(report_dir):
+    say_how_it_ended(2, Stopped(signal.SIGTERM, None))
+    (report,) = read_reports(str(report_dir))
+    assert report == Report(2, 143, "stopped: SIGTERM received; stopped during start-up, before the first step",
+                            "stopped", "", report.time)

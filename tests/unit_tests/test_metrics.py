@@ -1,0 +1,212 @@
+"""Tests for torchtitan.metrics: the MFU peak (GPU table, cached CPU peak, override), metrics.jsonl
+across fresh and resumed runs, and the optional Weights & Biases sink (with a fake wandb module)."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from torchtitan import metrics
+from torchtitan.config_manager import ConfigError, JobConfig, parse_args
+from torchtitan.metrics import MetricsLogger, StepMetrics, gpu_peak_flops, peak_flops
+
+
+@pytest.fixture(autouse=True)
+def cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv(metrics.CACHE_DIR_ENV, str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Replaces the matmul probe with a counter, so tests see when a peak is measured."""
+    calls = []
+
+    def fake(dtype=torch.float32):
+        calls.append(dtype)
+        return 1e11 * len(calls)
+
+    monkeypatch.setattr(metrics, "measure_cpu_peak_flops", fake)
+    return calls
+
+
+def config_in(tmp_path, **metrics_options) -> JobConfig:
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path / "dump")
+    for key, value in metrics_options.items():
+        setattr(config.metrics, key, value)
+    return config
+
+
+def step(n: int) -> StepMetrics:
+    return StepMetrics(step=n, loss=2.5, grad_norm=0.5, lr=1e-3, tokens=1000.0, seconds=0.5, data_seconds=0.1)
+
+
+# ----------------------------------------------------------------------------- the MFU peak
+
+
+@pytest.mark.parametrize("name,bf16,fp32,tf32", [
+    ("NVIDIA H100 80GB HBM3", 989, 67, 495),
+    ("NVIDIA H100 PCIe", 756, 51, 378),
+    ("NVIDIA H100 NVL", 835, 60, 418),
+    ("NVIDIA H200", 989, 67, 495),
+    ("NVIDIA GH200 480GB", 989, 67, 495),
+    ("NVIDIA A100-SXM4-80GB", 312, 19.5, 156),
+    ("NVIDIA A100 80GB PCIe", 312, 19.5, 156),
+    ("NVIDIA L40S", 362, 91.6, 183),
+    ("NVIDIA L40", 181, 90.5, 90.5),
+    ("NVIDIA L4", 121, 30.3, 60),
+    ("AMD Instinct MI300X", 1307, 163, 654),
+])
+def test_gpu_peaks_come_from_the_datasheet_table(name, bf16, fp32, tf32):
+    assert gpu_peak_flops(name, torch.bfloat16) == pytest.approx(bf16 * 1e12)
+    assert gpu_peak_flops(name, torch.float32) == pytest.approx(fp32 * 1e12)
+    assert gpu_peak_flops(name, torch.float32, tf32=True) == pytest.approx(tf32 * 1e12)
+
+
+def test_unknown_gpu_has_no_table_entry():
+    assert gpu_peak_flops("Tesla T4", torch.bfloat16) is None
+
+
+def test_peak_override_wins_and_measures_nothing(measured):
+    peak, source = peak_flops(torch.device("cpu"), torch.float32, override_tflops=2.5)
+    assert peak == pytest.approx(2.5e12) and source == "metrics.peak_tflops"
+    assert measured == []
+
+
+def test_cpu_peak_is_measured_once_per_cpu_threads_and_dtype(measured, monkeypatch, tmp_path):
+    first, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert len(measured) == 1 and "measured now" in source
+    again, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert again == first and len(measured) == 1 and "cached" in source
+    assert peak_flops(torch.device("cpu"), torch.bfloat16)[0] != first and len(measured) == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert peak_flops(torch.device("cpu"), torch.float32)[0] != first and len(measured) == 3
+    cache = json.loads((tmp_path / "cache" / "cpu_peak_flops.json").read_text())
+    assert len(cache) == 3 and any("| 97 threads | float32" in key for key in cache)
+
+
+def test_damaged_cpu_peak_cache_is_measured_again(measured, tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "cpu_peak_flops.json").write_text("{not json")
+    peak, _ = peak_flops(torch.device("cpu"), torch.float32)
+    assert peak > 0 and len(measured) == 1
+    assert peak_flops(torch.device("cpu"), torch.float32)[0] == peak and len(measured) == 1
+
+
+def test_unwritable_cache_still_gives_a_peak(measured, monkeypatch, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(metrics.CACHE_DIR_ENV, str(tmp_path / "a_file"))
+    peak, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert peak > 0 and "not cached" in source
+
+
+def test_two_runs_report_the_same_mfu(tmp_path):
+    """The real probe, once: a second run on this machine divides by the same cached peak."""
+    mfus = []
+    for run in range(2):
+        logger = MetricsLogger(config_in(tmp_path / str(run)), torch.device("cpu"), flops_per_token=10**6, rank=0)
+        mfus.append(logger.log(step(1))["mfu_percent"])
+        logger.close()
+    assert mfus[0] == mfus[1] > 0
+
+
+def test_measured_cpu_peak_is_positive():
+    assert metrics.measure_cpu_peak_flops(torch.float32, seconds=0.05, n=64) > 0
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def run_steps(tmp_path, steps, resumed_step=0):
+    logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0), torch.device("cpu"), 10**6, rank=0,
+                           resumed_step=resumed_step)
+    for n in steps:
+        logger.log(step(n))
+    logger.close()
+
+
+def read_steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_fresh_runs_never_mix_nor_lose_earlier_metrics(tmp_path):
+    dump = tmp_path / "dump"
+    run_steps(tmp_path, [1, 2, 3])
+    run_steps(tmp_path, [1, 2])
+    assert read_steps(dump / "metrics.jsonl") == [1, 2]
+    assert read_steps(dump / "metrics.1.jsonl") == [1, 2, 3]
+    run_steps(tmp_path, [1])
+    assert read_steps(dump / "metrics.jsonl") == [1]
+    assert read_steps(dump / "metrics.2.jsonl") == [1, 2]  # a larger n is a later run
+    assert read_steps(dump / "metrics.1.jsonl") == [1, 2, 3]
+
+
+def test_resumed_run_appends_after_its_checkpoint_step(tmp_path):
+    dump = tmp_path / "dump"
+    run_steps(tmp_path, [1, 2, 3, 4])
+    with open(dump / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a killed job's half-written last row
+    run_steps(tmp_path, [3, 4, 5], resumed_step=2)  # steps 3 and 4 are trained again
+    assert read_steps(dump / "metrics.jsonl") == [1, 2, 3, 4, 5]
+    assert not (dump / "metrics.1.jsonl").exists()
+
+
+def test_colours_off_with_either_spelling(tmp_path):
+    for options in ({"disable_color_printing": True}, {"enable_color_printing": False}):
+        logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0, save_jsonl=False, **options),
+                               torch.device("cpu"), 10**6, rank=0)
+        assert logger.colors.red == ""
+    assert MetricsLogger(config_in(tmp_path, peak_tflops=1.0, save_jsonl=False), torch.device("cpu"), 10**6,
+                         rank=0).colors.red != ""
+
+
+# ----------------------------------------------------------------------------- Weights & Biases
+
+
+def test_enable_wandb_without_the_package_is_refused_before_start(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like to import
+    with pytest.raises(ConfigError, match=r"^metrics.enable_wandb needs the wandb package \(pip install wandb\)$"):
+        parse_args(["--metrics.enable_wandb"])
+    assert parse_args(["--metrics.enable_wandb", "false"]).metrics.enable_wandb is False
+
+
+class FakeRun:
+    def __init__(self, **kwargs):
+        self.init_kwargs, self.logged, self.finished = kwargs, [], False
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    runs = []
+    module = types.ModuleType("wandb")
+    module.init = lambda **kwargs: runs.append(FakeRun(**kwargs)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def test_wandb_logs_the_same_scalars_on_rank_0(fake_wandb, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    config = parse_args(["--metrics.enable_wandb", "--job.dump_folder", str(tmp_path / "dump"),
+                         "--metrics.peak_tflops", "1"])
+    logger = MetricsLogger(config, torch.device("cpu"), 10**6, rank=0)
+    values = [logger.log(step(1)), logger.log(step(10))]
+    logger.close()
+    (run,) = fake_wandb
+    assert run.init_kwargs["dir"] == str(tmp_path / "dump") and run.init_kwargs["project"] == "torchtitan"
+    assert run.init_kwargs["config"]["metrics"]["enable_wandb"] is True
+    assert [s for s, _ in run.logged] == [1, 10]
+    for (_, logged), expected in zip(run.logged, values):
+        assert logged == {f"train/{name}": value for name, value in expected.items()}
+        assert {"train/loss", "train/mfu_percent", "train/tokens_per_second"} <= logged.keys()
+    assert run.finished
+    # Other ranks open no run.
+    MetricsLogger(config, torch.device("cpu"), 10**6, rank=1).close()
+    assert len(fake_wandb) == 1

@@ -1,0 +1,239 @@
+"""How a run ends: its exit code, and the one line that says why.
+
+Exit codes (README "Exit codes"):
+
+    0    finished
+    1    a bug: one traceback
+    2    a mistake the user can fix (config, launcher variables, data, tokenizer, the checkpoint to
+         load, sizes that cannot fit, running out of memory): one `error:` line
+    3    training diverged: a non-finite loss or gradient norm (one `error:` line)
+    4    a checkpoint could not be saved (disk full, I/O error): one `error:` line
+    130  stopped by SIGINT (Ctrl-C) at a step boundary: one `stopped:` line
+    143  stopped by SIGTERM at a step boundary: one `stopped:` line
+
+A single process prints its own line. Under a launcher (`run_llama_train.sh`, or the test
+launcher `torchtitan.tools.local_ranks`) every rank instead writes how it ended into the job's
+report folder (`$TORCHTITAN_REPORT_DIR`), and the launcher prints the root cause once, whichever
+rank found it: errors found only on rank 1 (its data shard, its memory) are not lost, and an
+error found by every rank is not printed once per rank. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+EXIT_BUG = 1
+EXIT_USER = 2
+EXIT_DIVERGED = 3
+EXIT_SAVE_FAILED = 4
+REPORT_DIR_ENV = "TORCHTITAN_REPORT_DIR"
+
+
+class RunEnded(Exception):
+    """A run that ends for a reason one line explains; `exit_code` is what the process returns."""
+
+    exit_code = EXIT_BUG
+    prefix = "error"
+
+    @property
+    def line(self) -> str:
+        return f"{self.prefix}: {self}"
+
+    def add_context(self, note: str) -> None:
+        """Appends what the caller knows and the raiser did not (e.g. the newest checkpoint)."""
+        self.args = (f"{self.args[0]}; {note}" if self.args else note, *self.args[1:])
+
+
+class UserError(RunEnded):
+    """A mistake the user can fix; the message is one line naming the option or file."""
+
+    exit_code = EXIT_USER
+
+
+class OutOfMemory(UserError):
+    """An allocation failed although the start-up size check let the job through."""
+
+
+class TrainingDiverged(RunEnded):
+    """The loss or gradient norm stopped being finite; the optimizer step was not taken."""
+
+    exit_code = EXIT_DIVERGED
+
+
+class Stopped(RunEnded):
+    """SIGINT or SIGTERM asked the run to stop; every rank stopped after the same step."""
+
+    prefix = "stopped"
+
+    def __init__(self, signum: int, step: int | None, checkpoint: str = ""):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__()
+
+    @property
+    def exit_code(self) -> int:  # the shell's convention for "ended by signal N"
+        return 128 + self.signum
+
+    def add_context(self, note: str) -> None:
+        self.checkpoint = note
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        newest = f"; {self.checkpoint}" if self.checkpoint else ""
+        when = "during start-up, before the first step" if self.step is None else f"after step {self.step}"
+        return f"{name} received; stopped {when}{newest}"
+
+
+_CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def out_of_memory(exc: BaseException) -> OutOfMemory | None:
+    """The exception as one line if it is a failed allocation (CUDA, CPU or Python), else None."""
+    name = type(exc).__name__
+    text = str(exc)
+    if name == "OutOfMemoryError" or isinstance(exc, MemoryError) or any(m in text for m in _CPU_OOM):
+        detail = next((ln.strip() for ln in text.splitlines() if "allocate" in ln), text.splitlines()[0] if text else name)
+        if "DefaultCPUAllocator" in detail:
+            detail = detail[detail.index("DefaultCPUAllocator") + len("DefaultCPUAllocator: "):]
+        return OutOfMemory(f"out of memory: {detail.rstrip('.')}; lower training.batch_size or training.seq_len, "
+                           "or spread the model over more ranks (data_parallel_shard_degree, tensor/pipeline parallel)")
+    return None
+
+
+@dataclass
+class Report:
+    """How one rank ended, as written into the report folder."""
+
+    rank: int
+    code: int
+    line: str
+    kind: str  # "error" (one line), "bug" (a traceback), "stopped", "aborted" (collateral of a stop)
+    traceback: str = ""
+    time: float = 0.0
+
+
+def reporting_to_folder() -> bool:
+    return bool(os.environ.get(REPORT_DIR_ENV))
+
+
+def write_report(rank: int, code: int, line: str, kind: str, tb: str = "") -> None:
+    """Records how this rank ended in the launcher's report folder (written whole, then renamed,
+    so the launcher never reads half a report)."""
+    folder = os.environ[REPORT_DIR_ENV]
+    report = Report(rank, code, line, kind, tb, time.time())
+    path = os.path.join(folder, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(asdict(report), f)
+    os.replace(path + ".tmp", path)
+
+
+def read_reports(folder: str) -> list[Report]:
+    reports = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    reports.append(Report(**json.load(f)))
+            except (OSError, ValueError, TypeError):
+                continue  # a rank killed while writing; its exit code still counts below
+    return reports
+
+
+# Which ending explains a job best: a rank's own error or bug over a stop, and a stop over the
+# errors that ranks hit only because a peer had already gone.
+_PRIORITY = {"error": 0, "bug": 0, "stopped": 1, "aborted": 2}
+
+
+def summarize(reports: list[Report], exit_codes: dict[int, int], signum: int = 0) -> tuple[int, str]:
+    """The job's exit code and what to print for it, from the ranks' reports, the exit codes of
+    ranks that failed (rank -> code) and the signal the launcher received, if any. The root cause
+    is the first report written among the most telling kind: a rank's error is written before it
+    exits, so before its peers notice it gone and fail in their turn."""
+    if reports:
+        first = min(reports, key=lambda r: (_PRIORITY.get(r.kind, 0), r.time, r.rank))
+        if first.kind == "bug":
+            return first.code, f"rank {first.rank} failed with an unexpected error (a bug):\n{first.traceback.rstrip()}"
+        return first.code, first.line
+    if signum:
+        return 128 + signum, (f"stopped: {signal.Signals(signum).name} received before the ranks reached a step "
+                              "boundary (they were still starting up, and were ended)")
+    failed = {rank: code for rank, code in exit_codes.items() if code != 0}
+    if not failed:
+        return 0, ""
+    # A rank that exited by itself failed first; ranks ended by a signal were usually stopped
+    # by the launcher because of it.
+    rank = min(failed, key=lambda r: (failed[r] < 0, r))
+    code = failed[rank]
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return (code if code > 0 else 128 - code), (
+        f"error: rank {rank} ended with {how} without saying why (killed from outside, or out of host memory?); "
+        f"rerun with LOG_RANK={rank} to see its output")
+
+
+class StopRequests:
+    """SIGINT and SIGTERM as requests to stop at the next step boundary.
+
+    The first signal is only noted: the training loop agrees on it across ranks once per step and
+    then every rank stops after the same step. A second signal ends this process at once (exit
+    128 + signal), for a step that will not finish; the launcher then stops the other ranks.
+    Installed only once training starts: during start-up SIGTERM ends a rank at once (a rank
+    waiting for a peer that already failed must not wait out a timeout) and Ctrl-C interrupts.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = 0  # the first signal received, 0 if none
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopRequests:
+        if self._previous:
+            return self
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = signum
+
+
+def say_how_it_ended(rank: int, exc: BaseException, stop_requested: int = 0) -> int:
+    """Tells how this rank ended (in the report folder, or as one line on stderr) and returns the
+    exit code. A bug is re-raised when no launcher collects reports, so that Python prints its
+    one traceback; under a launcher the traceback goes into the report and the launcher prints it."""
+    ended = exc if isinstance(exc, RunEnded) else out_of_memory(exc)
+    kind = "stopped" if isinstance(ended, Stopped) else "error"
+    if ended is None and stop_requested:
+        # A stop was under way when this failed: a peer that stopped first is gone from a collective.
+        name = signal.Signals(stop_requested).name
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        ended, kind = Stopped(stop_requested, None), "aborted"
+        line, code = f"stopped: {name} received; this rank ended during a step ({first})", ended.exit_code
+    elif ended is not None:
+        line, code = ended.line, ended.exit_code
+    elif reporting_to_folder():
+        write_report(rank, EXIT_BUG, "", "bug", format_traceback(exc))
+        return EXIT_BUG
+    else:
+        raise exc
+    if reporting_to_folder():
+        write_report(rank, code, line, kind)
+    else:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def format_traceback(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
