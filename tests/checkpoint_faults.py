@@ -8,12 +8,16 @@ Which fault, and when, comes from environment variables (each rank reads them at
 - TT_KILL_IN_SAVE=N:publish: rank 0 is killed after writing step N's manifest, before the folder
   is renamed to step-N.
 
+- TT_WRITE_FAILS=N:R:ERRNO: rank R's DCP write of step N's checkpoint fails with OSError ERRNO
+  (ENOSPC: a full disk; EROFS: a read-only one), as the file system would report it.
+
 It also registers what some tests need beyond the built-in models: a Llama flavor with a
 narrower width (`debugmodel_narrow`), and a model `llama3_nan` whose loss turns NaN from the
 step given by TT_NAN_FROM_STEP on.
 """
 
 import dataclasses
+import errno
 import os
 import signal
 
@@ -64,6 +68,18 @@ if fault := os.environ.get("TT_KILL_IN_SAVE"):
             return _rename(src, dst, *args, **kwargs)
 
         os.rename = rename_or_die  # publish() renames through os.rename; only its last rename dies
+
+if fault := os.environ.get("TT_WRITE_FAILS"):
+    fail_step, fail_rank, fail_errno = fault.split(":")
+    _write_data = FileSystemWriter.write_data
+
+    def write_data_or_fail(self, *args, **kwargs):
+        if f"step-{fail_step}.partial-" in str(self.path) and os.environ.get("RANK", "0") == fail_rank:
+            code = getattr(errno, fail_errno)
+            raise OSError(code, os.strerror(code), os.path.join(str(self.path), f"__{fail_rank}_0.distcp"))
+        return _write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = write_data_or_fail
 
 llama3 = get_train_spec("llama3")
 llama3.config["debugmodel_narrow"] = dataclasses.replace(llama3.config["debugmodel"], dim=128, n_heads=8)

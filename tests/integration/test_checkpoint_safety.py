@@ -1,6 +1,7 @@
 """Checkpoints are never lost or misused: damaged ones are skipped, a NaN state is never saved,
-retention keeps what is needed, and every bad checkpoint input ends the run with one line,
-exit code 2 and nothing on disk changed."""
+retention keeps what is needed, every bad checkpoint input (a model it does not fit included)
+ends the run with one line, exit code 2 and nothing on disk changed, and a save the disk cannot
+take stops every rank with one line and exit code 4, keeping the earlier checkpoints."""
 
 import hashlib
 import json
@@ -46,6 +47,14 @@ def prepare(case, tmp_path, saved):
     if case == "truncated file":
         data = ckpt / "step-4" / "__0_0.distcp"
         data.write_bytes(data.read_bytes()[:1000])
+    if case == "flipped bits":  # the size is unchanged, so only reading the data finds it
+        data = ckpt / "step-4" / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[-30] ^= 0xFF  # inside the zip directory of the non-tensor entries
+        data.write_bytes(bytes(raw))
+    if case == "garbage metadata":
+        metadata = ckpt / "step-4" / ".metadata"
+        metadata.write_bytes(os.urandom(metadata.stat().st_size))
     if case == "not a checkpoint":
         (tmp_path / "notes").mkdir()
         (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
@@ -67,8 +76,23 @@ CASES = {  # name: (arguments, expected line)
     "other model flavor": ([*RESUME, "--experimental.custom_import", "tests.checkpoint_faults", "--model.flavor",
                             "debugmodel_narrow", "--training.dataset_shards", "2"],
                            "checkpoint {job}/checkpoint/step-4 (written by llama3 debugmodel) does not fit llama3 "
-                           "debugmodel_narrow: it holds model.tok_embeddings.weight with shape [2256, 256], but this "
-                           "run's is [2256, 128]"),
+                           "debugmodel_narrow: tok_embeddings.weight is [2256, 256] in the checkpoint, [2256, 128] in "
+                           "the model (dim 256 vs 128, n_heads 16 vs 8)"),
+    "untied into tied": ([*RESUME, "--model.flavor", "debugmodel_tied", "--training.dataset_shards", "2"],
+                         "checkpoint {job}/checkpoint/step-4 (written by llama3 debugmodel) does not fit llama3 "
+                         "debugmodel_tied: output.weight is its own weight in the checkpoint, but this model ties it to "
+                         "tok_embeddings.weight (checkpoint is untied, model is tied)"),
+    "other model": (["--job.dump_folder", "{tmp}/run", "--model.name", "llama2", "--checkpoint.initial_load_path",
+                     "{job}/checkpoint/step-2"],
+                    "checkpoint {job}/checkpoint/step-2 (written by llama3 debugmodel) does not fit llama2 debugmodel: "
+                    "it holds a llama3 model, this run trains llama2; set model.name llama3"),
+    "exclusion of nothing": ([*RESUME, "--checkpoint.exclude_from_loading", "outptu"],
+                             "checkpoint.exclude_from_loading 'outptu' names nothing in {job}/checkpoint/step-4"),
+    "flipped bits": ([*RESUME, "--checkpoint.load_step", "4"],
+                     "checkpoint {job}/checkpoint/step-4 cannot be loaded: RuntimeError: PytorchStreamReader failed "
+                     "reading zip archive: not a ZIP archive (rank 0)"),
+    "garbage metadata": ([*RESUME, "--checkpoint.load_step", "4"],
+                         "{job}/checkpoint/step-4 cannot be read safely: its DCP metadata is unreadable"),
     "not a checkpoint": (["--job.dump_folder", "{tmp}/run", "--checkpoint.initial_load_path", "{tmp}/notes"],
                          "checkpoint.initial_load_path {tmp}/notes is not a checkpoint (no manifest.json and no DCP "
                          ".metadata file)"),
@@ -91,23 +115,69 @@ def test_bad_checkpoint_input_is_one_line_and_changes_nothing(case, tmp_path, sa
     lines = result.stderr.strip().splitlines()
     expected = CASES[case][1].format(tmp=tmp_path, job=tmp_path / "job")
     assert len(lines) == 1 and expected in lines[0], result.stderr[-3000:]
+    assert len(lines[0]) < 600, lines[0]  # one readable line, not a stack per rank
     assert snapshot(tmp_path) == before
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, saved):
-    args = prepare("truncated file", tmp_path, saved)[:-2]  # no load_step: auto-resume
+@pytest.mark.parametrize("case", ["truncated file", "garbage metadata"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(case, tmp_path, saved):
+    args = prepare(case, tmp_path, saved)[:-2]  # no load_step: auto-resume
     result = run_train([*TINY_RUN, *SAVED, *args])
-    assert f"skipping checkpoint {tmp_path}/job/checkpoint/step-4: it is damaged" in result.stdout
+    problem = "it is damaged" if case == "truncated file" else "its DCP metadata is unreadable"
+    assert f"skipping checkpoint {tmp_path}/job/checkpoint/step-4: {problem}" in result.stdout
     assert "resuming after step 2" in result.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "job")] == [1, 2, 3, 4]
 
 
+def test_an_untied_checkpoint_resumes_as_tied_without_its_output_projection(tmp_path, saved):
+    """A deliberate partial load: the output projection (and its optimizer state) is left out and
+    logged; the tied model starts it from the checkpoint's embedding."""
+    job = tmp_path / "job"
+    shutil.copytree(saved, job)
+    result = run_train([*TINY_RUN, *SAVED, "--training.steps", "5", "--job.dump_folder", str(job), "--model.flavor",
+                        "debugmodel_tied", "--checkpoint.exclude_from_loading", "output"])
+    assert f"not loading output from {job}/checkpoint/step-4 (checkpoint.exclude_from_loading)" in result.stdout
+    assert "resuming after step 4" in result.stdout
+    assert [r["step"] for r in read_metrics(job)][-1] == 5
+
+
+WRITE_FAULT = ["--training.steps", "6", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+               "--experimental.custom_import", "tests.checkpoint_faults"]
+
+
+@pytest.mark.parametrize("mode, nproc, fault, cause", [
+    ("disabled", 1, "4:0:EROFS", "Read-only file system"),
+    ("async", 2, "4:1:ENOSPC", "No space left on device"),  # one rank fails in the background: both stop
+])
+def test_a_save_that_cannot_be_written_stops_every_rank_and_keeps_the_earlier_checkpoints(mode, nproc, fault, cause,
+                                                                                             tmp_path):
+    rank = fault.split(":")[1]
+    result = run_train([*TINY_RUN, *WRITE_FAULT, "--checkpoint.async_mode", mode, "--job.dump_folder", str(tmp_path)],
+                       nproc=nproc, check=False, extra_env={"TT_WRITE_FAILS": fault})
+    assert result.returncode == 4, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint of step 4 not saved: " + cause), result.stderr
+    assert f"(rank {rank})" in lines[0]
+    assert lines[0].endswith(f"the newest checkpoint stays {tmp_path}/checkpoint/step-2")
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]  # the unfinished one is gone
+
+
 def test_a_nan_loss_is_never_checkpointed(tmp_path):
     args = [*TINY_RUN, "--training.steps", "6", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
-            "--experimental.custom_import", "tests.checkpoint_faults", "--model.name", "llama3_nan",
-            "--job.dump_folder", str(tmp_path)]
-    result = run_train(args, extra_env={"TT_NAN_FROM_STEP": "3"})
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+            "--experimental.custom_import", "tests.checkpoint_faults", "--model.name", "llama3_nan"]
+    # By default the run stops at the first non-finite loss, before applying it, naming the
+    # newest (good) checkpoint.
+    result = run_train([*args, "--job.dump_folder", str(tmp_path / "stop")], extra_env={"TT_NAN_FROM_STEP": "3"},
+                       check=False)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: non-finite loss at step 3 (loss nan, gradient norm nan); the step was not applied; lower optimizer.lr "
+        f"or raise training.warmup_steps, then resume; newest checkpoint: {tmp_path / 'stop' / 'checkpoint' / 'step-2'}"]
+    assert sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir()) == ["step-2"]
+    # Told to go on, the run still never saves a non-finite state.
+    result = run_train([*args, "--training.on_nonfinite_loss", "continue", "--job.dump_folder", str(tmp_path / "go")],
+                       extra_env={"TT_NAN_FROM_STEP": "3"})
+    assert sorted(p.name for p in (tmp_path / "go" / "checkpoint").iterdir()) == ["step-2"]
     for step in (4, 6):
         assert f"step {step}: the loss or gradient norm is not finite; no checkpoint is saved" in result.stdout
 
@@ -125,6 +195,7 @@ def test_keep_latest_k_and_a_weights_only_export(tmp_path):
     dtypes = {m.properties.dtype for m in read_metadata(ckpt / "step-8").state_dict_metadata.values()}
     assert {str(d) for d in dtypes} == {"torch.bfloat16"}
     # The export starts a new run (any layout; fp32 training from bf16 weights).
-    result = run_train([*TINY_RUN, "--training.steps", "1", "--checkpoint.initial_load_path", str(ckpt / "step-8"),
+    result = run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
+                        "--checkpoint.initial_load_path", str(ckpt / "step-8"),
                         "--job.dump_folder", str(tmp_path / "next")], nproc=2)
     assert f"loaded model from {ckpt / 'step-8'}" in result.stdout

@@ -45,9 +45,9 @@ class AsyncSaver:
         else:
             logger.info("asynchronous checkpoints: staged in host memory, written by a background thread")
 
-    def save(self, states: dict[str, Any], path: str) -> Future:
+    def save(self, states: dict[str, Any], path: str, planner: Any = None) -> Future:
         result = dcp.async_save(states, checkpoint_id=path, process_group=self.group, no_dist=self.group is None,
-                                async_checkpointer_type=self.executor, async_stager=self.stager)
+                                async_checkpointer_type=self.executor, async_stager=self.stager, planner=planner)
         return result.upload_completion if isinstance(result, AsyncSaveResponse) else result
 
     def close(self) -> None:

@@ -6,17 +6,17 @@ parameter names, so a checkpoint loads under any parallel layout: DCP reshards o
 position is kept per data shard, and the shard count travels with the checkpoint, so it survives
 a change of data-parallel degree too.
 
-The run asks two things of the manager: before the data loader exists, `find_resume_point`
-decides which checkpoint the run starts from; once the model and optimizers exist, a
-CheckpointManager loads it and saves new ones.
+The run asks two things: before the data loader exists, `find_resume_point` (resume.py) decides
+which checkpoint the run starts from; once the model and optimizers exist, a CheckpointManager
+checks that it fits the model (fit.py), loads it, and saves new ones, stopping every rank with one
+line when a save cannot be written (failures.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import pickle
+import shutil
 import time
 from typing import Any
 
@@ -25,13 +25,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.checkpoint import folders
-from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, one_line, save_failure
+from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, build_on_meta, checkpoint_record, tied_aliases
+from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, Manifest
+from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
-from torchtitan.checkpoint.states import DataState, ModelState, RNGState, TrainState
+from torchtitan.checkpoint.states import DataState, ModelState, PartialState, RNGState, TrainState, flatten
 from torchtitan.config_manager import JobConfig
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 
@@ -40,139 +43,37 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclasses.dataclass
-class ResumePoint:
-    """The checkpoint a run starts from."""
-
-    path: str
-    weights_only: bool  # model weights that start a new run at step 0 (seed, export, initial_load_path)
-    manifest: Manifest | None  # None for a DCP folder written by another tool
-
-    def adopt_data_shards(self, job_config: JobConfig, dp_degree: int) -> None:
-        """Reads the data with the shard count the checkpoint's data position refers to.
-
-        With `training.dataset_shards = -1` the count follows the checkpoint (not this run's
-        data-parallel degree), so a resumed run neither repeats nor skips documents. Any other
-        count would not match the saved position, and is refused.
-        """
-        if self.weights_only or self.manifest is None or self.manifest.data_shards is None:
-            return
-        saved, t = self.manifest.data_shards, job_config.training
-        if t.dataset_shards not in (-1, saved):
-            raise CheckpointError(
-                f"{self.path} keeps the data position of {saved} data shards, but training.dataset_shards is "
-                f"{t.dataset_shards}; set it to {saved} (or -1) to resume, or start a new run from the weights "
-                "with checkpoint.initial_load_path"
-            )
-        if saved % dp_degree:
-            raise CheckpointError(
-                f"{self.path} keeps the data position of {saved} data shards, which {dp_degree} data-parallel ranks "
-                f"cannot split evenly; use a data-parallel degree that divides {saved}"
-            )
-        if t.dataset_shards == -1 and saved != dp_degree:
-            logger.info(f"reading the data as {saved} shards, as the checkpoint does ({saved // dp_degree} per "
-                        "data-parallel rank)")
-        t.dataset_shards = saved
-
-
-def _decide_on_rank0(fn) -> Any:
-    """Runs `fn` on rank 0 only and hands its result (or its CheckpointError) to every rank, so
-    all ranks act on one view of the file system and warnings are printed once."""
-    if not dist.is_initialized():
-        return fn()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = fn()
-        except CheckpointError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], CheckpointError):
-        raise box[0]
-    return box[0]
-
-
-def find_resume_point(job_config: JobConfig) -> ResumePoint | None:
-    """Which checkpoint the run starts from: `checkpoint.load_step`, else the newest complete
-    full checkpoint (damaged or unfinished ones are skipped with a warning), else the newest
-    weights-only one (seed or export), else `checkpoint.initial_load_path`, else none."""
-    return _decide_on_rank0(lambda: _find_resume_point(job_config))
-
-
-def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
-    c = job_config.checkpoint
-    folder = os.path.join(job_config.job.dump_folder, c.folder)
-    if c.enable_checkpoint:
-        found, partial = folders.scan(folder)
-        if c.load_step >= 0:
-            return _requested_step(found, folder, c.load_step)
-        for path in partial:
-            logger.warning(f"ignoring {path}: a save that never finished")
-        usable = []
-        for f in reversed(found):
-            if f.problem is not None:
-                logger.warning(f"skipping checkpoint {f.path}: it {f.problem}")
-            else:
-                usable.append(f)
-        full = [f for f in usable if not f.manifest.weights_only]
-        if full:
-            f = full[0]
-            return ResumePoint(f.path, False, f.manifest)
-        if usable:
-            f = usable[0]
-            logger.info(f"{f.path} holds model weights only: the run starts from them at step 0")
-            return ResumePoint(f.path, True, f.manifest)
-    if c.initial_load_path:
-        return _initial_weights(c.initial_load_path)
-    return None
-
-
-def _requested_step(found: list[folders.Found], folder: str, step: int) -> ResumePoint:
-    match = next((f for f in found if f.step == step), None)
-    if match is None:
-        describe = "the folder does not exist" if not os.path.isdir(folder) else folders.describe_steps(found)
-        raise CheckpointError(f"checkpoint.load_step {step}: there is no step-{step} in {folder} ({describe})")
-    if match.problem is not None:
-        raise CheckpointError(f"checkpoint.load_step {step}: {match.path} {match.problem}")
-    return ResumePoint(match.path, match.manifest.weights_only, match.manifest)
-
-
-def _initial_weights(path: str) -> ResumePoint:
-    """A folder of model weights to start from: one of ours (checked against its manifest) or a
-    plain DCP folder written by another tool."""
-    problem = folders.problem_with(path)
-    if problem is None:
-        return ResumePoint(path, True, Manifest.read(path))
-    if problem.startswith("has no manifest") and os.path.isfile(os.path.join(path, folders.DCP_METADATA)):
-        return ResumePoint(path, True, None)  # not written by this project: DCP's own checks apply
-    raise CheckpointError(f"checkpoint.initial_load_path {path} {problem}")
-
-
 def _layout(parallel_dims: ParallelDims) -> dict[str, int]:
     return {**{name: getattr(parallel_dims, name) for name in MESH_DIM_ORDER}, "world_size": parallel_dims.world_size}
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """DCP's key for every leaf of a nested state dict (dicts joined with dots)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _flatten(f"{prefix}.{key}", item, out)
-    else:
-        out[prefix] = value
-    return out
+def _gather(obj: Any) -> list[Any]:
+    """`obj` from every rank, in rank order (just `[obj]` in a single process)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
-def _shape_problem(key: str, value: Any, metadata: Metadata) -> str | None:
-    saved = metadata.state_dict_metadata.get(key)
-    if saved is None:
-        return f"has no entry {key}"
-    if isinstance(value, torch.Tensor):
-        if not isinstance(saved, TensorStorageMetadata):
-            return f"holds {key} as a non-tensor value"
-        shape = tuple(value.shape)  # a DTensor reports its global shape
-        if tuple(saved.size) != shape:
-            return f"holds {key} with shape {list(saved.size)}, but this run's is {list(shape)}"
-    return None
+def _first_error(error: str | None) -> str | None:
+    """The first rank's error, on every rank: a failure seen by one rank stops them all together."""
+    return next((e for e in _gather(error) if e is not None), None)
+
+
+def _all_ranks_done(done: bool) -> bool:
+    """Whether every rank's background save has finished; a CPU tensor, so on GPUs it travels
+    over gloo without waiting for the device."""
+    if not dist.is_initialized():
+        return done
+    flag = torch.tensor([int(done)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _storage(t: Any) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr() if isinstance(local, torch.Tensor) else id(local)
 
 
 class CheckpointManager:
@@ -209,8 +110,21 @@ class CheckpointManager:
 
             self._async = AsyncSaver(c.async_mode)
         # One name for this job's unfinished saves, the same on every rank.
-        self._attempt = _decide_on_rank0(lambda: f"{os.getpid()}-{time.time_ns()}")
+        self._attempt = decide_on_rank0(lambda: f"{os.getpid()}-{time.time_ns()}")
         self._cleaned = False
+        self._record: ModelRecord | None = None
+
+    def model_record(self) -> ModelRecord:
+        """This run's model as a manifest records it: name, flavor, args, tied weights (read once
+        from the whole model built on the meta device, since a pipeline stage holds one side)."""
+        if self._record is None:
+            from torchtitan.models import get_train_spec  # here: the model registry imports checkpoint code
+
+            m, args = self.job_config.model, getattr(self.model.model_parts[0], "args", None)
+            whole = build_on_meta(get_train_spec(m.name).model_cls, args)
+            self._record = ModelRecord(m.name, m.flavor, args_record(args),
+                                       tied_aliases(whole) if whole is not None else None)
+        return self._record
 
     # ----------------------------------------------------------------------------------------
     # Loading
@@ -218,33 +132,40 @@ class CheckpointManager:
     def load(self, resume: ResumePoint | None) -> None:
         if resume is None:
             return
+        c = self.job_config.checkpoint
         contents = ["model"] if resume.weights_only else list(resume.manifest.contents)
         try:
             metadata = read_metadata(resume.path)
-        except (OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
-            raise CheckpointError(f"{resume.path} cannot be read safely: its DCP metadata is unreadable ({e})") from e
+        except Exception as e:  # garbage bytes fail in many ways inside the unpickler
+            raise CheckpointError(f"{resume.path} cannot be read safely: its DCP metadata is unreadable "
+                                  f"({one_line(e)})") from None
         top_level = not any(key.startswith("model.") for key in metadata.state_dict_metadata)
-        states = {name: self.states[name] for name in contents}
+        states = {name: self.states[name] for name in contents if name not in c.exclude_from_loading}
+        left_out = [name for name in contents if name in c.exclude_from_loading]
+        if left_out and self.rank == 0:
+            logger.warning(f"not loading {', '.join(left_out)} from {resume.path} (checkpoint.exclude_from_loading): "
+                           "they start as in a fresh run")
         if "rng" in states and not self._rng_restorable(resume, metadata):
             logger.info("random generator states not restored: they belong to the ranks of another layout")
             del states["rng"]
-        self._check_fits(resume, metadata, states, top_level)
+        skip = self._check_fits(resume, metadata, states, top_level)
         start = time.perf_counter()
         reader, planner = SafeFileSystemReader(resume.path), SafeLoadPlanner()
         try:
             if top_level:  # weights saved by another tool, without our "model." prefix
                 model_sd = self.model.state_dict()
-                dcp.load(model_sd, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
-                self.model.load_state_dict(model_sd)
+                wanted = {k: v for k, v in model_sd.items() if k not in skip}
+                dcp.load(wanted, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+                self.model.load_state_dict({**model_sd, **wanted})
             else:
-                dcp.load(states, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+                wrapped = {name: PartialState(state, name, skip) if skip else state for name, state in states.items()}
+                dcp.load(wrapped, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
         except CheckpointException as e:  # every rank sees the failure: DCP gathers them
-            first = next(iter(e.failures.values()), e)
-            raise CheckpointError(f"loading {resume.path} failed: {type(first).__name__}: "
-                                  f"{str(first).strip().splitlines()[-1] if str(first).strip() else ''}") from e
+            raise CheckpointError(f"checkpoint {resume.path} cannot be loaded: {one_line(e)}; one of its files is "
+                                  "damaged, or was not written by DCP") from None
         seconds = time.perf_counter() - start
-        mib = folders.folder_bytes(resume.path) / 2**20
-        loaded = f"loaded {', '.join(states)} from {resume.path} in {seconds:.2f}s ({mib / seconds:.0f} MiB/s)"
+        mib_loaded = folders.folder_bytes(resume.path) / 2**20
+        loaded = f"loaded {', '.join(states)} from {resume.path} in {seconds:.2f}s ({mib_loaded / seconds:.0f} MiB/s)"
         if resume.weights_only:
             logger.info(loaded)
         else:
@@ -254,35 +175,36 @@ class CheckpointManager:
     def _rng_restorable(self, resume: ResumePoint, metadata: Metadata) -> bool:
         """Generator states are per rank: restored only by the layout that wrote them (all ranks
         decide alike, from the manifest and the metadata every rank reads)."""
-        keys = _flatten("rng", self.states["rng"].state_dict(), {})
+        keys = flatten("rng", self.states["rng"].state_dict())
         return resume.manifest.layout == self.layout and all(k in metadata.state_dict_metadata for k in keys)
 
-    def _check_fits(self, resume: ResumePoint, metadata: Metadata, states: dict[str, Stateful], top_level: bool) -> None:
-        """Refuses, on every rank alike and before anything is loaded, a checkpoint whose entries
-        do not match this run's states (another model flavor, another optimizer)."""
-        local: dict[str, Any] = {}
+    def _check_fits(self, resume: ResumePoint, metadata: Metadata, states: dict[str, Stateful],
+                    top_level: bool) -> set[str]:
+        """Refuses, on every rank alike and before any tensor is read, a checkpoint that does not fit
+        this run's states (fit.py); returns the keys this rank leaves out of a deliberate partial load."""
+        from torchtitan.models import get_train_spec
+
+        def registered(name: str, flavor: str) -> tuple[Any, Any]:
+            spec = get_train_spec(name)
+            return spec.model_cls, spec.config[flavor]
+
+        c, ours = self.job_config.checkpoint, self.model_record()
+        exclude = [e for e in c.exclude_from_loading if e not in self.states]  # whole states are left out in load()
+        check = FitCheck(resume.path, metadata, checkpoint_record(resume.manifest, registered), ours, list(states),
+                         exclude, c.allow_partial_load, top_level)
+        expected: dict[str, Any] = {}
         for name, state in states.items():
-            _flatten("" if top_level and name == "model" else name, state.state_dict(), local)
-        local = {k.lstrip("."): v for k, v in local.items()}
-        problem = next((p for k, v in local.items() if (p := _shape_problem(k, v, metadata))), None)
-        model_keys = {k for k in local if top_level or k.startswith("model.")}
-        if dist.is_initialized():
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (problem, model_keys))
-            problem = next((p for p, _ in gathered if p), None)
-            model_keys = set().union(*(keys for _, keys in gathered))
-        if problem is None:
-            saved = {k for k in metadata.state_dict_metadata if top_level or k.startswith("model.")}
-            extra = sorted(saved - model_keys)
-            if extra:
-                problem = f"holds {len(extra)} model entries this model does not have, e.g. {extra[0]}"
-        if problem is not None:
-            origin = ""
-            if resume.manifest is not None and resume.manifest.model:
-                origin = f" (written by {resume.manifest.model.get('name')} {resume.manifest.model.get('flavor')})"
-            m = self.job_config.model
-            raise CheckpointError(f"checkpoint {resume.path}{origin} does not fit {m.name} {m.flavor}: it {problem}; "
-                                  "check model.flavor and the optimizer settings")
+            for key, value in flatten("" if top_level and name == "model" else name, state.state_dict()).items():
+                expected[key] = tuple(value.shape) if isinstance(value, torch.Tensor) else None  # DTensor: global
+        model_sd = self.model.state_dict()
+        separate = any(alias in model_sd and (source not in model_sd or _storage(model_sd[alias]) != _storage(model_sd[source]))
+                       for alias, source in (ours.tied or {}).items())
+        mine = check.report(expected, separate)
+        plan = check.decide(_gather(check.shareable(mine)), mine)
+        if self.rank == 0:
+            for warning in plan.warnings:
+                logger.warning(warning)
+        return plan.skip
 
     # ----------------------------------------------------------------------------------------
     # Saving
@@ -322,48 +244,93 @@ class CheckpointManager:
         self._publish_finished_async_save(block=True)  # at most one save in flight
         self._clean_up_unfinished_saves()
         partial = os.path.join(self.folder, folders.partial_name(step, self._attempt))
+        record = self.model_record()
         manifest = Manifest(
-            step=step, contents=list(states), model={"name": self.job_config.model.name,
-                                                     "flavor": self.job_config.model.flavor},
+            step=step, contents=list(states), model={"name": record.name, "flavor": record.flavor},
+            model_args=record.args, tied=record.tied,
             layout=self.layout, data_shards=self.data_shards if "dataloader" in states else None,
             tokens_seen=self.train_state.tokens_seen, dtype=str(dtype).removeprefix("torch.") if dtype else None,
         )
+        # Refuses, before any rank writes, a save the disk cannot hold (failures.py).
+        planner = SpaceCheckingSavePlanner(partial)
         if self._async is not None:
-            self._in_flight = (self._async.save(states, partial), partial, manifest, start)
+            self._in_flight = (self._async.save(states, partial, planner), partial, manifest, start)
             logger.info(f"step {step}: checkpoint staged, the training loop waited {time.perf_counter() - start:.2f}s; "
                         "the rest is written in the background")
-        else:
-            dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
-            self._publish(partial, manifest, start)
+            return
+        try:
+            dcp.save(states, checkpoint_id=partial, planner=planner, no_dist=not dist.is_initialized())
+        except CheckpointException as e:  # raised on every rank alike: DCP gathers the ranks' failures
+            self._stop_after_failed_save(step, partial, save_failure(e, self.folder))
+        self._publish_on_rank0(partial, manifest, start)
+
+    def _publish_on_rank0(self, partial: str, manifest: Manifest, start: float) -> None:
+        """Rank 0 publishes the written save; every rank learns whether that worked, so that a
+        failure (a full disk while writing the manifest) stops all of them at the same step."""
+        error = None
+        if self.rank == 0:
+            try:
+                self._publish(partial, manifest, start)
+            except OSError as e:
+                error = save_failure(e, self.folder)
+        error = _first_error(error)
+        if error is not None:
+            self._stop_after_failed_save(manifest.step, partial, error)
+        if self.rank == 0:
+            self._apply_retention()
 
     def _publish(self, partial: str, manifest: Manifest, start: float) -> None:
-        if self.rank != 0:
-            return
         final = os.path.join(self.folder, folders.final_name(manifest.step))
         folders.publish(partial, final, manifest)
         seconds = time.perf_counter() - start
-        mib = manifest.total_bytes / 2**20
+        size = manifest.total_bytes / 2**20
         waited = "the training loop waited all along" if self._async is None else "written in the background"
-        logger.info(f"saved checkpoint {final} ({mib:.1f} MiB, {', '.join(manifest.contents)}) in {seconds:.2f}s "
-                    f"({mib / seconds:.0f} MiB/s; {waited})")
+        logger.info(f"saved checkpoint {final} ({size:.1f} MiB, {', '.join(manifest.contents)}) in {seconds:.2f}s "
+                    f"({size / seconds:.0f} MiB/s; {waited})")
+
+    def _apply_retention(self) -> None:
         found, _ = folders.scan(self.folder)
         for old in folders.to_purge(found, self.keep_latest_k):
-            folders.remove(old.path)
+            try:
+                folders.remove(old.path)
+            except OSError as e:  # the new checkpoint is safe; an old one left behind costs only space
+                logger.warning(f"could not remove {old.path} (checkpoint.keep_latest_k): {one_line(e)}")
+                continue
             logger.info(f"removed {old.path} (checkpoint.keep_latest_k {self.keep_latest_k})")
+
+    def _stop_after_failed_save(self, step: int, partial: str, error: str) -> None:
+        """Every rank raises here together; rank 0 removes the unfinished folder (only rank 0, so
+        that no two ranks race on it), and the earlier checkpoints stay as they are."""
+        if self._async is not None:
+            self._async.close()  # the background writer has nothing left to do
+            self._async = None
+        left = ""
+        if self.rank == 0 and os.path.exists(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+            left = f"; {partial} could not be removed" if os.path.exists(partial) else ""
+        found, _ = folders.scan(self.folder)
+        newest = [f.path for f in found if f.problem is None]
+        kept = f"the newest checkpoint stays {newest[-1]}" if newest else "no earlier checkpoint exists"
+        raise CheckpointSaveError(f"checkpoint of step {step} not saved: {error}{left}; {kept}")
 
     def _publish_finished_async_save(self, block: bool) -> None:
         if self._in_flight is None:
             return
         future, partial, manifest, start = self._in_flight
-        if not block and not future.done():
+        # Every rank must see the save finish at the same step: one whose write failed then stops
+        # together with the others instead of leaving them waiting in the next step's collectives.
+        if not block and not _all_ranks_done(future.done()):
             return
         self._in_flight = None
+        error = None
         try:
             future.result()
-        except Exception as e:
-            raise CheckpointError(f"the background save of step {manifest.step} failed ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); {partial} is not a checkpoint") from e
-        self._publish(partial, manifest, start)
+        except (CheckpointException, Exception) as e:  # noqa: BLE001 - DCP's exception is a BaseException
+            error = save_failure(e, self.folder)
+        error = _first_error(error)
+        if error is not None:
+            self._stop_after_failed_save(manifest.step, partial, error)
+        self._publish_on_rank0(partial, manifest, start)
 
     def _clean_up_unfinished_saves(self) -> None:
         """Removes folders of earlier jobs' saves that never finished (rank 0, once per job)."""
@@ -382,4 +349,3 @@ class CheckpointManager:
         if self._async is not None:
             self._async.close()
             self._async = None
-

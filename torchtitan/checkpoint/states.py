@@ -83,3 +83,47 @@ class RNGState(Stateful):
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def flatten(prefix: str, value: Any) -> dict[str, Any]:
+    """DCP's key for every leaf of a nested state dict (dict keys joined with dots)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(flatten(f"{prefix}.{key}" if prefix else str(key), item))
+    return out
+
+
+def _without(prefix: str, value: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    out = {}
+    for key, item in value.items():
+        name = f"{prefix}.{key}"
+        if isinstance(item, dict):
+            out[key] = _without(name, item, skip)
+        elif name not in skip:
+            out[key] = item
+    return out
+
+
+def _filled(loaded: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    out = dict(current)
+    for key, item in loaded.items():
+        out[key] = _filled(item, current[key]) if isinstance(item, dict) and isinstance(current.get(key), dict) else item
+    return out
+
+
+class PartialState(Stateful):
+    """A Stateful loaded without some of its entries (`skip`: DCP keys under `prefix`), which keep
+    their current values: DCP reads only the rest, and the state receives a complete dict."""
+
+    def __init__(self, state: Stateful, prefix: str, skip: set[str]):
+        self.state, self.prefix, self.skip = state, prefix, skip
+        self._current: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        self._current = self.state.state_dict()
+        return _without(self.prefix, self._current, self.skip)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state.load_state_dict(_filled(state_dict, self._current))

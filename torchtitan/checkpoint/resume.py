@@ -1,0 +1,144 @@
+"""Which checkpoint a run starts from, decided before the data loader exists.
+
+In order: `checkpoint.load_step`; the newest complete full checkpoint; the newest complete
+weights-only one (a seed or an export); `checkpoint.initial_load_path`; nothing. A candidate that
+is damaged (a file missing or of another size than its manifest says) or whose DCP metadata
+cannot be read is skipped with a warning naming it, unless it was asked for by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from torchtitan.checkpoint import folders
+from torchtitan.checkpoint.failures import one_line
+from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.safe_load import read_metadata
+from torchtitan.config_manager import JobConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """The checkpoint a run starts from."""
+
+    path: str
+    weights_only: bool  # model weights that start a new run at step 0 (seed, export, initial_load_path)
+    manifest: Manifest | None  # None for a DCP folder written by another tool
+
+    def adopt_data_shards(self, job_config: JobConfig, dp_degree: int) -> None:
+        """Reads the data with the shard count the checkpoint's data position refers to.
+
+        With `training.dataset_shards = -1` the count follows the checkpoint (not this run's
+        data-parallel degree), so a resumed run neither repeats nor skips documents. Any other
+        count would not match the saved position, and is refused.
+        """
+        if self.weights_only or self.manifest is None or self.manifest.data_shards is None:
+            return
+        saved, t = self.manifest.data_shards, job_config.training
+        if t.dataset_shards not in (-1, saved):
+            raise CheckpointError(
+                f"{self.path} keeps the data position of {saved} data shards, but training.dataset_shards is "
+                f"{t.dataset_shards}; set it to {saved} (or -1) to resume, or start a new run from the weights "
+                "with checkpoint.initial_load_path"
+            )
+        if saved % dp_degree:
+            raise CheckpointError(
+                f"{self.path} keeps the data position of {saved} data shards, which {dp_degree} data-parallel ranks "
+                f"cannot split evenly; use a data-parallel degree that divides {saved}"
+            )
+        if t.dataset_shards == -1 and saved != dp_degree:
+            logger.info(f"reading the data as {saved} shards, as the checkpoint does ({saved // dp_degree} per "
+                        "data-parallel rank)")
+        t.dataset_shards = saved
+
+
+def decide_on_rank0(fn: Callable[[], Any]) -> Any:
+    """Runs `fn` on rank 0 only and hands its result (or its CheckpointError) to every rank, so
+    all ranks act on one view of the file system and warnings are printed once."""
+    if not dist.is_initialized():
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except CheckpointError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], CheckpointError):
+        raise box[0]
+    return box[0]
+
+
+def find_resume_point(job_config: JobConfig) -> ResumePoint | None:
+    """Which checkpoint the run starts from: `checkpoint.load_step`, else the newest complete
+    full checkpoint (damaged or unfinished ones are skipped with a warning), else the newest
+    weights-only one (seed or export), else `checkpoint.initial_load_path`, else none."""
+    return decide_on_rank0(lambda: _find_resume_point(job_config))
+
+
+def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
+    c = job_config.checkpoint
+    folder = os.path.join(job_config.job.dump_folder, c.folder)
+    if c.enable_checkpoint:
+        found, partial = folders.scan(folder)
+        if c.load_step >= 0:
+            return _requested_step(found, folder, c.load_step)
+        for path in partial:
+            logger.warning(f"ignoring {path}: a save that never finished")
+        usable = []
+        for f in reversed(found):
+            if f.problem is not None:
+                logger.warning(f"skipping checkpoint {f.path}: it {f.problem}")
+            else:
+                usable.append(f)
+        full = [f for f in usable if not f.manifest.weights_only]
+        weights = [f for f in usable if f.manifest.weights_only]
+        for f in [*full, *weights]:
+            # Sizes can match while the bytes are garbage (a bad copy, a disk error): the metadata
+            # is read here so that such a checkpoint is skipped like a truncated one.
+            problem = _metadata_problem(f.path)
+            if problem is not None:
+                logger.warning(f"skipping checkpoint {f.path}: {problem}")
+                continue
+            if f.manifest.weights_only:
+                logger.info(f"{f.path} holds model weights only: the run starts from them at step 0")
+            return ResumePoint(f.path, f.manifest.weights_only, f.manifest)
+    if c.initial_load_path:
+        return _initial_weights(c.initial_load_path)
+    return None
+
+
+def _requested_step(found: list[folders.Found], folder: str, step: int) -> ResumePoint:
+    match = next((f for f in found if f.step == step), None)
+    if match is None:
+        describe = "the folder does not exist" if not os.path.isdir(folder) else folders.describe_steps(found)
+        raise CheckpointError(f"checkpoint.load_step {step}: there is no step-{step} in {folder} ({describe})")
+    if match.problem is not None:
+        raise CheckpointError(f"checkpoint.load_step {step}: {match.path} {match.problem}")
+    return ResumePoint(match.path, match.manifest.weights_only, match.manifest)
+
+
+def _initial_weights(path: str) -> ResumePoint:
+    """A folder of model weights to start from: one of ours (checked against its manifest) or a
+    plain DCP folder written by another tool."""
+    problem = folders.problem_with(path)
+    if problem is None:
+        return ResumePoint(path, True, Manifest.read(path))
+    if problem.startswith("has no manifest") and os.path.isfile(os.path.join(path, folders.DCP_METADATA)):
+        return ResumePoint(path, True, None)  # not written by this project: DCP's own checks apply
+    raise CheckpointError(f"checkpoint.initial_load_path {path} {problem}")
+
+
+def _metadata_problem(path: str) -> str | None:
+    try:
+        read_metadata(path)
+    except Exception as e:  # garbage bytes fail in many ways inside the unpickler
+        return f"its DCP metadata is unreadable ({one_line(e)})"
+    return None
