@@ -8,8 +8,10 @@ Usage examples (from the repository root, with PYTHONPATH=.):
   python -m torchtitan.train --job.config_file train_configs/llama3_8b.toml --checkpoint.initial_load_path ckpt/llama3_8b
 
   # Any checkpoint of ours (full or weights-only) -> a Hugging Face folder. A folder made by hf-to-dcp
-  # comes back byte-identical to the original; others get a fresh config.json and safetensors shards.
-  python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 hf_out --dtype bfloat16 --max-shard-size-mb 4096
+  # comes back byte-identical to the original; others get a fresh config.json and safetensors shards,
+  # plus the run's tokenizer file as tokenizer.model when --tokenizer names it.
+  python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 hf_out --dtype bfloat16 --max-shard-size-mb 4096 \
+      --tokenizer tests/assets/stdlib_docs/tokenizer.model
 
   # One torch.save file of the model state dict (our parameter names), and back
   python scripts/convert_checkpoint.py dcp-to-torch outputs/checkpoint/step-1000 model.pt --dtype bfloat16
@@ -43,6 +45,8 @@ from torchtitan.checkpoint.weights import (
     weights_manifest,
     write_weights,
 )
+from torchtitan.config_manager import JobConfig
+from torchtitan.datasets.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.models.llama import hf_format
 from torchtitan.models.llama.model import ModelArgs, Transformer
@@ -148,9 +152,9 @@ def _check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str)
 
 
 def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[str, torch.Tensor],
-                        sidecar: str | None) -> tuple[ModelArgs, dict[str, Any]]:
+                        sidecar: str | None, tokenizer: Tokenizer | None) -> tuple[ModelArgs, dict[str, Any]]:
     """The model's args, and the config.json of a fresh layout: the original one (dtype updated)
-    when hf-to-dcp kept it, else one generated from the flavor and the tensor shapes."""
+    when hf-to-dcp kept it, else one generated from the flavor, the tensor shapes and the tokenizer."""
     shapes = {k: tuple(v.shape) for k, v in model.items()}
     dtype = common_dtype(model.values())
     if sidecar is not None:
@@ -165,9 +169,33 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
                 raise CheckpointError(f"{flag} {given} contradicts the original config.json kept with the checkpoint "
                                       f"({kept}); leave {flag} out")
         args = _args_with_shapes(base, shapes, ns.n_heads, ns.n_kv_heads)
-        return args, {**original, "torch_dtype": dtype}
+        # transformers 5 writes `dtype` and prefers it over the older `torch_dtype`: update whichever is there.
+        dtype_keys = [k for k in ("torch_dtype", "dtype") if k in original] or ["torch_dtype"]
+        return args, {**original, **dict.fromkeys(dtype_keys, dtype)}
     args = _args_with_shapes(_registry_args(manifest, ns.n_heads), shapes, ns.n_heads, ns.n_kv_heads)
-    return args, hf_format.hf_config(args, torch_dtype=dtype)
+    return args, hf_format.hf_config(args, torch_dtype=dtype, **_token_ids(tokenizer))
+
+
+def _read_tokenizer(path: str) -> Tokenizer:
+    """The --tokenizer file, read the way training reads `model.tokenizer_path` (a tiktoken rank file
+    or a sentencepiece model), so that a file training could not use is refused here too."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--tokenizer {path} does not exist" if not os.path.exists(path) else
+                              f"--tokenizer {path} is not a file")
+    job_config = JobConfig()
+    job_config.model.tokenizer_path = path
+    try:
+        return build_tokenizer(job_config)
+    except (TokenizerError, ImportError) as e:
+        raise CheckpointError(f"--tokenizer: {e}") from None
+
+
+def _token_ids(tokenizer: Tokenizer | None) -> dict[str, int]:
+    """bos/eos (and pad, where defined) ids for config.json; transformers would otherwise assume 1 and 2."""
+    if tokenizer is None:
+        return {}
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    return {**ids, "pad_token_id": tokenizer.pad_id} if tokenizer.pad_id >= 0 else ids
 
 
 def _drop_padding_rows(model: dict[str, torch.Tensor], vocab_size: int) -> None:
@@ -216,12 +244,16 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
     if ns.max_shard_size_mb <= 0:
         raise CheckpointError(f"--max-shard-size-mb must be positive, not {ns.max_shard_size_mb}")
     hf_folder.import_safetensors()
+    tokenizer = _read_tokenizer(ns.tokenizer) if ns.tokenizer is not None else None
     model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=_check_names)
     if ns.vocab_size is not None:
         _drop_padding_rows(model, ns.vocab_size)
     sidecar = os.path.join(ns.ckpt_dir, hf_folder.SIDECAR)
     layout = hf_folder.read_layout(sidecar) if os.path.isdir(sidecar) else None
-    args, config = _hf_args_and_config(ns, manifest, model, sidecar if layout else None)
+    args, config = _hf_args_and_config(ns, manifest, model, sidecar if layout else None, tokenizer)
+    if tokenizer is not None and tokenizer.n_words > args.vocab_size:
+        raise CheckpointError(f"--tokenizer {ns.tokenizer} has {tokenizer.n_words} tokens, more than the model's "
+                              f"{args.vocab_size} embedding rows")
     hf = hf_folder.to_hf(model, args)
     plan = hf_folder.try_exact_plan(hf, sidecar, layout, args.tie_word_embeddings) if layout and not ns.fresh_layout else None
     if isinstance(plan, str) and ns.dtype is None and ns.vocab_size is None:  # those ask for a fresh layout
@@ -231,10 +263,7 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
     tmp = temporary_sibling(ns.out_dir)
     os.makedirs(tmp)
     try:
-        if isinstance(plan, dict):
-            hf_folder.write_exact(tmp, sidecar, layout, plan)
-        else:
-            hf_folder.write_fresh(tmp, hf, config, int(ns.max_shard_size_mb * 10**6))
+        _write_hf_files(tmp, ns, hf, config, sidecar, layout, plan)
         if os.path.isdir(ns.out_dir):  # an empty folder, accepted by _require_new_output
             os.rmdir(ns.out_dir)
         os.rename(tmp, ns.out_dir)
@@ -242,6 +271,22 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
     how = "original layout" if isinstance(plan, dict) else "fresh layout"
     return _summary(len(hf), sum(t.numel() * t.element_size() for t in hf.values()), f"{ns.ckpt_dir}, {how}", ns.out_dir)
+
+
+def _write_hf_files(tmp: str, ns: argparse.Namespace, hf: dict[str, torch.Tensor], config: dict[str, Any], sidecar: str,
+                    layout: dict[str, Any] | None, plan: dict[str, list] | str | None) -> None:
+    """The exported folder's files, into `tmp`: the original files rebuilt when `plan` says they fit,
+    else config.json and fresh shards (plus the original folder's other files, when kept); then the
+    --tokenizer file, and the modes of any file the user creates."""
+    if isinstance(plan, dict):
+        hf_folder.write_exact(tmp, sidecar, layout, plan)
+    else:
+        if layout is not None:  # the original tokenizer and generation files; config and index are new
+            hf_folder.copy_kept_files(tmp, sidecar, layout, skip=("config.json", hf_folder.INDEX))
+        hf_folder.write_fresh(tmp, hf, config, int(ns.max_shard_size_mb * 10**6))
+    if ns.tokenizer is not None:
+        shutil.copyfile(ns.tokenizer, os.path.join(tmp, hf_folder.TOKENIZER_FILE))
+    hf_folder.give_default_modes(tmp)
 
 
 def dcp_to_torch(ns: argparse.Namespace) -> str:
@@ -295,10 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     _dtype_option(p)
     p.add_argument("--max-shard-size-mb", type=float, default=5000,
                    help="largest safetensors file of a fresh layout, in MB of 10**6 bytes as HF counts them (default 5000)")
-    p.add_argument("--fresh-layout", action="store_true", help="ignore the original files kept by hf-to-dcp")
+    p.add_argument("--fresh-layout", action="store_true",
+                   help="write fresh safetensors shards even where the original files kept by hf-to-dcp fit "
+                        "(their config.json and other files are still used)")
     p.add_argument("--n-heads", type=int, help="attention heads (default: the checkpoint's flavor)")
     p.add_argument("--n-kv-heads", type=int, help="key/value heads (default: from the key projection's shape)")
     p.add_argument("--vocab-size", type=int, help="export only the first N embedding/output rows (drops padding rows)")
+    p.add_argument("--tokenizer", help="the run's tokenizer file (model.tokenizer_path: tiktoken or sentencepiece), "
+                                       "copied as tokenizer.model; its bos/eos ids go into a generated config.json")
     p.set_defaults(run=dcp_to_hf)
     p = sub.add_parser("dcp-to-torch", help="DCP checkpoint -> one torch.save file of the model state dict")
     p.add_argument("ckpt_dir")

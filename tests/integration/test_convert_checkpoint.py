@@ -1,8 +1,11 @@
-"""scripts/convert_checkpoint.py as users run it: HF <-> DCP round trips byte for byte, torch.save exports, refusals."""
+"""scripts/convert_checkpoint.py as users run it: HF <-> DCP round trips byte for byte, torch.save exports, exports
+that transformers loads with their tokenizer and ordinary file modes, refusals."""
 
+import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -16,12 +19,16 @@ from tests.helpers import REPO_ROOT, TINY_RUN, run_train
 from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.folders import Manifest
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from torchtitan.models.llama import llama3_configs
+from torchtitan.models.llama.model import Transformer
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # DCP's notice on every single-process load (the script silences it in its own process).
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
+TIKTOKEN_FILE = REPO_ROOT / "tests" / "assets" / "stdlib_docs" / "tokenizer.model"  # 2,256 tokens, bos 2000, eos 2001
+SENTENCEPIECE_FILE = REPO_ROOT / "tests" / "assets" / "stdlib_docs" / "sentencepiece.model"  # 2,256 pieces, bos 1, eos 2
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=2256, ffn=128)  # GQA, and an ffn no flavor formula gives
 DEBUG = dict(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, vocab=2256, ffn=768)  # llama3 debugmodel's shapes
 
@@ -96,6 +103,13 @@ def hf_config(dim, n_layers, n_heads, n_kv_heads, vocab, ffn, tie=False) -> dict
             "use_cache": True, "vocab_size": vocab}
 
 
+def current_layout(config: dict) -> dict:
+    """The same config.json as transformers 5 writes it: RoPE under rope_parameters, `dtype` not `torch_dtype`."""
+    config = dict(config)
+    theta, scaling, dtype = config.pop("rope_theta"), config.pop("rope_scaling"), config.pop("torch_dtype")
+    return {**config, "rope_parameters": {**scaling, "rope_theta": theta}, "dtype": dtype, "transformers_version": "5.0.0"}
+
+
 def write_safetensors_by_hand(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """A valid safetensors file laid out in insertion order with a padded header, unlike the
     library's own writer: the round trip must reproduce files whatever wrote them."""
@@ -132,6 +146,15 @@ def make_hf_folder(folder: Path, shards: int = 1, tie: bool = False, **shape) ->
     (folder / "config.json").write_text(json.dumps(hf_config(**shape, tie=tie), indent=2, sort_keys=True) + "\n")
     (folder / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
     return folder
+
+
+def assert_ordinary_modes(folder: Path) -> None:
+    """What any file the user creates gets (0644 / 0755 under the usual umask), never safetensors' 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
+    for path in folder.rglob("*"):
+        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~umask, path
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -194,7 +217,8 @@ def test_dcp_holds_our_layout(sharded):
 
 
 def test_fresh_layout_holds_the_original_tensors(sharded, tmp_path, capsys):
-    _, ckpt = sharded
+    """...and the original folder's other files; config.json is the original one."""
+    hf_dir, ckpt = sharded
     status, stderr = convert_here(capsys, "dcp-to-hf", ckpt, tmp_path / "fresh", "--fresh-layout", "--max-shard-size-mb", "0.4")
     assert status == 0, stderr
     out = tmp_path / "fresh"
@@ -207,6 +231,8 @@ def test_fresh_layout_holds_the_original_tensors(sharded, tmp_path, capsys):
     original = hf_tensors(**TINY)
     assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
     assert json.loads((out / "config.json").read_text()) == hf_config(**TINY)
+    assert (out / "generation_config.json").read_bytes() == (hf_dir / "generation_config.json").read_bytes()
+    assert_ordinary_modes(out)
 
 
 def test_fresh_config_from_a_flavor_with_dtype_change(tmp_path, capsys):
@@ -223,6 +249,65 @@ def test_fresh_config_from_a_flavor_with_dtype_change(tmp_path, capsys):
             config["vocab_size"], config["torch_dtype"]) == (256, 8, 16, 768, 2256, "bfloat16")
     back = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(back[k], v) for k, v in hf_tensors(**DEBUG).items())
+
+
+def test_transformers_5_folder_round_trips_and_keeps_its_tokenizer_files(tmp_path, capsys):
+    """A folder in today's config layout, with tokenizer files: byte-identical back, and a fresh layout
+    (here forced by --dtype) keeps the tokenizer files and updates the `dtype` field it uses."""
+    hf_dir = make_hf_folder(tmp_path / "hf", tie=True, **TINY)
+    (hf_dir / "config.json").write_text(json.dumps(current_layout(hf_config(**TINY, tie=True)), indent=2) + "\n")
+    shutil.copyfile(TIKTOKEN_FILE, hf_dir / "tokenizer.model")
+    (hf_dir / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>"}\n')
+    assert convert_here(capsys, "hf-to-dcp", hf_dir, tmp_path / "dcp")[0] == 0
+    assert convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "back")[0] == 0
+    assert files_of(tmp_path / "back") == files_of(hf_dir)
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "f32", "--dtype", "float32")
+    assert status == 0, stderr
+    out = tmp_path / "f32"
+    assert sorted(files_of(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.model",
+                                     "tokenizer_config.json"]
+    assert (out / "tokenizer.model").read_bytes() == TIKTOKEN_FILE.read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config == {**current_layout(hf_config(**TINY, tie=True)), "dtype": "float32"}
+    assert_ordinary_modes(out)
+
+
+def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(tmp_path, capsys):
+    """A checkpoint with no HF origin (llama3 debugmodel, Llama 3.1 RoPE scaling, a training length of
+    2048 below the original context of 8192) -> an HF folder that transformers loads without a warning,
+    with our logits, the tokenizer file beside it and its bos/eos ids in config.json."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit_tests.test_hf_reference import reference_warnings
+
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2256)
+    model = Transformer(args).eval()
+    model.init_weights()
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    assert convert_here(capsys, "torch-to-dcp", tmp_path / "model.pt", tmp_path / "dcp", "--flavor", "debugmodel")[0] == 0
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "out", "--tokenizer", TIKTOKEN_FILE)
+    assert status == 0, stderr
+    out = tmp_path / "out"
+    assert sorted(files_of(out)) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert (out / "tokenizer.model").read_bytes() == TIKTOKEN_FILE.read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (2000, 2001, 65536)
+    assert_ordinary_modes(out)
+    with reference_warnings() as messages:
+        reference = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    assert messages == []
+    tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reference(tokens).logits, model(tokens), rtol=0, atol=1e-4)
+
+
+def test_a_sentencepiece_tokenizer_is_copied_too(sharded, tmp_path, capsys):
+    _, ckpt = sharded
+    status, stderr = convert_here(capsys, "dcp-to-hf", ckpt, tmp_path / "out", "--fresh-layout", "--tokenizer",
+                                  SENTENCEPIECE_FILE)
+    assert status == 0, stderr
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == SENTENCEPIECE_FILE.read_bytes()
+    # The original config.json is kept as it was: its token ids are the original tokenizer's.
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == hf_config(**TINY)
 
 
 def load_dcp_model_from_hf(tmp_path: Path, capsys, shape: dict) -> dict[str, torch.Tensor]:
@@ -250,7 +335,8 @@ def test_torch_save_export_and_import(sharded, tmp_path, capsys):
 def test_converted_weights_start_a_training_run(tmp_path, capsys):
     status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **DEBUG), tmp_path / "dcp")
     assert status == 0, stderr
-    result = run_train([*TINY_RUN, "--training.steps", "1", "--checkpoint.initial_load_path", str(tmp_path / "dcp"),
+    result = run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
+                        "--checkpoint.initial_load_path", str(tmp_path / "dcp"),
                         "--job.dump_folder", str(tmp_path / "run")])
     assert "loaded model from" in result.stdout, result.stdout[-3000:]
 
@@ -279,6 +365,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
     hf = make_hf_folder(tmp / "hf", **TINY)
     no_config = make_hf_folder(tmp / "no_config", **TINY)
     (no_config / "config.json").unlink()
+    yarn = make_hf_folder(tmp / "yarn", **TINY)
+    (yarn / "config.json").write_text(json.dumps(current_layout({**hf_config(**TINY), "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}})))
     extra = make_hf_folder(tmp / "extra", **TINY)
     safetensors_torch.save_file({**hf_tensors(**TINY), "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
                                 extra / "model.safetensors")
@@ -289,6 +378,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
     return {
         "missing folder": (["hf-to-dcp", tmp / "nope", tmp / "out"], "does not exist"),
         "missing config.json": (["hf-to-dcp", no_config, tmp / "out"], "config.json not found"),
+        "unsupported RoPE": (["hf-to-dcp", yarn, tmp / "out"], "config.json: rope_parameters rope_type 'yarn' is not supported"),
         "unknown tensor names": (["hf-to-dcp", extra, tmp / "out"], "not LlamaForCausalLM parameters: model.layers.0"),
         "output exists": (["hf-to-dcp", hf, tmp / "taken"], "already exists"),
         "missing checkpoint": (["dcp-to-torch", tmp / "nope", tmp / "out.pt"], "does not exist"),
@@ -311,6 +401,19 @@ def test_user_mistakes_are_one_line_and_write_nothing(tmp_path, capsys):
         assert_one_error_line(status, stderr, expected)
         assert files_of(tmp_path) == before, name
         assert not any(".partial-" in p.name for p in tmp_path.iterdir()), name
+
+
+def test_tokenizer_mistakes_are_one_line(sharded, tmp_path, capsys):
+    _, ckpt = sharded
+    cases = {
+        "missing": (["--tokenizer", tmp_path / "nope.model"], "--tokenizer " + str(tmp_path / "nope.model") + " does not exist"),
+        "not a tokenizer": (["--tokenizer", REPO_ROOT / "pyproject.toml"], "is not a valid sentencepiece model"),
+        "larger than the model": (["--tokenizer", TIKTOKEN_FILE, "--vocab-size", "100"],
+                                  "has 2256 tokens, more than the model's 100 embedding rows"),
+    }
+    for name, (args, expected) in cases.items():
+        assert_one_error_line(*convert_here(capsys, "dcp-to-hf", ckpt, tmp_path / "out", *args), expected)
+        assert not (tmp_path / "out").exists(), name
 
 
 def test_missing_safetensors_is_one_line(tmp_path, capsys, monkeypatch):

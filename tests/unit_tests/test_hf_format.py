@@ -1,10 +1,13 @@
-"""The Llama <-> Hugging Face mapping: names, the q/k RoPE permutation (checked against an HF-style RoPE) and configs."""
+"""The Llama <-> Hugging Face mapping: names, the q/k RoPE permutation (checked against an HF-style RoPE) and configs
+of both transformers layouts, with refusals of what this model cannot compute. Logits against transformers itself:
+test_hf_reference.py."""
 
 import dataclasses
 
 import pytest
 import torch
 
+from torchtitan.checkpoint.folders import CheckpointError
 from torchtitan.models.llama import hf_format, llama2_configs, llama3_configs
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer, apply_rope, ffn_hidden_dim, precompute_rope
 
@@ -143,8 +146,9 @@ def test_tensors_other_than_q_and_k_keep_their_layout():
 
 
 def _shapes(args: ModelArgs) -> tuple:
+    """Everything that decides the computation (max_seq_len aside: the length of the RoPE table)."""
     return (args.dim, args.n_layers, args.n_heads, args.n_kv_heads or args.n_heads, args.vocab_size + args.vocab_padding,
-            ffn_hidden_dim(args), args.norm_eps, args.rope_theta, args.rope_scaling, args.max_seq_len, args.tie_word_embeddings)
+            ffn_hidden_dim(args), args.norm_eps, args.rope_theta, args.rope_scaling, args.tie_word_embeddings)
 
 
 ALL_FLAVORS = {f"llama2 {k}": v for k, v in llama2_configs.items()} | {f"llama3 {k}": v for k, v in llama3_configs.items()}
@@ -154,18 +158,59 @@ ALL_FLAVORS = {f"llama2 {k}": v for k, v in llama2_configs.items()} | {f"llama3 
 def test_config_round_trip_keeps_every_shape(flavor):
     args = ALL_FLAVORS[flavor]
     back = hf_format.model_args_from_hf_config(hf_format.hf_config(args))
-    assert _shapes(back) == _shapes(args)
+    assert _shapes(back) == _shapes(args) and back.max_seq_len >= args.max_seq_len
     # The published flavors' feed-forward settings are recovered, not just their result.
     assert (back.multiple_of, back.ffn_dim_multiplier) == (args.multiple_of, args.ffn_dim_multiplier)
 
 
 def test_config_fields_of_llama3_8b():
+    """RoPE in both layouts; a scaled model advertises more positions than the original context,
+    as transformers requires (max_seq_len, the training length, is 2048 here)."""
     config = hf_format.hf_config(llama3_configs["8B"], torch_dtype="bfloat16", bos_token_id=128000)
     assert config["intermediate_size"] == 14336 and config["num_key_value_heads"] == 8 and config["head_dim"] == 128
-    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 8192}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert config["rope_scaling"] == {"rope_type": "llama3", **scaling} and config["rope_theta"] == 500000.0
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}
+    assert config["max_position_embeddings"] == 65536
     assert config["hidden_act"] == "silu" and config["tie_word_embeddings"] is False and config["bos_token_id"] == 128000
-    assert hf_format.hf_config(llama2_configs["7B"])["rope_scaling"] is None
+    llama2 = hf_format.hf_config(llama2_configs["7B"])
+    assert llama2["rope_scaling"] is None and llama2["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert llama2["max_position_embeddings"] == 2048
+    factor_one = dataclasses.replace(llama3_configs["8B"], rope_scaling=RopeScaling(factor=1.0), max_seq_len=8192)
+    assert hf_format.hf_config(factor_one)["max_position_embeddings"] == 8193
+
+
+def test_transformers_5_config_of_llama_3_2_1b():
+    """A config.json as today's transformers saves Llama 3.2 1B: RoPE only under `rope_parameters`
+    (read as theta 10,000 without scaling before, which moved the logits by 4.2)."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+           "dtype": "bfloat16", "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+           "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+           "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+           "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+           "rope_parameters": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                               "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3"},
+           "tie_word_embeddings": True, "transformers_version": "5.0.0", "use_cache": True, "vocab_size": 128256}
+    args = hf_format.model_args_from_hf_config(cfg)
+    assert _shapes(args) == _shapes(llama3_configs["1B"]) and args.max_seq_len == 131072
+    assert args.rope_scaling == RopeScaling(factor=32.0) and args.rope_theta == 500000.0 and args.tie_word_embeddings
+
+
+def test_absent_fields_get_the_defaults_of_transformers():
+    """What LlamaConfig assumes for a field a config.json leaves out (or sets to null)."""
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+           "num_key_value_heads": None, "head_dim": None}
+    args = hf_format.model_args_from_hf_config(cfg)
+    assert (args.rope_theta, args.rope_scaling, args.norm_eps, args.max_seq_len) == (10000.0, None, 1e-6, 2048)
+    assert args.n_kv_heads is None and args.tie_word_embeddings is False
+    # Theta from the top level fills a rope_parameters dict without one, as transformers 5 does; a
+    # llama3 dict without the original context uses max_position_embeddings.
+    llama3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0}
+    args = hf_format.model_args_from_hf_config({**cfg, "rope_theta": 20000.0, "rope_parameters": llama3, "rope_scaling": llama3,
+                                                "max_position_embeddings": 512, "hidden_act": "swish", "attention_dropout": 0})
+    assert args.rope_theta == 20000.0
+    assert args.rope_scaling == RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0,
+                                            original_max_position_embeddings=512)
 
 
 def test_published_hf_config_of_llama_3_1_8b():
@@ -187,14 +232,57 @@ def test_any_intermediate_size_is_reproduced(dim, hidden):
     assert ffn_hidden_dim(args) == hidden
 
 
+LLAMA3_FIELDS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+DROP = object()  # a change that removes the field
+NEW_LAYOUT = {"rope_scaling": DROP, "rope_theta": DROP}  # keeps only the current layout of an exported config
+
+
 @pytest.mark.parametrize("change,message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 32}, "head_dim 32"),
-    ({"model_type": "mistral"}, "model_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling rope_type 'yarn' is not supported"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters rope_type 'dynamic'"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters rope_type 'linear'"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "llama3", **LLAMA3_FIELDS, "beta_fast": 32}},
+     "rope_parameters key 'beta_fast' is not understood for rope_type 'llama3'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "llama3", **LLAMA3_FIELDS, "mscale": 1.0}}, "rope_scaling key 'mscale'"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 8.0}},
+     "rope_parameters key 'factor' is not understood for rope_type 'default'"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
+     "rope_parameters lacks low_freq_factor"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "llama3", **LLAMA3_FIELDS, "factor": "8"}}, "rope_parameters factor '8'"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_parameters partial_rotary_factor 0.5"),
+    ({**NEW_LAYOUT, "rope_parameters": ["default"]}, "rope_parameters ['default'] is not a JSON object"),
+    ({"rope_scaling": {"type": "llama3", "rope_type": "linear"}}, "rope_scaling type 'llama3' and rope_type 'linear' disagree"),
+    ({"rope_scaling": {"rope_type": "llama3", **LLAMA3_FIELDS}},
+     "rope_parameters (theta 500000, no scaling) and rope_theta/rope_scaling (theta 500000, llama3 factor 8"),
+    ({"rope_theta": 10000.0}, "rope_parameters rope_theta 500000.0 and the top-level rope_theta 10000.0 disagree"),
+    ({**NEW_LAYOUT, "rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_parameters rope_theta -1"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"attention_bias": True}, "attention_bias True is not supported"),
+    ({"mlp_bias": True}, "mlp_bias True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
+    ({"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads (16)"),
+    ({"model_type": "mistral"}, "model_type 'mistral' is not llama"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
+    ({"hidden_size": "64"}, "hidden_size '64' is not a positive integer"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps 0 is not a positive number"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings 'yes'"),
 ])
 def test_configs_this_model_cannot_reproduce_are_refused(change, message):
-    cfg = {**hf_format.hf_config(SMALL_GQA), **change}
-    with pytest.raises(ValueError, match=message):
+    """One line that names the field, never a default in its place."""
+    cfg = {**hf_format.hf_config(dataclasses.replace(SMALL_GQA, rope_theta=500000.0)), **change}
+    cfg = {k: v for k, v in cfg.items() if v is not DROP}
+    with pytest.raises(CheckpointError) as refusal:
         hf_format.model_args_from_hf_config(cfg)
+    assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_both_layouts_of_an_export_are_read_alike():
+    """Each layout alone gives the same model as the two together (what transformers 4 and 5 each read)."""
+    args = llama3_configs["1B"]
+    both = hf_format.hf_config(args)
+    new = {k: v for k, v in both.items() if k not in ("rope_theta", "rope_scaling")}
+    old = {k: v for k, v in both.items() if k != "rope_parameters"}
+    read = [hf_format.model_args_from_hf_config(cfg) for cfg in (both, new, old)]
+    assert read[0] == read[1] == read[2] and _shapes(read[0]) == _shapes(args)

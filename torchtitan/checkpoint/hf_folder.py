@@ -24,6 +24,7 @@ from torchtitan.models.llama.model import ModelArgs
 SIDECAR = "hf"  # subfolder of a checkpoint made by hf-to-dcp: what reproduces the original files
 SIDECAR_FORMAT = "torchtitan-hf-sidecar-1"
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.model"  # where an export puts a tokenizer file given to it (Meta's and HF's name)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -153,6 +154,7 @@ def sidecar_writer(hf_dir: str, files: list[str], headers: dict[str, bytes],
         layout = {"format": SIDECAR_FORMAT, "safetensors": files, "copied": copied, "buffers": sorted(buffers)}
         with open(os.path.join(root, "layout.json"), "w") as f:
             json.dump(layout, f, indent=1)
+        give_default_modes(root)
 
     return write
 
@@ -233,11 +235,18 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
+def copy_kept_files(out_tmp: str, sidecar: str, layout: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+    """The original folder's other files (tokenizer files, generation_config.json, ...) into
+    `out_tmp`, except those named in `skip`."""
+    for name in layout["copied"]:
+        if name not in skip:
+            shutil.copyfile(os.path.join(sidecar, "files", name), os.path.join(out_tmp, name))
+
+
 def write_exact(out_tmp: str, sidecar: str, layout: dict[str, Any], plan: dict[str, list]) -> None:
     """The original files into `out_tmp`: the kept ones copied, the safetensors ones rebuilt from
     their kept headers and the tensors of `plan` (from `try_exact_plan`)."""
-    for name in layout["copied"]:
-        shutil.copyfile(os.path.join(sidecar, "files", name), os.path.join(out_tmp, name))
+    copy_kept_files(out_tmp, sidecar, layout)
     for name, tensors in plan.items():
         with open(os.path.join(sidecar, "headers", name + ".header"), "rb") as f:
             header = f.read()
@@ -272,3 +281,17 @@ def write_fresh(out_tmp: str, hf: dict[str, torch.Tensor], config: dict[str, Any
     with open(os.path.join(out_tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+
+
+def give_default_modes(folder: str) -> None:
+    """Gives `folder` and everything in it the modes of a file the user creates (0666 / 0777 less the
+    umask, so 0644 / 0755 usually). safetensors writes its files 0600, which made exports unreadable
+    to the other users of a shared model folder."""
+    umask = os.umask(0)  # reading the umask means setting it; restored at once (the converter is single-threaded)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
