@@ -22,7 +22,9 @@ from torchtitan.tools.runs import REPO_ROOT, TrainingFailed, run_trainer
 def run(config: str, nproc: int, steps: int, overrides: list[str], threads: int) -> list[dict]:
     path = Path(config) if config.endswith(".toml") else REPO_ROOT / "train_configs" / f"{config}.toml"
     with tempfile.TemporaryDirectory() as dump:
-        args = ["--job.config_file", str(path), "--training.steps", str(steps), "--metrics.log_freq", "1",
+        # Warm-up no longer than the run (the trainer refuses more); overrides may change it.
+        args = ["--job.config_file", str(path), "--training.steps", str(steps), "--training.warmup_steps",
+                str(min(steps, 2)), "--metrics.log_freq", "1",
                 "--metrics.disable_color_printing", "--job.dump_folder", dump, *overrides]
         try:
             run_trainer(args, nproc=nproc, timeout=None, extra_env={"OMP_NUM_THREADS": str(threads)})

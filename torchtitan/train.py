@@ -1,3 +1,4 @@
+# ruff: noqa: E402
 """Entry point: `python -m torchtitan.train [--section.key value ...]` on every rank (torchrun).
 
 Reads as the build sequence: config -> mesh -> data -> meta model -> parallelize -> materialise
@@ -6,11 +7,19 @@ Reads as the build sequence: config -> mesh -> data -> meta model -> parallelize
 
 from __future__ import annotations
 
-import contextlib
+import signal
+
+if __name__ == "__main__":
+    # Ctrl-C while torch is being imported ends the process quietly instead of with an import
+    # traceback; main() gives Python's own handler back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import contextlib  # noqa: E402 - after the line above, on purpose
 import dataclasses
 import gc
 import importlib
 import logging
+import os
 import sys
 import time
 import warnings
@@ -20,13 +29,15 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState, find_resume_point
+from torchtitan.checkpoint import CheckpointManager, TrainState, find_resume_point
+from torchtitan.checkpoint import folders as checkpoint_folders
 from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args, validate_world_size
-from torchtitan.datasets.sources import DatasetError
-from torchtitan.datasets.tokenizer import TokenizerError
+from torchtitan.errors import Stopped, StopRequests, TrainingDiverged, UserError, say_how_it_ended
 from torchtitan.logging import init_logger
+from torchtitan.memory_floor import check_step_fits
 from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec, get_train_spec
+from torchtitan.output_locations import check_output_locations
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
@@ -45,8 +56,6 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
 # DCP says so whenever a single process saves or loads, which is how a one-process run works.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-# Errors caused by the user's input: reported as one line with exit code 2, never a traceback.
-USER_ERRORS = (ConfigError, DatasetError, TokenizerError, CheckpointError, FileNotFoundError)
 
 
 def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
@@ -77,6 +86,7 @@ class Preflight(NamedTuple):
     train_spec: TrainSpec
     tokenizer: Any
     model_args: Any
+    model: torch.nn.Module  # on the meta device: shapes only, no memory
 
 
 def preflight(job_config: JobConfig, world_size: int) -> Preflight:
@@ -84,6 +94,7 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
     (or another user error) with one line. Runs on every rank before start-up, and in-process
     wherever a layout must be judged without starting it (the layout matrix)."""
     parallel_dims = validate_world_size(job_config, world_size)
+    check_output_locations(job_config)
     if job_config.experimental.custom_import:
         importlib.import_module(job_config.experimental.custom_import)  # registers extra models
     train_spec = get_train_spec(job_config.model.name)
@@ -98,13 +109,16 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
     device_type = tt_dist.device_type()
     tt_dist.check_device_features(job_config, device_type)
     check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
-    return Preflight(parallel_dims, train_spec, tokenizer, model_args)
+    with torch.device("meta"):
+        model = train_spec.model_cls.from_model_args(model_args)
+    check_step_fits(job_config, parallel_dims, model_args, device_type, sum(p.numel() for p in model.parameters()))
+    return Preflight(parallel_dims, train_spec, tokenizer, model_args, model)
 
 
-def train(job_config: JobConfig) -> None:
+def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     t = job_config.training
     # Everything that can be checked without a process group is checked first, on every rank.
-    parallel_dims, train_spec, tokenizer, model_args = preflight(job_config, tt_dist.world_size())
+    parallel_dims, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
     device_type = tt_dist.device_type()
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
@@ -121,9 +135,7 @@ def train(job_config: JobConfig) -> None:
         resume.adopt_data_shards(job_config, dp_degree)
     dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree)
 
-    # Model: built on the meta device (no memory), parallelized, then materialised per rank.
-    with torch.device("meta"):
-        model = train_spec.model_cls.from_model_args(model_args)
+    # Model: built on the meta device (no memory) by preflight, parallelized, then materialised per rank.
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = model.flops_per_token(t.seq_len)
     padded = f" (+{model_args.vocab_padding} padding)" if getattr(model_args, "vocab_padding", 0) else ""
@@ -166,16 +178,31 @@ def train(job_config: JobConfig) -> None:
     try:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
-                       iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline)
+                       iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline,
+                       stops)
+    except (Stopped, TrainingDiverged) as e:
+        # Every rank ends here after the same step, so the save still in flight can finish: the
+        # newest good checkpoint is kept and named in the run's last line.
+        checkpoint.close()
+        e.add_context(newest_checkpoint(job_config))
+        raise
     finally:
         metrics.close()
     checkpoint.close()  # waits for a save still being written in the background
 
 
+def newest_checkpoint(job_config: JobConfig) -> str:
+    if not job_config.checkpoint.enable_checkpoint:
+        return "checkpointing is off (checkpoint.enable_checkpoint)"
+    found, _ = checkpoint_folders.scan(os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder))
+    complete = [f for f in found if f.problem is None]
+    return f"newest checkpoint: {complete[-1].path}" if complete else "no checkpoint saved yet"
+
+
 def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                data_iter: Iterator, train_state: TrainState, checkpoint: CheckpointManager,
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
-               pipeline: Pipeline | None = None) -> None:
+               pipeline: Pipeline | None = None, stops: StopRequests | None = None) -> None:
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -189,11 +216,13 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     step_loss = grad_norm = None
     logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
                 f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
+    if stops is not None:
+        stops.install()  # from here on, SIGINT and SIGTERM stop every rank after the same step
     while train_state.step < t.steps:
         data_start = time.perf_counter()
         micro_batches = [next(data_iter, None) for _ in range(accum)]
         window_data_seconds += time.perf_counter() - data_start
-        if not t.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches), device):
+        if not t.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches)):
             # Every rank stops at the same step, even if only one rank's shards ran out.
             logger.info(f"the data ran out after step {train_state.step}; training ends there "
                         "(training.dataset_infinite is false)")
@@ -223,8 +252,26 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         tied = pipeline.tied if pipeline is not None else None
         if tied is not None:
             tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients
-        grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, pp_mesh,
-                                            uncounted=tied.uncounted if tied is not None else ())
+        in_backward = job_config.optimizer.early_step_in_backward
+        if in_backward:  # the hooks measured, applied and freed every gradient during backward
+            grad_norm = optimizers.grad_norm()
+        else:
+            grad_norm = tt_dist.clip_grad_norm_(params, t.max_norm, pp_mesh,
+                                                uncounted=tied.uncounted if tied is not None else ())
+        # Once per step the ranks agree on whether to go on: a stop signal seen by any rank, a
+        # non-finite loss or gradient norm on any rank (checked before the step is applied, so the
+        # model and every checkpoint stay good).
+        nonfinite = t.on_nonfinite_loss == "stop" and not bool(
+            (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).item())
+        stop_signal, diverged = tt_dist.max_across_ranks([stops.requested if stops else 0, nonfinite])
+        if diverged:
+            loss_value = tt_dist.mean_across(tt_dist.sum_across(step_loss, pp_mesh) if pipeline else step_loss,
+                                             loss_mesh)
+            applied = ("was applied in backward (optimizer.early_step_in_backward) but is in no checkpoint"
+                       if in_backward else "was not applied")
+            raise TrainingDiverged(f"non-finite loss at step {step} (loss {loss_value:.4g}, gradient norm "
+                                   f"{grad_norm.item():.4g}); the step {applied}; lower optimizer.lr or raise "
+                                   "training.warmup_steps, then resume")
         lr = lr_schedulers.get_last_lr()
         optimizers.step()
         if job_config.float8.precompute_float8_dynamic_scale_for_fsdp:
@@ -247,6 +294,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         checkpoint.save(step, last=step == t.steps, loss=step_loss, grad_norm=grad_norm)
         if profiler is not None:
             profiler.step()
+        if stop_signal and step < t.steps:
+            raise Stopped(int(stop_signal), step)
         if step == 1:
             tt_dist.set_timeout(job_config.comm.train_timeout_seconds)
             param_bytes, optim_bytes = local_state_bytes(model_parts, optimizers.optimizers)
@@ -261,17 +310,23 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     init_logger()
-    clean = False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    tt_dist.die_with_launcher()
+    stops = StopRequests()  # installed when the training loop starts; before that Ctrl-C interrupts
+    code, clean = 0, False
     try:
-        train(parse_args(argv))
+        train(parse_args(argv), stops)
         clean = True
-    except USER_ERRORS as e:
-        if tt_dist.rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:  # noqa: BLE001 - every ending gets its one line or its one traceback
+        if isinstance(e, FileNotFoundError):
+            e = UserError(str(e))
+        elif isinstance(e, KeyboardInterrupt):  # Ctrl-C during start-up: nothing to keep yet
+            e = Stopped(signal.SIGINT, None)
+        code = say_how_it_ended(tt_dist.rank(), e, stops.requested)
     finally:
+        stops.uninstall()
         tt_dist.shutdown(clean)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

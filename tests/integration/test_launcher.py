@@ -1,6 +1,8 @@
 """End to end through run_llama_train.sh: 2 CPU ranks with FSDP, overrides passed through."""
 
 import os
+import re
+import signal
 import subprocess
 
 from tests.helpers import REPO_ROOT, read_metrics
@@ -31,7 +33,7 @@ def test_launcher_rejects_bad_option_before_starting_ranks():
     result = _launch(["--training.stepz", "3"], NGPU="2")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert lines == ["config error: unknown option --training.stepz; did you mean 'steps'?"], result.stderr
+    assert lines == ["error: unknown option --training.stepz; did you mean 'steps'?"], result.stderr
     assert "Traceback" not in result.stdout + result.stderr
 
 
@@ -48,5 +50,45 @@ def test_launcher_refuses_a_pipeline_that_would_hang():
                       "2"], NGPU="4")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "config error: pipeline schedule 1F1B needs at least 4 microbatches for 4 ranks x 1 stages, got 2; "
+        "error: pipeline schedule 1F1B needs at least 4 microbatches for 4 ranks x 1 stages, got 2; "
         "raise training.batch_size or experimental.pipeline_parallel_microbatches"], result.stderr
+
+
+def test_error_on_rank_one_is_one_line_and_exit_two(tmp_path):
+    """A mistake only rank 1 finds (its data shard is empty), with LOG_RANK=0 hiding rank 1's
+    output: one `error:` line and exit code 2, without torchrun's failure report."""
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "%s"}\n' % ("one long document " * 400))
+    result = _launch(["--training.steps", "3", "--training.seq_len", "64", "--training.dataset_path", str(data),
+                      "--job.dump_folder", str(tmp_path / "out")], NGPU="2")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: {data} has no documents for data shard 1 of 2 (it is empty, or has fewer documents than "
+        "training.dataset_shards)"], result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_ctrl_c_stops_every_rank_after_one_step(tmp_path):
+    """SIGINT to the launcher (what Ctrl-C sends): the ranks finish the step they are in, the newest
+    checkpoint is named, the exit code is 130, and no rank is left running."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(["./run_llama_train.sh", "--training.steps", "10000", "--training.seq_len", "64",
+                             "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+                             "--job.dump_folder", str(tmp_path)], cwd=REPO_ROOT, env={**env, "NGPU": "2"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait until training runs and a checkpoint exists
+        if "saved checkpoint" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"stopped: SIGINT received; stopped after step (\d+); newest checkpoint: {tmp_path}/checkpoint/step-(\d+)",
+        lines[0]), stderr[-3000:]
+    step, saved = (int(n) for n in re.findall(r"step[- ](\d+)", lines[0]))
+    assert saved <= step and saved % 2 == 0
+    assert "Traceback" not in stdout + stderr
+    assert not [p for p in (tmp_path / "checkpoint").iterdir() if ".partial" in p.name]
+    ranks = subprocess.run(["pgrep", "-f", f"torchtitan.train.*{tmp_path}"], capture_output=True, text=True)
+    assert ranks.stdout == "", "a rank outlived the launcher"

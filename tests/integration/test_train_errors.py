@@ -30,11 +30,35 @@ def test_start_up_error_is_one_clear_line(name, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_error_found_on_the_ranks_is_reported_by_rank_zero(tmp_path):
-    """A layout problem only the ranks can see (the device): rank 0 alone prints the one line.
-    (torchrun then adds its own failure report.)"""
+def test_error_found_on_the_ranks_is_one_line(tmp_path):
+    """A layout problem every rank finds (the device) is said once, not once per rank."""
     args = ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_reduce", "bfloat16"]
     result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), *args], nproc=2, check=False)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "error: training.mixed_precision_reduce bfloat16" in line]
-    assert len(errors) == 1 and "needs CUDA" in errors[0], result.stderr[-3000:]  # one rank speaks
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: training.mixed_precision_reduce bfloat16"), result.stderr[-3000:]
+    assert "needs CUDA" in lines[0]
+
+
+def test_error_found_only_on_rank_one_reaches_the_console(tmp_path):
+    """One long document: rank 0's shard trains, rank 1's is empty. The one line comes from rank 1
+    (before, only rank 0 printed errors and this run ended with exit code 1 and no word)."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "%s"}\n' % ("a long single document " * 400))
+    result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--training.dataset_path", str(data)],
+                       nproc=2, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "no documents for data shard 1 of 2" in lines[0], \
+        result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_bug_on_one_rank_is_one_traceback(tmp_path, monkeypatch):
+    """Not a user error: the launcher prints the failing rank's traceback once, naming the rank."""
+    result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--experimental.custom_import",
+                        "tests.integration.crash_on_rank_one"], nproc=2, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("Traceback") == 1, result.stderr[-3000:]
+    assert "rank 1 failed with an unexpected error (a bug)" in result.stderr
+    assert "RuntimeError: deliberate failure on rank 1" in result.stderr

@@ -60,6 +60,21 @@ def init_distributed(dev_type: str, init_timeout_seconds: int) -> torch.device:
     return device
 
 
+def die_with_launcher() -> None:
+    """On Linux, a rank started by a launcher is killed when the launcher dies, so a launcher
+    ended without warning (kill -9, out of host memory) leaves no rank behind holding devices."""
+    if world_size() == 1 or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != launcher:  # the launcher was gone before the line above took effect
+        os._exit(128 + int(signal.SIGKILL))
+
+
 def set_timeout(seconds: int) -> None:
     """Shortens the collective timeout once start-up (first compiles, checkpoint loads) is over,
     so a hung rank is reported in seconds rather than after the generous start-up timeout."""
@@ -118,13 +133,19 @@ def clip_grad_norm_(
     return total
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if `flag` is true on any rank (a no-op on a single process)."""
+def max_across_ranks(values: list[float]) -> list[float]:
+    """Element-wise maximum of a few host-side numbers over all ranks (a no-op on one process).
+    The tensor stays on the CPU, so on GPUs it travels over gloo without waiting for the device."""
     if not dist.is_initialized():
-        return flag
-    value = torch.tensor(float(flag), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+        return [float(v) for v in values]
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (a no-op on a single process)."""
+    return bool(max_across_ranks([flag])[0])
 
 
 def sum_across(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

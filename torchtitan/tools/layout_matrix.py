@@ -270,11 +270,12 @@ def refusal(point: Point) -> str | None:
     """The one-line reason the trainer refuses `point` before any process group exists, or None.
     Runs the trainer's own preflight in this process."""
     from torchtitan.config_manager import parse_args
-    from torchtitan.train import USER_ERRORS, preflight
+    from torchtitan.errors import UserError
+    from torchtitan.train import preflight
 
     try:
         preflight(parse_args(_config_args(point)), point.nproc)
-    except USER_ERRORS as e:
+    except UserError as e:
         return str(e)
     return None
 

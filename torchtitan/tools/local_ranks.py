@@ -18,7 +18,10 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import traceback
+
+from torchtitan.errors import REPORT_DIR_ENV, read_reports, summarize
 
 
 def _free_port() -> int:
@@ -51,26 +54,33 @@ def main(argv: list[str]) -> int:
     import torchtitan.train  # noqa: F401 - the warm import every rank inherits
 
     port = _free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children: dict[int, int] = {}
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            _run_rank(rank, nproc, port, args)  # never returns
-        children[pid] = rank
-    code = 0
-    while children:
-        pid, status = os.wait()
-        children.pop(pid, None)
-        rank_code = os.waitstatus_to_exitcode(status)
-        if rank_code != 0 and code == 0:
-            code = rank_code if rank_code > 0 else 1
-            for other in children:  # a failed rank leaves its peers waiting on collectives
-                try:
-                    os.kill(other, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+    with tempfile.TemporaryDirectory(prefix="torchtitan-reports-") as folder:
+        # As under run_llama_train.sh: ranks report how they ended, and one line says why.
+        os.environ[REPORT_DIR_ENV] = folder
+        sys.stdout.flush()
+        sys.stderr.flush()
+        children: dict[int, int] = {}
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                _run_rank(rank, nproc, port, args)  # never returns
+            children[pid] = rank
+        exit_codes: dict[int, int] = {}
+        while children:
+            pid, status = os.wait()
+            rank = children.pop(pid, None)
+            rank_code = os.waitstatus_to_exitcode(status)
+            if rank_code != 0 and not exit_codes:
+                for other in children:  # a failed rank leaves its peers waiting on collectives
+                    try:
+                        os.kill(other, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            if rank_code != 0 and rank is not None:
+                exit_codes[rank] = rank_code
+        code, text = summarize(read_reports(folder), exit_codes)
+    if text:
+        print(text, file=sys.stderr, flush=True)
     return code
 
 
