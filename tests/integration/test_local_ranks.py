@@ -17,4 +17,4 @@ def test_rank_failure_is_the_exit_code(tmp_path):
     # An unknown flavor is found on the ranks (after the mesh exists): every rank exits with 2.
     result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--model.flavor", "nope"], nproc=2, check=False)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.count("error: unknown model.flavor 'nope'") == 1  # rank 0 speaks, once
+    assert result.stderr.count("error: unknown model.flavor 'nope'") == 1  # every rank finds it; said once
