@@ -14,8 +14,8 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import math
 import importlib.util
+import math
 import os
 import sys
 import typing

@@ -123,13 +123,17 @@ def reporting_to_folder() -> bool:
 
 def write_report(rank: int, code: int, line: str, kind: str, tb: str = "") -> None:
     """Records how this rank ended in the launcher's report folder (written whole, then renamed,
-    so the launcher never reads half a report)."""
+    so the launcher never reads half a report). A folder that cannot take it (missing, full, gone
+    with a launcher that ended first) gets the rank to print its ending itself instead."""
     folder = os.environ[REPORT_DIR_ENV]
     report = Report(rank, code, line, kind, tb, time.time())
     path = os.path.join(folder, f"rank-{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(asdict(report), f)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(asdict(report), f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        print(tb.rstrip() if kind == "bug" else line, file=sys.stderr, flush=True)
 
 
 def read_reports(folder: str) -> list[Report]:
@@ -160,8 +164,8 @@ def summarize(reports: list[Report], exit_codes: dict[int, int], signum: int = 0
             return first.code, f"rank {first.rank} failed with an unexpected error (a bug):\n{first.traceback.rstrip()}"
         return first.code, first.line
     if signum:
-        return 128 + signum, (f"stopped: {signal.Signals(signum).name} received before the ranks reached a step "
-                              "boundary (they were still starting up, and were ended)")
+        return 128 + signum, (f"stopped: {signal.Signals(signum).name} received; the ranks were ended before they "
+                              "reached a step boundary (during start-up, or by a second signal)")
     failed = {rank: code for rank, code in exit_codes.items() if code != 0}
     if not failed:
         return 0, ""
@@ -187,7 +191,8 @@ class StopRequests:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, rank: int = 0):
+        self.rank = rank
         self.requested = 0  # the first signal received, 0 if none
         self._previous: dict[int, object] = {}
 
@@ -203,8 +208,18 @@ class StopRequests:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
     def _handle(self, signum: int, frame) -> None:
         if self.requested:
+            line = (f"stopped: {signal.Signals(signum).name} received again; ended at once, during a step "
+                    "(the newest checkpoint stays)")
+            if reporting_to_folder():
+                write_report(self.rank, 128 + signum, line, "stopped")
+            else:
+                print(line, file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.requested = signum
 
@@ -220,7 +235,8 @@ def say_how_it_ended(rank: int, exc: BaseException, stop_requested: int = 0) -> 
         name = signal.Signals(stop_requested).name
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         ended, kind = Stopped(stop_requested, None), "aborted"
-        line, code = f"stopped: {name} received; this rank ended during a step ({first})", ended.exit_code
+        line = f"stopped: {name} received; the step under way did not finish (a peer was ended first: {first})"
+        code = ended.exit_code
     elif ended is not None:
         line, code = ended.line, ended.exit_code
     elif reporting_to_folder():

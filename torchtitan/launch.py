@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
 from torchtitan.errors import REPORT_DIR_ENV, read_reports, summarize
+
+STOP_GRACE_SECONDS = 300  # TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides it
 
 
 def _quiet_torchrun() -> None:
@@ -34,6 +37,14 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
+    # torchrun gives the ranks 30 s to end after passing on a signal, then kills them; a stop waits
+    # for the step under way and the checkpoint due at it, which on a large model takes longer.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_SECONDS))
+    # Every rank's full output (LOG_RANK shows only some) goes to a folder that is removed after a
+    # run that ended well and kept, and named, after one that did not.
+    own_logs = args.log_dir is None
+    if own_logs:
+        args.log_dir = tempfile.mkdtemp(prefix="torchtitan-logs-")
     with tempfile.TemporaryDirectory(prefix="torchtitan-reports-") as folder:
         os.environ[REPORT_DIR_ENV] = folder  # the ranks inherit the launcher's environment
         _quiet_torchrun()
@@ -45,7 +56,13 @@ def main(argv: list[str]) -> int:
             exit_codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
         except SignalException as e:
             signum = int(e.sigval)  # the agent has passed it on and waited for the ranks to stop
-        code, text = summarize(read_reports(folder), exit_codes, signum)
+        reports = read_reports(folder)
+        code, text = summarize(reports, exit_codes, signum)
+    unexplained = code != 0 and not any(r.kind in ("error", "stopped") for r in reports)
+    if unexplained:  # a bug, or a rank that ended without a word: its output may tell
+        text += f"\n(every rank's full output: {args.log_dir})"
+    elif own_logs:
+        shutil.rmtree(args.log_dir, ignore_errors=True)
     if text:
         sys.stdout.flush()
         print(text, file=sys.stderr, flush=True)

@@ -99,7 +99,7 @@ def check_step_fits(job_config: JobConfig, parallel_dims: ParallelDims, model_ar
         return
     t, m = job_config.training, job_config.model
     where = "GPU" if device_type == "cuda" else "host memory available per rank"
-    if state > memory / 2:  # the model alone is the problem, whatever the batch
+    if state > memory:  # the model alone is the problem, whatever the batch
         raise ConfigError(
             f"model {m.name} {m.flavor} ({n_params / 1e9:.1f} billion parameters) needs at least {_size(state)} per rank "
             f"for its weights, gradients and optimizer state, more than this {where} ({_size(memory)}); use a smaller "

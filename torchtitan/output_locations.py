@@ -36,11 +36,16 @@ def check_output_locations(job_config: JobConfig) -> None:
 
 def check_writable_folder(option: str, path: str) -> None:
     absolute = os.path.abspath(path)
+    if os.path.islink(absolute) and not os.path.exists(absolute):  # e.g. to a file system not mounted
+        raise ConfigError(f"{option} {path} is a broken symbolic link (to {os.readlink(absolute)})")
     if os.path.exists(absolute) and not os.path.isdir(absolute):
         raise ConfigError(f"{option} {path} is a file, not a folder")
     existing = absolute
     while not os.path.isdir(existing):  # the nearest folder that exists: the run will create the rest
         parent = os.path.dirname(existing)
+        if os.path.islink(parent) and not os.path.exists(parent):
+            raise ConfigError(f"{option} {path} cannot be created: {parent} is a broken symbolic link "
+                              f"(to {os.readlink(parent)})")
         if os.path.exists(parent) and not os.path.isdir(parent):
             raise ConfigError(f"{option} {path} cannot be created: {parent} is a file")
         existing = parent

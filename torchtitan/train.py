@@ -13,6 +13,12 @@ if __name__ == "__main__":
     # Ctrl-C while torch is being imported ends the process quietly instead of with an import
     # traceback; main() gives Python's own handler back.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+elif __name__ == "__mp_main__":
+    # A helper process a rank started with multiprocessing's spawn (DCP's checkpoint writer), which
+    # shares the rank's process group and so the launcher's Ctrl-C or SIGTERM. It must finish the
+    # save in flight; its rank decides when to stop, and ends it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 import contextlib  # noqa: E402 - after the line above, on purpose
 import dataclasses
@@ -96,7 +102,14 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
     parallel_dims = validate_world_size(job_config, world_size)
     check_output_locations(job_config)
     if job_config.experimental.custom_import:
-        importlib.import_module(job_config.experimental.custom_import)  # registers extra models
+        module = job_config.experimental.custom_import
+        try:
+            importlib.import_module(module)  # registers extra models
+        except ModuleNotFoundError as e:
+            if e.name is None or not module.startswith(e.name):
+                raise  # the module exists but imports something missing: its own bug
+            raise ConfigError(f"experimental.custom_import {module!r}: no module named {e.name!r} on the Python path "
+                              f"(run from the folder that holds it, or add that folder to PYTHONPATH)") from None
     train_spec = get_train_spec(job_config.model.name)
     check_flavor(train_spec, job_config.model.flavor)
     tokenizer = train_spec.build_tokenizer_fn(job_config)
@@ -304,15 +317,30 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     logger.info("training done")
 
 
+class _StartUpInterrupted(KeyboardInterrupt):
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise _StartUpInterrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
     init_logger()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Until training starts there is nothing to keep: Ctrl-C interrupts at once, and so does SIGTERM
+    # for a single process. A rank of a larger job keeps SIGTERM's default (end now), because that
+    # is how the launcher tears down ranks waiting for a peer that already failed.
+    signal.signal(signal.SIGINT, _interrupt)
+    if tt_dist.world_size() == 1:
+        signal.signal(signal.SIGTERM, _interrupt)
     tt_dist.die_with_launcher()
-    stops = StopRequests()  # installed when the training loop starts; before that Ctrl-C interrupts
+    stops = StopRequests(tt_dist.rank())  # takes over both signals when the training loop starts
     code, clean = 0, False
     try:
         train(parse_args(argv), stops)
@@ -320,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - every ending gets its one line or its one traceback
         if isinstance(e, FileNotFoundError):
             e = UserError(str(e))
-        elif isinstance(e, KeyboardInterrupt):  # Ctrl-C during start-up: nothing to keep yet
-            e = Stopped(signal.SIGINT, None)
+        elif isinstance(e, KeyboardInterrupt) and not stops.installed:
+            e = Stopped(getattr(e, "signum", signal.SIGINT), None)
         code = say_how_it_ended(tt_dist.rank(), e, stops.requested)
     finally:
         stops.uninstall()

@@ -51,6 +51,13 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "TORCHELASTIC_RUN_ID", "TORCHTITAN_REPORT_DIR", "NGPU", "LOG_RANK", "CONFIG_FILE", "TORCHTITAN_VENV")
 
 DIR = object()  # in Case.files: an empty folder
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """In Case.files: a symbolic link to `target` (relative to {in}), which need not exist."""
+
+    target: str
 PROSE = "The quick brown fox jumps over the lazy dog while the module reads its arguments. " * 80  # ~1,500 tokens
 
 
@@ -153,6 +160,8 @@ CASES: list[Case] = [
     config("config file under a file", "--job.config_file {in}/afile/x.toml", "cannot read config file {in}/afile/x.toml",
            files={"afile": "a file, not a folder\n"}),
     case("unknown model name", "config", "--model.name gpt5", "unknown model.name 'gpt5'"),
+    case("custom_import module missing", "config", "--experimental.custom_import nosuch_models_xyz",
+         "experimental.custom_import 'nosuch_models_xyz': no module named 'nosuch_models_xyz'"),
     case("unknown model flavor", "config", "--model.flavor 5B", "unknown model.flavor '5B'"),
     case("float8 on CPU", "config", "--float8.enable_float8_linear", "float8.enable_float8_linear needs CUDA"),
 
@@ -262,6 +271,9 @@ CASES: list[Case] = [
          "{job}/checkpoint/step-4 keeps the data position of 1 data shards, but training.dataset_shards is 2", saved="untied"),
 
     # --- output folders ------------------------------------------------------------------------------
+    case("dump folder a broken link", "output", "--job.dump_folder {in}/scratch/run",
+         ("job.dump_folder {in}/scratch/run cannot be created", "{in}/scratch is a broken symbolic link"),
+         files={"scratch": Link("unmounted/scratch")}),
     case("dump folder is a file", "output", "--job.dump_folder {in}/afile", "job.dump_folder {in}/afile is a file",
          files={"afile": "a file\n"}),
     case("dump folder under a file", "output", "--job.dump_folder {in}/afile/run", "job.dump_folder {in}/afile/run",
@@ -378,6 +390,8 @@ def prepare(c: Case, folders: Folders, saved_jobs: Callable[[str], Path]) -> Non
         path.parent.mkdir(parents=True, exist_ok=True)
         if content is DIR:
             path.mkdir()
+        elif isinstance(content, Link):
+            path.symlink_to(folders.inputs / content.target)
         elif isinstance(content, bytes):
             path.write_bytes(content)
         else:

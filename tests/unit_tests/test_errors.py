@@ -90,7 +90,8 @@ def test_real_allocation_failures_become_one_line():
     assert out_of_memory(RuntimeError("shapes do not match")) is None
 
 
-def test_first_signal_asks_second_would_end(monkeypatch):
+def test_first_signal_asks_second_would_end(monkeypatch, capsys):
+    monkeypatch.delenv(REPORT_DIR_ENV, raising=False)
     stops = StopRequests().install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -99,9 +100,19 @@ def test_first_signal_asks_second_would_end(monkeypatch):
         monkeypatch.setattr(os, "_exit", exits.append)
         os.kill(os.getpid(), signal.SIGINT)
         assert exits == [128 + signal.SIGINT]
+        assert capsys.readouterr().err == ("stopped: SIGINT received again; ended at once, during a step (the newest "
+                                           "checkpoint stays)\n")
     finally:
         stops.uninstall()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_report_folder_that_cannot_take_the_report(monkeypatch, tmp_path, capsys):
+    """A folder set by hand that does not exist, or one removed with a launcher that ended first:
+    the rank says its line itself instead of failing with a second traceback."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path / "gone"))
+    assert say_how_it_ended(0, ConfigError("bad option")) == 2
+    assert capsys.readouterr().err == "error: bad option\n"
 
 
 def test_report_round_trip(report_dir):

@@ -38,6 +38,15 @@ def test_a_file_in_the_way_is_named_with_its_option(tmp_path, layout, dump, extr
     assert str(e.value) == expected.format(tmp=tmp_path)
 
 
+def test_a_broken_symbolic_link_is_named(tmp_path):
+    """outputs -> /scratch/... with /scratch not mounted: refused at start-up, not after the model is built."""
+    (tmp_path / "dangle").symlink_to(tmp_path / "not" / "mounted")
+    for dump, expected in ((tmp_path / "dangle", "is a broken symbolic link"),
+                           (tmp_path / "dangle" / "run", "cannot be created: " + str(tmp_path / "dangle"))):
+        with pytest.raises(ConfigError, match=expected):
+            check_output_locations(parse_args(["--job.dump_folder", str(dump)]))
+
+
 def test_the_checkpoint_folder_is_checked_only_when_checkpoints_are_written(tmp_path):
     (tmp_path / "checkpoint").write_text("a file")
     check_output_locations(config(tmp_path))
