@@ -112,6 +112,21 @@ def test_two_runs_report_the_same_mfu(tmp_path):
     assert mfus[0] == mfus[1] > 0
 
 
+def test_a_peak_measured_on_a_busy_machine_is_raised_once(measured, tmp_path):
+    """The cached figure (1e11) is below what a run computes (1e12 FLOP/s): measured again once,
+    the higher figure is kept for later runs, and this run's MFU stays against its own peak."""
+    peak_flops(torch.device("cpu"), torch.float32)  # caches the first (low) measurement
+    logger = MetricsLogger(config_in(tmp_path / "busy"), torch.device("cpu"), flops_per_token=10**9, rank=0)
+    first = logger.log(step(1))["mfu_percent"]  # 2000 tokens/s x 1e9 FLOP = 2e12 FLOP/s
+    assert first == pytest.approx(2000.0) and len(measured) == 2
+    assert logger.log(step(2))["mfu_percent"] == first and len(measured) == 2  # once per run
+    logger.close()
+    assert peak_flops(torch.device("cpu"), torch.float32)[0] == 2e12  # the run's figure beat the re-measurement
+    later = MetricsLogger(config_in(tmp_path / "later"), torch.device("cpu"), flops_per_token=10**9, rank=0)
+    assert later.log(step(1))["mfu_percent"] == pytest.approx(100.0)
+    later.close()
+
+
 def test_measured_cpu_peak_is_positive():
     assert metrics.measure_cpu_peak_flops(torch.float32, seconds=0.05, n=64) > 0
 
