@@ -292,7 +292,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         lr_schedulers.step()
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
 
-        if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps:
+        # The last step before a stop is logged too, so a resumed run's metrics have no gap.
+        if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or stop_signal:
             if pipeline is not None:
                 # Only the last stage has a loss; the others contribute zero to the sum over pp.
                 step_loss = tt_dist.sum_across(step_loss, pp_mesh)

@@ -73,7 +73,7 @@ def test_ctrl_c_stops_every_rank_after_one_step(tmp_path):
     checkpoint is named, the exit code is 130, and no rank is left running."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen(["./run_llama_train.sh", "--training.steps", "10000", "--training.seq_len", "64",
-                             "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+                             "--metrics.log_freq", "1000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
                              "--job.dump_folder", str(tmp_path)], cwd=REPO_ROOT, env={**env, "NGPU": "2"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # wait until training runs and a checkpoint exists
@@ -88,6 +88,7 @@ def test_ctrl_c_stops_every_rank_after_one_step(tmp_path):
         lines[0]), stderr[-3000:]
     step, saved = (int(n) for n in re.findall(r"step[- ](\d+)", lines[0]))
     assert saved <= step and saved % 2 == 0
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, step]  # the stopped step is logged too
     assert "Traceback" not in stdout + stderr
     assert not [p for p in (tmp_path / "checkpoint").iterdir() if ".partial" in p.name]
     ranks = subprocess.run(["pgrep", "-f", f"torchtitan.train.*{tmp_path}"], capture_output=True, text=True)
