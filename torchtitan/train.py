@@ -1,4 +1,4 @@
-# ruff: noqa: E402
+# ruff: noqa: E402 - the imports follow the SIGINT set-up below, on purpose
 """Entry point: `python -m torchtitan.train [--section.key value ...]` on every rank (torchrun).
 
 Reads as the build sequence: config -> mesh -> data -> meta model -> parallelize -> materialise
@@ -20,7 +20,7 @@ elif __name__ == "__mp_main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-import contextlib  # noqa: E402 - after the line above, on purpose
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     # Until training starts there is nothing to keep: Ctrl-C interrupts at once, and so does SIGTERM
     # for a single process. A rank of a larger job keeps SIGTERM's default (end now), because that
     # is how the launcher tears down ranks waiting for a peer that already failed.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, _interrupt)
     if tt_dist.world_size() == 1:
         signal.signal(signal.SIGTERM, _interrupt)
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         code = say_how_it_ended(tt_dist.rank(), e, stops.requested)
     finally:
         stops.uninstall()
+        for sig, handler in previous.items():  # a caller running main() in-process gets its own back
+            signal.signal(sig, handler)
         tt_dist.shutdown(clean)
     return code
 
