@@ -1,4 +1,4 @@
-"""Builds the bundled corpus and its two tokenizers under tests/assets/stdlib_docs/.
+"""Builds the bundled corpus and its two tokenizers under torchtitan/assets/stdlib_docs/.
 
 The corpus is real English prose (with some code) taken from the docstrings of Python's own
 standard library: present on every machine with Python, under the Python Software Foundation
@@ -8,7 +8,7 @@ License. From it the script trains
 - sentencepiece.model: a Llama-2 format sentencepiece BPE model of 2,256 pieces (byte fallback).
 Re-running it under the same Python version gives byte-identical files.
 
-    .venv/bin/python scripts/build_test_assets.py [--out tests/assets/stdlib_docs]
+    .venv/bin/python scripts/build_test_assets.py [--out torchtitan/assets/stdlib_docs]
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def iter_docstrings(module_name: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="tests/assets/stdlib_docs")
+    parser.add_argument("--out", default="torchtitan/assets/stdlib_docs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

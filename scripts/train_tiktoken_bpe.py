@@ -3,7 +3,7 @@
 The output has Llama 3's `tokenizer.model` format (`<base64 token bytes> <rank>` per line) and loads
 with `tiktoken.load.load_tiktoken_bpe`; pair it with `LLAMA3_PATTERN` and your special tokens.
 
-    .venv/bin/python scripts/train_tiktoken_bpe.py --corpus tests/assets/stdlib_docs/corpus.jsonl \\
+    .venv/bin/python scripts/train_tiktoken_bpe.py --corpus torchtitan/assets/stdlib_docs/corpus.jsonl \\
         --vocab-size 2000 --out /tmp/bpe.model
 """
 

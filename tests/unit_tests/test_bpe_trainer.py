@@ -19,7 +19,7 @@ PARAGRAPH = (
     "In the evening the light turned gold, and the children of the village came down to the water "
     "to throw stones and listen to the wheel turning slowly in the dark.\n"
 )
-CORPUS = Path(__file__).resolve().parents[1] / "assets" / "stdlib_docs" / "corpus.jsonl"
+CORPUS = Path(__file__).resolve().parents[2] / "torchtitan" / "assets" / "stdlib_docs" / "corpus.jsonl"
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 
 

@@ -14,7 +14,7 @@ from torchtitan.datasets.tokenizer import (
     build_tokenizer,
 )
 
-ASSETS = REPO_ROOT / "tests" / "assets" / "stdlib_docs"
+ASSETS = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs"
 TEXT = "Return the naïve café's 東京 timestamp 🙂.\n\tdef f(x):\n        return x ** 2  # 12345"
 
 

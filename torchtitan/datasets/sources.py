@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from torchtitan.assets import resolve_path
 from torchtitan.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
 
 
@@ -36,10 +36,10 @@ class HFSource:
     text_field: str = "text"
 
 
-# Registered sources: short name -> local path (relative to the repository root) or hub dataset.
+# Registered sources: short name -> local path (`bundled:` for a file the package ships) or hub dataset.
 DATASETS: dict[str, str | HFSource] = {
-    # Docstrings of Python's standard library, about 1 MB (tests/assets/stdlib_docs/README.md).
-    "stdlib_docs": "tests/assets/stdlib_docs/corpus.jsonl",
+    # Docstrings of Python's standard library, about 1 MB (torchtitan/assets/stdlib_docs/README.md).
+    "stdlib_docs": "bundled:stdlib_docs/corpus.jsonl",
     # English C4, streamed: needs `pip install datasets` and network access.
     "c4": HFSource("allenai/c4", "en"),
 }
@@ -69,8 +69,8 @@ def resolve_source(name: str, dataset_path: str) -> list[Path] | HFSource:
         source = DATASETS[name]
         if isinstance(source, HFSource):
             return source
-        dataset_path = str(REPO_ROOT / source)
-    return _local_files(dataset_path)
+        return _local_files(resolve_path(source, f"training.dataset {name!r}", DatasetError))
+    return _local_files(resolve_path(dataset_path, "training.dataset_path", DatasetError))
 
 
 def _local_files(dataset_path: str) -> list[Path]:

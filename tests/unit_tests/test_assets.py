@@ -1,0 +1,59 @@
+"""Shipped files: the `bundled:` rule, and every option that names a file going through it."""
+
+from pathlib import Path
+
+import pytest
+
+import torchtitan
+from torchtitan.assets import bundled_files, resolve_path
+from torchtitan.config_manager import JobConfig, parse_args
+from torchtitan.datasets.sources import DatasetError, resolve_source
+from torchtitan.datasets.tokenizer import TokenizerError, build_tokenizer
+from torchtitan.errors import ConfigError, UserError
+
+ASSETS = Path(torchtitan.__file__).parent / "assets"
+
+
+def test_plain_paths_are_returned_unchanged():
+    for path in ("tokenizer.model", "./a/b.toml", "/abs/x.jsonl", "data/*.jsonl", "bundled", "Bundled:x"):
+        assert resolve_path(path, "model.tokenizer_path") == path
+
+
+def test_bundled_names_are_the_package_files():
+    assert resolve_path("bundled:stdlib_docs/tokenizer.model", "x") == str(ASSETS / "stdlib_docs" / "tokenizer.model")
+    assert resolve_path("bundled:train_configs/debug_model.toml", "x") == str(ASSETS / "train_configs" / "debug_model.toml")
+    assert resolve_path("bundled:stdlib_docs", "x") == str(ASSETS / "stdlib_docs")  # a folder, e.g. for dataset_path
+    assert {"stdlib_docs/corpus.jsonl", "stdlib_docs/tokenizer.model", "stdlib_docs/sentencepiece.model",
+            "stdlib_docs/README.md", "train_configs/debug_model.toml"} <= set(bundled_files())
+
+
+@pytest.mark.parametrize("name", ["bundled:nope.model", "bundled:", "bundled:stdlib_docs/nope", "bundled:../errors.py",
+                                  "bundled:stdlib_docs/../../errors.py", "bundled:__init__.py", "bundled:/etc/passwd"])
+def test_a_name_the_package_does_not_ship_is_one_line_of_the_callers_kind(name):
+    with pytest.raises(TokenizerError) as e:
+        resolve_path(name, "model.tokenizer_path", TokenizerError)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"model.tokenizer_path {name!r}: the torchtitan package ships no such file")
+    assert "stdlib_docs/tokenizer.model" in line  # what is shipped, to choose from
+    with pytest.raises(UserError):  # the default kind
+        resolve_path(name, "x")
+
+
+def test_every_file_option_resolves_bundled_names():
+    config = parse_args(["--job.config_file", "bundled:train_configs/debug_model.toml"])
+    assert config.model.tokenizer_path == "bundled:stdlib_docs/tokenizer.model" == JobConfig().model.tokenizer_path
+    assert build_tokenizer(config).n_words == 2256
+    config.model.tokenizer_path = "bundled:stdlib_docs/sentencepiece.model"
+    assert build_tokenizer(config).n_words == 2256
+    assert resolve_source("stdlib_docs", "") == [ASSETS / "stdlib_docs" / "corpus.jsonl"]
+    assert resolve_source("", "bundled:stdlib_docs") == [ASSETS / "stdlib_docs" / "corpus.jsonl"]
+    with pytest.raises(ConfigError, match="job.config_file 'bundled:nope.toml': the torchtitan package ships no such file"):
+        parse_args(["--job.config_file", "bundled:nope.toml"])
+    with pytest.raises(DatasetError, match="training.dataset_path 'bundled:x.jsonl': the torchtitan"):
+        resolve_source("", "bundled:x.jsonl")
+
+
+def test_the_checkouts_train_configs_is_the_packaged_folder():
+    """run_llama_train.sh's default CONFIG_FILE and every documented train_configs/ path keep working."""
+    repo_configs = Path(__file__).resolve().parents[2] / "train_configs"
+    assert repo_configs.resolve() == (ASSETS / "train_configs").resolve()
