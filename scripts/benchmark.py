@@ -2,21 +2,23 @@
 
     .venv/bin/python scripts/benchmark.py --config debug_model --nproc 2 --steps 12 [-- overrides...]
 
-Runs the real trainer (torchrun when --nproc > 1), logging every step, and averages the steps
+Runs the real trainer in the repository root as users do (`python -m torchtitan.train`, or
+torchrun through `torchtitan.launch` when --nproc > 1), logging every step, and averages the steps
 after --warmup. Figures come from the trainer's own metrics (metrics.jsonl of rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from torchtitan.tools.runs import REPO_ROOT, TrainingFailed, run_trainer
+from torchtitan.tools.runs import TrainingFailed, read_metrics, run_trainer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(config: str, nproc: int, steps: int, overrides: list[str], threads: int) -> list[dict]:
@@ -27,11 +29,10 @@ def run(config: str, nproc: int, steps: int, overrides: list[str], threads: int)
                 str(min(steps, 2)), "--metrics.log_freq", "1",
                 "--metrics.disable_color_printing", "--job.dump_folder", dump, *overrides]
         try:
-            run_trainer(args, nproc=nproc, timeout=None, extra_env={"OMP_NUM_THREADS": str(threads)})
+            run_trainer(args, nproc=nproc, timeout=None, extra_env={"OMP_NUM_THREADS": str(threads)}, cwd=REPO_ROOT)
         except TrainingFailed as e:
             sys.exit(str(e))
-        with open(Path(dump) / "metrics.jsonl") as f:
-            return [json.loads(line) for line in f]
+        return read_metrics(Path(dump))  # the step rows, without the setup record
 
 
 def main() -> None:

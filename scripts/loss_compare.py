@@ -9,6 +9,8 @@
 
 Every run starts from one seed checkpoint with the same global batch and data order, in
 deterministic fp32 on the CPU (torchtitan/tools/parity.py, the harness the parity tests use).
+Runs are real processes started in the repository root: `python -m torchtitan.train` for one
+process, torchrun (`torchtitan.launch`) for several ranks.
 Prints one table row per layout and exits with 1 when any layout is outside the tolerance.
 The `matrix` suites are the generated layout matrix (torchtitan/tools/layout_matrix.py): each
 point is either refused before start-up (its row gives the one-line reason) or compared; any
@@ -19,6 +21,7 @@ generator did not plan) fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -27,9 +30,12 @@ from pathlib import Path
 from torchtitan.config_manager import ConfigError
 from torchtitan.tools import layout_matrix
 from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts
-from torchtitan.tools.runs import TrainingFailed
+from torchtitan.tools.runs import Runner, TrainingFailed, run_trainer
 
 MATRIX_SUITES = ("matrix", "matrix-ci")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Real processes in the repository root, where the runs' relative paths (train_configs/...) resolve.
+REPO_RUNNER: Runner = functools.partial(run_trainer, cwd=REPO_ROOT)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,10 +97,10 @@ def plot(path: Path, baseline, comparisons) -> None:
     print(f"wrote {path}")
 
 
-def run_matrix(points: list[layout_matrix.Point], workdir: Path, steps: int) -> int:
+def run_matrix(points: list[layout_matrix.Point], workdir: Path, steps: int, runner: Runner = REPO_RUNNER) -> int:
     """Runs matrix points and prints their table; returns the number that did not have their
     planned outcome."""
-    runner = layout_matrix.MatrixRunner(workdir / "matrix", steps=steps)
+    matrix = layout_matrix.MatrixRunner(workdir / "matrix", steps=steps, runner=runner)
     refused = sum(p.refused_by_design for p in points)
     print(f"layout matrix: {len(points)} points ({len(points) - refused} to compare with one process, {refused} to be "
           f"refused); {', '.join(f'{n} ranks: {sum(p.nproc == n for p in points)}' for n in layout_matrix.WORLD_SIZES)}\n")
@@ -103,7 +109,7 @@ def run_matrix(points: list[layout_matrix.Point], workdir: Path, steps: int) -> 
     failed, worst = 0, (0.0, 0.0)
     for point in points:
         start = time.perf_counter()
-        outcome = runner.run(point)
+        outcome = matrix.run(point)
         planned = outcome.status == ("refused" if point.refused_by_design else "ok")
         failed += not planned
         c = outcome.comparison
@@ -122,7 +128,8 @@ def run_matrix(points: list[layout_matrix.Point], workdir: Path, steps: int) -> 
     return failed
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, runner: Runner = REPO_RUNNER) -> int:
+    """The command line; `runner` trains each run (the tests pass their warm one)."""
     args = parse_args(argv)
     if args.list:
         for suite, layouts in SUITES.items():
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if matrix:
         points = list(layout_matrix.generate()) if "matrix" in matrix else layout_matrix.ci_points()
         with tempfile.TemporaryDirectory() as tmp:
-            failed = run_matrix(points, args.workdir or Path(tmp), args.steps)
+            failed = run_matrix(points, args.workdir or Path(tmp), args.steps, runner)
         if not layouts:
             return 1 if failed else 0
     else:
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         pyplot()  # a missing matplotlib is reported before minutes of training, not after
     with tempfile.TemporaryDirectory() as tmp:
         harness = ParityHarness(args.workdir or Path(tmp), steps=args.steps, global_batch=args.global_batch,
-                                loss_tolerance=args.tolerance)
+                                loss_tolerance=args.tolerance, runner=runner)
         baseline = harness.baseline()
         print(f"baseline: 1 process, {args.steps} steps, losses {baseline.losses[0]:.4f} -> {baseline.losses[-1]:.4f}\n")
         print("| layout | ranks | max \\|loss diff\\| | final grad norm rel. diff | wall s | result |")

@@ -3,10 +3,11 @@ the share of the schedule's time the ranks spend not computing, next to the theo
 
     .venv/bin/python scripts/pipeline_bubble.py [--pp 2] [--schedules 1F1B GPipe ...] [-- overrides]
 
-Each schedule runs the real trainer under torchrun (the debug model, batch 8 x 512 tokens by
-default). "Measured bubble" comes from the trainer's `pp_bubble_percent` metric: for each rank,
-1 - (time in its stages' forward/backward chunks and loss) / (time in the schedule's step),
-averaged over the pp ranks. It therefore includes waiting for neighbours (point-to-point
+Each schedule runs the real trainer in the repository root under torchrun (`torchtitan.launch`;
+the run without pipelining is one `python -m torchtitan.train` process), the debug model with
+batch 8 x 512 tokens by default. "Measured bubble" comes from the trainer's `pp_bubble_percent`
+metric: for each rank, 1 - (time in its stages' forward/backward chunks and loss) / (time in the
+schedule's step), averaged over the pp ranks. It therefore includes waiting for neighbours (point-to-point
 transfers), not only the idle slots the schedule leaves by design. "Theoretical" is the idle
 fraction of the schedule's timetable with equal-cost stages: (p-1)/(m+p-1) for GPipe and 1F1B,
 (p-1)/(v*m+p-1) for Interleaved1F1B and for LoopedBFS with m >= p; the zero-bubble schedules have none by design
@@ -23,8 +24,9 @@ from pathlib import Path
 
 from torchtitan.config_manager import parse_args
 from torchtitan.parallelisms.pipeline import SCHEDULES, plan_pipeline, theoretical_bubble
-from torchtitan.tools.runs import REPO_ROOT, TrainingFailed, read_metrics, run_trainer
+from torchtitan.tools.runs import TrainingFailed, read_metrics, run_trainer
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_ARGS = ("--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
               "--training.seq_len", "512", "--training.batch_size", "8", "--metrics.log_freq", "1",
               "--metrics.disable_color_printing", "--activation_checkpoint.mode", "none")
@@ -35,7 +37,7 @@ def measure(nproc: int, steps: int, warmup: int, overrides: list[str]) -> dict[s
         args = [*BENCH_ARGS, "--training.steps", str(steps), "--training.warmup_steps", "2",
                 "--job.dump_folder", dump, *overrides]
         try:
-            run_trainer(args, nproc=nproc, timeout=None)
+            run_trainer(args, nproc=nproc, timeout=None, cwd=REPO_ROOT)
         except TrainingFailed as e:
             sys.exit(str(e))
         records = read_metrics(Path(dump))[warmup:]

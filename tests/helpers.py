@@ -1,7 +1,8 @@
-"""Helpers for tests that run the trainer as real processes (one process or torchrun ranks).
+"""Helpers for tests that run the trainer as real processes (one process or several ranks).
 
-The runner and the tiny-run arguments come from torchtitan/tools/runs.py, so tests, the parity
-harness and the scripts launch the trainer the same way.
+`run_train` is the suite's warm runner (tests/machinery/warm_launcher.py): each run forks from a
+process that imported the trainer once. The tiny-run arguments and the metrics reader come from
+torchtitan/tools/runs.py, the product runner's module that the parity tool and the scripts use.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchtitan.tools.runs import REPO_ROOT, read_metrics
+from tests.machinery.warm_launcher import REPO_ROOT
+from tests.machinery.warm_launcher import run_warm as run_train
 from torchtitan.tools.runs import TINY_RUN as _TINY_RUN
-from torchtitan.tools.runs import run_trainer as run_train
+from torchtitan.tools.runs import read_metrics, read_setup
 
-__all__ = ["REPO_ROOT", "TINY_RUN", "losses", "read_metrics", "run_ranks_script", "run_train"]
+__all__ = ["REPO_ROOT", "TINY_RUN", "losses", "read_metrics", "read_setup", "run_ranks_script", "run_train"]
 
 TINY_RUN = list(_TINY_RUN)
 

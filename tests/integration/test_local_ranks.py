@@ -1,4 +1,4 @@
-"""torchtitan.tools.local_ranks, the forking stand-in for torchrun that tests use: ranks see the
+"""tests/machinery/local_ranks.py, the forking stand-in for torchrun that tests use: ranks see the
 usual environment, and a failing rank's exit code is the launcher's."""
 
 import subprocess
@@ -8,7 +8,7 @@ from tests.helpers import REPO_ROOT, TINY_RUN, run_train
 
 
 def test_usage_error():
-    result = subprocess.run([sys.executable, "-m", "torchtitan.tools.local_ranks"], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "tests.machinery.local_ranks"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "usage:" in result.stderr
 

@@ -1,11 +1,19 @@
 """scripts/loss_compare.py: the parity harness from the command line prints one row per layout and
-fails (exit 1) when a layout is outside the tolerance."""
+fails (exit 1) when a layout is outside the tolerance.
 
+The script's own start (--list, a bad name) runs as a process. The tables that train call its
+`main` / `run_matrix` in this process with the suite's warm runner, which forks each run; the
+script's default, real processes and torchrun (torchtitan.tools.runs), is what users run."""
+
+import importlib.util
 import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO_ROOT
+from tests.machinery.warm_launcher import run_warm
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -13,11 +21,25 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_table_passes_an_equal_layout_and_fails_a_different_one(tmp_path):
-    result = run_script("--steps", "3", "--workdir", str(tmp_path), "--custom", "ac_full", "1",
-                        "--activation_checkpoint.mode full", "--custom", "higher_lr", "1", "--optimizer.lr 2e-3")
-    assert result.returncode == 1, result.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
+@pytest.fixture(scope="module")
+def loss_compare():
+    spec = importlib.util.spec_from_file_location("loss_compare", REPO_ROOT / "scripts" / "loss_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def table_rows(text: str) -> dict[str, str]:
+    return {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+
+
+def test_table_passes_an_equal_layout_and_fails_a_different_one(loss_compare, tmp_path, capsys):
+    code = loss_compare.main(["--steps", "3", "--workdir", str(tmp_path), "--custom", "ac_full", "1",
+                              "--activation_checkpoint.mode full", "--custom", "higher_lr", "1", "--optimizer.lr 2e-3"],
+                             runner=run_warm)
+    out, err = capsys.readouterr()
+    assert code == 1, err[-3000:]
+    rows = table_rows(out)
     assert rows["ac_full"].rstrip().endswith("| ok |") and "| 0.00e+00 |" in rows["ac_full"]
     assert rows["higher_lr"].rstrip().endswith("| FAIL |")
     assert (tmp_path / "baseline" / "metrics.jsonl").exists() and (tmp_path / "seed" / "checkpoint" / "step-0").is_dir()
@@ -31,20 +53,15 @@ def test_list_and_bad_names():
     assert bad.returncode != 0 and "unknown layout 'nope'" in bad.stderr
 
 
-def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(tmp_path, capsys):
+def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(loss_compare, tmp_path, capsys):
     """The matrix part of the script: a refused point's row carries its one-line reason; a point
     whose outcome differs from the plan (here: planned as refused, but it trains) counts as failed."""
-    import importlib.util
-
     from torchtitan.tools import layout_matrix as lm
 
-    spec = importlib.util.spec_from_file_location("loss_compare", REPO_ROOT / "scripts" / "loss_compare.py")
-    loss_compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loss_compare)
     refused = next(p for p in lm.generate() if p.refused_by_design)
     plain = lm._point({}, dp_shard=1)
     mislabelled = lm.Point(plain.degrees, plain.variants, plain.schedule, refused_by_design=True)
-    assert loss_compare.run_matrix([refused, mislabelled], tmp_path, steps=2) == 1
-    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert loss_compare.run_matrix([refused, mislabelled], tmp_path, steps=2, runner=run_warm) == 1
+    rows = table_rows(capsys.readouterr().out)
     assert f"refused: {lm.refusal(refused)}" in rows[refused.name]
     assert rows["single"].rstrip().endswith("| FAIL (trained, but planned to be refused) |")

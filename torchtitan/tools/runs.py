@@ -1,22 +1,26 @@
-"""Running the trainer as real processes (one process, or torchrun ranks) from tests and scripts."""
+"""Runs the trainer as real processes, the way users start it, for the parity tool and the scripts.
+
+One process is `python -m torchtitan.train`; several ranks are torchrun through our launcher,
+`python -m torchtitan.launch --standalone --nproc_per_node N -m torchtitan.train` (what
+run_llama_train.sh runs), which ends with the root cause in one line. Whatever takes a `Runner`
+(the parity harness, the layout matrix) trains through `run_trainer` unless given another: the
+test suite passes a faster one that forks runs from a warm process (tests/machinery/).
+"""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from torchtitan.tools.warm_launcher import WarmLauncher
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from typing import Protocol
 
 # The debug model on short sequences: real text and tokenizer, a few seconds per run on a CPU.
 TINY_RUN = (
-    "--job.config_file", "train_configs/debug_model.toml",
+    "--job.config_file", "bundled:train_configs/debug_model.toml",  # found from any working directory
     "--training.seq_len", "64",
     "--training.steps", "10",
     "--training.warmup_steps", "2",
@@ -26,64 +30,95 @@ TINY_RUN = (
 # Variables of an outer torchrun that would confuse the inner launch.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# A run that outlives its timeout is stopped like Ctrl-C first (torchrun passes the signal on and
+# kills ranks still running after TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then killed.
+STOP_GRACE_SECONDS = 60
+_RANKS_SHUTDOWN_SECONDS = "30"
 
 
 class TrainingFailed(AssertionError):
     """The trainer exited non-zero; the message carries the end of its output."""
 
 
-def run_trainer(args: list[str] | tuple[str, ...], nproc: int = 1, timeout: float | None = 300, check: bool = True,
-                extra_env: dict[str, str] | None = None, launcher: str = "warm") -> subprocess.CompletedProcess:
-    """Runs `torchtitan.train` as one process (nproc=1) or as nproc gloo ranks, one thread per
-    process unless extra_env says otherwise. launcher="warm" (the default) forks each run from a
-    server that imported the trainer once (`torchtitan.tools.warm_launcher`); "process" starts a
-    fresh interpreter (ranks forked by `torchtitan.tools.local_ranks`); "torchrun" uses torchrun."""
+class Runner(Protocol):
+    """Trains once with trainer options `args` on `nproc` ranks and returns the exit code and the
+    captured text output; raises TrainingFailed on a non-zero exit when `check` is set, and
+    subprocess.TimeoutExpired after `timeout` seconds. `run_trainer` is the product's."""
+
+    def __call__(self, args: Sequence[str], nproc: int = 1, *, timeout: float | None = 300, check: bool = True,
+                 extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]: ...
+
+
+def trainer_env(extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without an outer torchrun's variables, one thread per rank
+    unless `extra_env` says otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env.update({"OMP_NUM_THREADS": "1", **(extra_env or {})})
-    if launcher == "warm":
-        result = _warm_launcher().run(nproc, list(args), env, timeout)
-    else:
-        result = _run_process(_command(args, nproc, launcher), env, timeout)
-    if check and result.returncode != 0:
-        raise TrainingFailed(f"training failed ({result.returncode}): {' '.join(args)}\n"
+    return env
+
+
+def raise_for_exit(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """`result` itself when the run exited 0, else TrainingFailed with the end of its output."""
+    if result.returncode != 0:
+        command = " ".join(map(str, result.args))
+        raise TrainingFailed(f"training failed ({result.returncode}): {command}\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
 
 
-def _command(args: list[str] | tuple[str, ...], nproc: int, launcher: str) -> list[str]:
+def trainer_command(args: Sequence[str], nproc: int = 1) -> list[str]:
+    """The command line that trains with `args` on `nproc` ranks of this machine."""
     if nproc == 1:
         return [sys.executable, "-m", "torchtitan.train", *args]
-    if launcher == "process":
-        return [sys.executable, "-m", "torchtitan.tools.local_ranks", str(nproc), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    return [sys.executable, "-m", "torchtitan.launch", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "torchtitan.train", *args]
 
 
-def _run_process(cmd: list[str], env: dict[str, str], timeout: float | None) -> subprocess.CompletedProcess:
-    # Its own session, so that a timeout takes every rank down, not only the launching process.
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def run_trainer(args: Sequence[str], nproc: int = 1, *, timeout: float | None = 300, check: bool = True,
+                extra_env: Mapping[str, str] | None = None,
+                cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs `trainer_command(args, nproc)` in `cwd` (None: the current directory, against which
+    relative paths in `args` resolve) and captures its output. A `Runner`."""
+    cmd = trainer_command(args, nproc)
+    env = trainer_env(extra_env)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", _RANKS_SHUTDOWN_SECONDS)
+    # Its own process group, so that stopping it reaches the launcher and a single process's helpers.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    except BaseException:  # a timeout, or Ctrl-C in this process: the run must not outlive the caller
+        _stop(proc)
         raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return raise_for_exit(result) if check else result
 
 
-_WARM: list[WarmLauncher] = []  # this process's warm server, started on first use
+def _stop(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.communicate(timeout=STOP_GRACE_SECONDS)
+            return
+        except subprocess.TimeoutExpired:
+            pass
 
 
-def _warm_launcher() -> WarmLauncher:
-    if not _WARM or not _WARM[0].alive():
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-        _WARM[:] = [WarmLauncher(REPO_ROOT, {**env, "OMP_NUM_THREADS": "1"})]
-        atexit.register(_WARM[0].close)
-    return _WARM[0]
+def _read_jsonl(dump_folder: Path) -> list[dict]:
+    with open(Path(dump_folder) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:
-    """The per-step records rank 0 wrote to dump_folder/metrics.jsonl."""
-    with open(Path(dump_folder) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    """The per-step rows rank 0 wrote to dump_folder/metrics.jsonl (not the setup records)."""
+    return [row for row in _read_jsonl(dump_folder) if "record" not in row]
+
+
+def read_setup(dump_folder: Path) -> dict | None:
+    """The newest setup record in dump_folder/metrics.jsonl (the latest run's: what it applied and
+    loaded, torchtitan/setup_record.py), or None if no run wrote one."""
+    setups = [row for row in _read_jsonl(dump_folder) if row.get("record") == "setup"]
+    return setups[-1] if setups else None

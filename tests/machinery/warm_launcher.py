@@ -1,13 +1,14 @@
-"""A warm launcher for many short trainer runs (tests, parity scripts): one process imports the
-trainer once, then forks a fresh job per run.
+"""The test suite's warm launcher: one process imports the trainer once, then forks a fresh job
+per run; `run_warm` is the runner the tests pass wherever a `Runner` is taken.
 
 Importing torch and the trainer costs about 3 s per process on a small CPU machine, which is a
-quarter of a short test run. `WarmLauncher` starts `python -m torchtitan.tools.warm_launcher`
-once; that server imports `torchtitan.train` and then, for each request, forks a job process with
-the request's working directory, environment and output files. A job with one rank runs
-`torchtitan.train.main` itself; a job with more forks its ranks through `local_ranks`. The
-server runs no torch code of its own, so every fork starts clean. Users launch with
-run_llama_train.sh (torchrun); the launcher's tests cover that path.
+quarter of a short test run. `WarmLauncher` starts `python -m tests.machinery.warm_launcher` from
+the repository root once; that server imports `torchtitan.train` and then, for each request, forks
+a job process with the request's working directory, environment and output files. A job with one
+rank runs `torchtitan.train.main` itself; a job with more forks its ranks through `local_ranks`.
+The server runs no torch code of its own, so every fork starts clean. Test machinery only: users
+launch with run_llama_train.sh (torchrun), and scripts with `torchtitan.tools.runs.run_trainer`;
+the launcher's tests cover those paths.
 
 Protocol (one JSON object per line): the client sends {"nproc", "args", "env", "cwd", "stdout",
 "stderr"}; the server answers {"pid"} when the job starts (the job leads its own process
@@ -17,6 +18,7 @@ subprocess reports (negative for a signal).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -25,7 +27,12 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from torchtitan.tools.runs import raise_for_exit, trainer_env
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_job(request: dict) -> int:
@@ -53,7 +60,7 @@ def _run_job(request: dict) -> int:
         from torchtitan import train
 
         return train.main(args)
-    from torchtitan.tools import local_ranks
+    from tests.machinery import local_ranks
 
     return local_ranks.main([str(nproc), *args])
 
@@ -90,7 +97,7 @@ class WarmLauncher:
     def __init__(self, repo_root: Path, env: dict[str, str]):
         self.repo_root = repo_root
         self._lock = threading.Lock()
-        self._server = subprocess.Popen([sys.executable, "-m", "torchtitan.tools.warm_launcher"], cwd=repo_root,
+        self._server = subprocess.Popen([sys.executable, "-m", "tests.machinery.warm_launcher"], cwd=repo_root,
                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # One reader for the server's whole life, so an answer that arrives after a timeout is
         # still received in order.
@@ -137,6 +144,25 @@ class WarmLauncher:
         if self.alive():
             self._server.stdin.close()
             self._server.wait(timeout=30)
+
+
+_WARM: list[WarmLauncher] = []  # this process's warm server, started on first use
+
+
+def _warm_launcher() -> WarmLauncher:
+    if not _WARM or not _WARM[0].alive():
+        _WARM[:] = [WarmLauncher(REPO_ROOT, trainer_env())]
+        atexit.register(_WARM[0].close)
+    return _WARM[0]
+
+
+def run_warm(args: Sequence[str], nproc: int = 1, timeout: float | None = 300, check: bool = True,
+             extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A `Runner` (torchtitan.tools.runs) that forks the run from this process's warm server, in the
+    repository root: one process, or `nproc` ranks forked by local_ranks, one thread per rank
+    unless `extra_env` says otherwise."""
+    result = _warm_launcher().run(nproc, list(args), trainer_env(extra_env), timeout)
+    return raise_for_exit(result) if check else result
 
 
 if __name__ == "__main__":

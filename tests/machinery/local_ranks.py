@@ -1,14 +1,15 @@
-"""A light stand-in for `torchrun --standalone` on one machine, for tests and scripts on CPU.
+"""The test suite's light stand-in for `torchrun --standalone` on one machine, on CPU.
 
-    python -m torchtitan.tools.local_ranks NPROC [trainer options...]
+    python -m tests.machinery.local_ranks NPROC [trainer options...]     (from the repository root)
 
 Imports the trainer (and so torch) once, then forks NPROC ranks that each run
 `torchtitan.train.main` with the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables.
 On a small machine most of a short multi-rank test run is every rank importing torch and
 torchrun's agent doing the same; forking from a warm parent skips both (a quarter of the test
-suite's time). Users launch with run_llama_train.sh (torchrun); the launcher's own tests keep
-covering that path. If one rank fails, the others are terminated and its exit code is returned,
-as torchrun does. CPU only: CUDA cannot be used after fork from a parent that touched it (the
+suite's time). Test machinery only: users launch with run_llama_train.sh (torchrun), and the
+launcher's own tests keep covering that path. Like `torchtitan.launch`, it gives the ranks a report
+folder and prints the root cause once; if one rank fails, the others are terminated and its exit
+code is returned. CPU only: CUDA cannot be used after fork from a parent that touched it (the
 parent never does, but a GPU run should use torchrun anyway).
 """
 
@@ -48,7 +49,7 @@ def _run_rank(rank: int, nproc: int, port: int, args: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
-        print("usage: python -m torchtitan.tools.local_ranks NPROC [trainer options...]", file=sys.stderr)
+        print("usage: python -m tests.machinery.local_ranks NPROC [trainer options...]", file=sys.stderr)
         return 2
     nproc, args = int(argv[0]), argv[1:]
     import torchtitan.train  # noqa: F401 - the warm import every rank inherits
