@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""Converts Llama weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
+"""Converts model weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
+
+Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3) can be converted: the
+adapter gives its Hugging Face names, tensor layouts and config.json.
 
 Usage examples (from the repository root, with PYTHONPATH=.):
 
   # A Hugging Face Llama folder -> a weights-only checkpoint that starts a run
   python scripts/convert_checkpoint.py hf-to-dcp ~/models/Llama-3.1-8B ckpt/llama3_8b
-  python -m torchtitan.train --job.config_file train_configs/llama3_8b.toml --checkpoint.initial_load_path ckpt/llama3_8b
+  python -m torchtitan.train --job.config_file bundled:train_configs/llama3_8b.toml --checkpoint.initial_load_path ckpt/llama3_8b
 
   # Any checkpoint of ours (full or weights-only) -> a Hugging Face folder. A folder made by hf-to-dcp
   # comes back byte-identical to the original; others get a fresh config.json and safetensors shards,
   # plus the run's tokenizer file as tokenizer.model when --tokenizer names it.
   python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 hf_out --dtype bfloat16 --max-shard-size-mb 4096 \
-      --tokenizer tests/assets/stdlib_docs/tokenizer.model
+      --tokenizer bundled:stdlib_docs/tokenizer.model
 
   # One torch.save file of the model state dict (our parameter names), and back
   python scripts/convert_checkpoint.py dcp-to-torch outputs/checkpoint/step-1000 model.pt --dtype bfloat16
@@ -25,7 +28,7 @@ status 2 and leaves nothing behind; outputs appear under their final name only o
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.assets import resolve_path
 from torchtitan.checkpoint import folders, hf_folder
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.weights import (
@@ -48,10 +52,11 @@ from torchtitan.checkpoint.weights import (
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.models import get_train_spec, registered_names
-from torchtitan.models.llama import hf_format
-from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.models.hf_adapter import HFAdapter
+from torchtitan.models.train_spec import TrainableModel
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_DEFAULT_MODEL = "llama3"  # --model when not given
 
 # Every user mistake raises CheckpointError (one line), which main() prints as `error: ...` with exit status 2.
 
@@ -87,46 +92,40 @@ def _require_checkpoint(path: str) -> Manifest:
 # Model names, shapes and arguments
 
 
-def _check_names(names: list[str], where: str) -> None:
-    """Refuses names that are not Llama parameters and sets of names that are not a whole model."""
-    unknown = sorted(n for n in names if not hf_format.is_llama_name(n))
+def _hf_adapter(name: str | None) -> HFAdapter:
+    """The HFAdapter of model `name` (--model, or the model a checkpoint's manifest names). A
+    checkpoint of a model not registered here (a custom_import one, say) is read with the default
+    model's names, which refuse the weights of any other family."""
+    spec = get_train_spec(name if name in registered_names() else _DEFAULT_MODEL)
+    if spec.hf_adapter is None:
+        raise CheckpointError(f"model {spec.name!r} has no hf_adapter in its TrainSpec, so its weights cannot be "
+                              "checked or converted here")
+    return spec.hf_adapter
+
+
+def _is_param(adapter: HFAdapter, fqn: str) -> bool:
+    try:
+        adapter.to_hf_name(fqn)
+    except KeyError:
+        return False
+    return True
+
+
+def _check_names(adapter: HFAdapter, names: list[str], where: str) -> None:
+    """Refuses names that are not parameters of the family and sets of names that are not a whole model."""
+    unknown = sorted(n for n in names if not _is_param(adapter, n))
     if unknown:
         more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
-        raise CheckpointError(f"{where} holds tensors that are not Llama parameters: {unknown[0]}{more}")
-    missing = sorted(set(hf_format.param_names(_n_layers(names))) - set(names))
+        raise CheckpointError(f"{where} holds tensors that are not {adapter.family} parameters: {unknown[0]}{more}")
+    missing = sorted(set(adapter.whole_model_names(names)) - set(names))
     if missing:
-        raise CheckpointError(f"{where} is not a whole Llama model: it lacks {missing[0]}" +
+        raise CheckpointError(f"{where} is not a whole {adapter.family} model: it lacks {missing[0]}" +
                               (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
 
-def _n_layers(names: list[str]) -> int:
-    layers = {int(n.split(".")[1]) for n in names if n.startswith("layers.")}
-    return max(layers) + 1 if layers else 0
-
-
-def _args_with_shapes(base: ModelArgs, shapes: dict[str, tuple[int, ...]], n_heads: int | None,
-                      n_kv_heads: int | None) -> ModelArgs:
-    """`base` ModelArgs with every size the tensors tell: dim, vocabulary, layers, feed-forward
-    and (given the head count, which shapes cannot tell) the key/value head count."""
-    rows, dim = shapes["tok_embeddings.weight"]
-    if n_heads is None and dim != base.dim:
-        raise CheckpointError(f"the weights have dim {dim}, not the {base.dim} of the flavor they claim, so their head "
-                              "count is unknown; pass --n-heads (and --n-kv-heads)")
-    n_heads = n_heads or base.n_heads
-    if dim % n_heads:
-        raise CheckpointError(f"dim {dim} is not divisible by {n_heads} heads; pass --n-heads")
-    kv_from_shape = shapes["layers.0.attention.wk.weight"][0] // (dim // n_heads)
-    if n_kv_heads is not None and n_kv_heads != kv_from_shape:
-        raise CheckpointError(f"--n-kv-heads {n_kv_heads} does not fit the key projection's {kv_from_shape} heads of "
-                              f"{dim // n_heads} dims")
-    # Every embedding row becomes part of HF's vocabulary: HF has no masked padding rows.
-    args = dataclasses.replace(base, dim=dim, n_heads=n_heads, n_kv_heads=None if kv_from_shape == n_heads else kv_from_shape,
-                               vocab_size=rows, vocab_padding=0, n_layers=_n_layers(list(shapes)))
-    return hf_format.with_ffn_hidden_dim(args, shapes["layers.0.feed_forward.w1.weight"][0])
-
-
-def _registry_args(manifest: Manifest, n_heads: int | None) -> ModelArgs:
-    """The ModelArgs of the flavor that wrote the checkpoint (or defaults when --n-heads is given)."""
+def _registry_args(manifest: Manifest, n_heads: int | None) -> Any | None:
+    """The model args of the flavor that wrote the checkpoint (None, the family's defaults, when it is
+    not registered and --n-heads is given)."""
     name, flavor = manifest.model.get("name"), manifest.model.get("flavor")
     try:
         return get_train_spec(name).config[flavor]
@@ -134,13 +133,13 @@ def _registry_args(manifest: Manifest, n_heads: int | None) -> ModelArgs:
         if n_heads is None:
             raise CheckpointError(f"the checkpoint's model {name} {flavor} is not a registered flavor, so its head count "
                                   "is unknown; pass --n-heads (and --n-kv-heads)") from None
-        return ModelArgs()
+        return None
 
 
-def _check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str) -> None:
+def _check_shapes(tensors: dict[str, torch.Tensor], args: Any, model_cls: type[TrainableModel], where: str) -> None:
     """Refuses tensors whose shapes differ from those of the model `args` describe."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in model_cls.from_model_args(args).state_dict().items()}
     extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
         raise CheckpointError(f"{where} holds {extra[0]}, which config.json does not imply" if extra
@@ -152,7 +151,7 @@ def _check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str)
 
 
 def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[str, torch.Tensor],
-                        sidecar: str | None, tokenizer: Tokenizer | None) -> tuple[ModelArgs, dict[str, Any]]:
+                        sidecar: str | None, tokenizer: Tokenizer | None, adapter: HFAdapter) -> tuple[Any, dict[str, Any]]:
     """The model's args, and the config.json of a fresh layout: the original one (dtype updated)
     when hf-to-dcp kept it, else one generated from the flavor, the tensor shapes and the tokenizer."""
     shapes = {k: tuple(v.shape) for k, v in model.items()}
@@ -160,7 +159,7 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
     if sidecar is not None:
         original = hf_folder.read_original_config(sidecar)
         try:
-            base = hf_format.model_args_from_hf_config(original)
+            base = adapter.model_args_from_hf_config(original)
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{sidecar}/files/config.json: {e}") from None
         for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads,
@@ -168,12 +167,12 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
             if given is not None and given != kept:
                 raise CheckpointError(f"{flag} {given} contradicts the original config.json kept with the checkpoint "
                                       f"({kept}); leave {flag} out")
-        args = _args_with_shapes(base, shapes, ns.n_heads, ns.n_kv_heads)
+        args = adapter.args_with_shapes(base, shapes, ns.n_heads, ns.n_kv_heads)
         # transformers 5 writes `dtype` and prefers it over the older `torch_dtype`: update whichever is there.
         dtype_keys = [k for k in ("torch_dtype", "dtype") if k in original] or ["torch_dtype"]
         return args, {**original, **dict.fromkeys(dtype_keys, dtype)}
-    args = _args_with_shapes(_registry_args(manifest, ns.n_heads), shapes, ns.n_heads, ns.n_kv_heads)
-    return args, hf_format.hf_config(args, torch_dtype=dtype, **_token_ids(tokenizer))
+    args = adapter.args_with_shapes(_registry_args(manifest, ns.n_heads), shapes, ns.n_heads, ns.n_kv_heads)
+    return args, adapter.hf_config(args, torch_dtype=dtype, **_token_ids(tokenizer))
 
 
 def _read_tokenizer(path: str) -> Tokenizer:
@@ -198,12 +197,13 @@ def _token_ids(tokenizer: Tokenizer | None) -> dict[str, int]:
     return {**ids, "pad_token_id": tokenizer.pad_id} if tokenizer.pad_id >= 0 else ids
 
 
-def _drop_padding_rows(model: dict[str, torch.Tensor], vocab_size: int) -> None:
+def _drop_padding_rows(model: dict[str, torch.Tensor], vocab_size: int, adapter: HFAdapter) -> None:
     """Keeps the first `vocab_size` embedding and output rows (a padded vocabulary's real ones)."""
-    rows = model["tok_embeddings.weight"].shape[0]
+    embedding, output = adapter.from_hf_name(hf_folder.HF_EMBEDDING), adapter.from_hf_name(hf_folder.HF_OUTPUT)
+    rows = model[embedding].shape[0]
     if not 0 < vocab_size <= rows:
         raise CheckpointError(f"--vocab-size {vocab_size} must be between 1 and the embedding's {rows} rows")
-    for name in ("tok_embeddings.weight", "output.weight"):
+    for name in (embedding, output):
         model[name] = model[name][:vocab_size]
 
 
@@ -224,15 +224,16 @@ def hf_to_dcp(ns: argparse.Namespace) -> str:
     _require_dir(ns.hf_dir, "Hugging Face folder")
     _require_new_output(ns.out_dir)
     _check_model_name(ns.model)
+    adapter = _hf_adapter(ns.model)
     config = hf_folder.read_json(os.path.join(ns.hf_dir, "config.json"), "config.json")
     files = hf_folder.safetensors_files(ns.hf_dir)
     try:
-        args = hf_format.model_args_from_hf_config(config if isinstance(config, dict) else {})
+        args = adapter.model_args_from_hf_config(config if isinstance(config, dict) else {})
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{ns.hf_dir}/config.json: {e}") from None
     hf_tensors, headers = hf_folder.read_hf_tensors(ns.hf_dir, files)
-    ours, buffers = hf_folder.hf_to_ours(hf_tensors, args, ns.hf_dir)
-    _check_shapes(ours, args, ns.hf_dir)
+    ours, buffers = hf_folder.hf_to_ours(hf_tensors, args, adapter, ns.hf_dir)
+    _check_shapes(ours, args, get_train_spec(ns.model).model_cls, ns.hf_dir)
     manifest = weights_manifest(ours, ns.model, "hf")
     write_weights(ours, ns.out_dir, manifest, hf_folder.sidecar_writer(ns.hf_dir, files, headers, buffers))
     return _summary(len(hf_tensors), manifest.total_bytes, f"{len(files)} safetensors file(s)", ns.out_dir)
@@ -244,22 +245,26 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
     if ns.max_shard_size_mb <= 0:
         raise CheckpointError(f"--max-shard-size-mb must be positive, not {ns.max_shard_size_mb}")
     hf_folder.import_safetensors()
+    if ns.tokenizer is not None:  # a bundled: name becomes the shipped file's path, read and copied below
+        ns.tokenizer = resolve_path(ns.tokenizer, "--tokenizer", CheckpointError)
     tokenizer = _read_tokenizer(ns.tokenizer) if ns.tokenizer is not None else None
-    model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=_check_names)
+    adapter = _hf_adapter(manifest.model.get("name"))
+    model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=functools.partial(_check_names, adapter))
     if ns.vocab_size is not None:
-        _drop_padding_rows(model, ns.vocab_size)
+        _drop_padding_rows(model, ns.vocab_size, adapter)
     sidecar = os.path.join(ns.ckpt_dir, hf_folder.SIDECAR)
     layout = hf_folder.read_layout(sidecar) if os.path.isdir(sidecar) else None
-    args, config = _hf_args_and_config(ns, manifest, model, sidecar if layout else None, tokenizer)
+    args, config = _hf_args_and_config(ns, manifest, model, sidecar if layout else None, tokenizer, adapter)
     if tokenizer is not None and tokenizer.n_words > args.vocab_size:
         raise CheckpointError(f"--tokenizer {ns.tokenizer} has {tokenizer.n_words} tokens, more than the model's "
                               f"{args.vocab_size} embedding rows")
-    hf = hf_folder.to_hf(model, args)
-    plan = hf_folder.try_exact_plan(hf, sidecar, layout, args.tie_word_embeddings) if layout and not ns.fresh_layout else None
+    hf = hf_folder.to_hf(model, args, adapter)
+    tied = adapter.ties_embeddings(args)
+    plan = hf_folder.try_exact_plan(hf, sidecar, layout, tied) if layout and not ns.fresh_layout else None
     if isinstance(plan, str) and ns.dtype is None and ns.vocab_size is None:  # those ask for a fresh layout
         print(f"warning: writing a fresh layout, not the original files: {plan}", file=sys.stderr)
-    if args.tie_word_embeddings:  # HF stores a tied output projection only as the embedding
-        hf.pop("lm_head.weight", None)
+    if tied:  # HF stores a tied output projection only as the embedding
+        hf.pop(hf_folder.HF_OUTPUT, None)
     tmp = temporary_sibling(ns.out_dir)
     os.makedirs(tmp)
     try:
@@ -290,9 +295,10 @@ def _write_hf_files(tmp: str, ns: argparse.Namespace, hf: dict[str, torch.Tensor
 
 
 def dcp_to_torch(ns: argparse.Namespace) -> str:
-    _require_checkpoint(ns.ckpt_dir)
+    manifest = _require_checkpoint(ns.ckpt_dir)
     _require_new_output(ns.out_file)
-    model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=_check_names)
+    adapter = _hf_adapter(manifest.model.get("name"))
+    model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=functools.partial(_check_names, adapter))
     save_torch_file(model, ns.out_file)
     return _summary(len(model), os.path.getsize(ns.out_file), ns.ckpt_dir, ns.out_file)
 
@@ -303,8 +309,9 @@ def torch_to_dcp(ns: argparse.Namespace) -> str:
                               else f"input {ns.in_file} is not a file")
     _require_new_output(ns.out_dir)
     _check_model_name(ns.model, ns.flavor)
+    adapter = _hf_adapter(ns.model)
     model = load_torch_file(ns.in_file)
-    _check_names(list(model), ns.in_file)
+    _check_names(adapter, list(model), ns.in_file)
     manifest = weights_manifest(model, ns.model, ns.flavor or "unknown")
     write_weights(model, ns.out_dir, manifest)
     return _summary(len(model), manifest.total_bytes, ns.in_file, ns.out_dir)
@@ -332,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("hf-to-dcp", help="Hugging Face Llama folder -> weights-only DCP checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
-    p.add_argument("--model", default="llama3", help="model name recorded in the manifest (default llama3)")
+    p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
+                   "names and layouts are used (default llama3)")
     p.set_defaults(run=hf_to_dcp)
     p = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face Llama folder (config.json + safetensors)")
     p.add_argument("ckpt_dir")
@@ -346,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-heads", type=int, help="attention heads (default: the checkpoint's flavor)")
     p.add_argument("--n-kv-heads", type=int, help="key/value heads (default: from the key projection's shape)")
     p.add_argument("--vocab-size", type=int, help="export only the first N embedding/output rows (drops padding rows)")
-    p.add_argument("--tokenizer", help="the run's tokenizer file (model.tokenizer_path: tiktoken or sentencepiece), "
-                                       "copied as tokenizer.model; its bos/eos ids go into a generated config.json")
+    p.add_argument("--tokenizer", help="the run's tokenizer file (model.tokenizer_path: tiktoken or sentencepiece, or a "
+                                       "bundled: name such as bundled:stdlib_docs/tokenizer.model), copied as "
+                                       "tokenizer.model; its bos/eos ids go into a generated config.json")
     p.set_defaults(run=dcp_to_hf)
     p = sub.add_parser("dcp-to-torch", help="DCP checkpoint -> one torch.save file of the model state dict")
     p.add_argument("ckpt_dir")
@@ -357,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("torch-to-dcp", help="torch.save state dict -> weights-only DCP checkpoint")
     p.add_argument("in_file")
     p.add_argument("out_dir")
-    p.add_argument("--model", default="llama3", help="model name recorded in the manifest (default llama3)")
+    p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
+                   "names and layouts are used (default llama3)")
     p.add_argument("--flavor", help="flavor recorded in the manifest (lets dcp-to-hf know the head count)")
     p.set_defaults(run=torch_to_dcp)
     return parser

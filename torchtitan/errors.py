@@ -11,11 +11,11 @@ Exit codes (README "Exit codes"):
     130  stopped by SIGINT (Ctrl-C) at a step boundary: one `stopped:` line
     143  stopped by SIGTERM at a step boundary: one `stopped:` line
 
-A single process prints its own line. Under a launcher (`run_llama_train.sh`, or the test
-launcher `torchtitan.tools.local_ranks`) every rank instead writes how it ended into the job's
-report folder (`$TORCHTITAN_REPORT_DIR`), and the launcher prints the root cause once, whichever
-rank found it: errors found only on rank 1 (its data shard, its memory) are not lost, and an
-error found by every rank is not printed once per rank. Nothing here imports torch.
+A single process prints its own line. Under a launcher (`run_llama_train.sh` through
+`torchtitan.launch`, or the test suite's forking one) every rank instead writes how it ended into
+the job's report folder (`$TORCHTITAN_REPORT_DIR`), and the launcher prints the root cause once,
+whichever rank found it: errors found only on rank 1 (its data shard, its memory) are not lost,
+and an error found by every rank is not printed once per rank. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -54,6 +54,21 @@ class UserError(RunEnded):
     """A mistake the user can fix; the message is one line naming the option or file."""
 
     exit_code = EXIT_USER
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem the user can fix; its message is one line naming the option.
+
+    Defined here, in a module that imports nothing from the features, so that every feature can
+    raise it without importing the config parser (and the parser can collect the features' rules)."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint the run cannot use (missing, incomplete, damaged, or from another model);
+    the message is one line naming the folder and, where there is one, the option to change.
+
+    Defined here rather than in the checkpoint package, whose manager imports the model registry,
+    so that a model family's Hugging Face adapter can raise it without an import circle."""
 
 
 class OutOfMemory(UserError):

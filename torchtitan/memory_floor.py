@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 

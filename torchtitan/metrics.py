@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +199,10 @@ def _open_jsonl(path: str, resumed_step: int):
 
     A resumed run continues the file, keeping the rows up to its checkpoint's step and dropping
     later ones, which an interrupted job logged but will now train again, so that every step
-    appears once. A fresh run must neither mix its steps into an earlier run's file nor destroy
-    it: an existing file is renamed to metrics.<n>.jsonl (the first free n) and a new one started.
+    appears once; an earlier run's setup record (setup_record.py) stays while a step it trained
+    stays, i.e. when its `first_step` is at most the checkpoint's step. A fresh run must neither
+    mix its steps into an earlier run's file nor destroy it: an existing file is renamed to
+    metrics.<n>.jsonl (the first free n) and a new one started.
     """
     if resumed_step <= 0:
         if os.path.exists(path) and os.path.getsize(path) > 0:
@@ -220,7 +222,10 @@ def _open_jsonl(path: str, resumed_step: int):
                     row = json.loads(line)
                 except ValueError:  # blank, or the half-written last line of a killed job
                     continue
-                if isinstance(row, dict) and row.get("step", 0) <= resumed_step:
+                if not isinstance(row, dict):
+                    continue
+                step = row.get("first_step", 0) if row.get("record") == "setup" else row.get("step", 0)
+                if step <= resumed_step:
                     kept.append(line.rstrip("\n") + "\n")
     # Rewritten through a temporary file, so a crash here cannot leave the file truncated.
     with open(path + ".tmp", "w") as f:
@@ -336,6 +341,13 @@ class MetricsLogger:
             self.jsonl.write(json.dumps({"step": s.step, **values}) + "\n")
             self.jsonl.flush()
         return values
+
+    def log_record(self, record: dict) -> None:
+        """Appends a record that is not a step's row to metrics.jsonl; its "record" key names its
+        kind (the setup record, setup_record.py). Step rows have no such key."""
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
 
     def close(self) -> None:
         if self.writer is not None:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
 

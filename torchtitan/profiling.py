@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.checkpoint import CheckpointManager, TrainState, find_resume_point
 from torchtitan.checkpoint import folders as checkpoint_folders
-from torchtitan.config_manager import ConfigError, JobConfig, help_text, parse_args, validate_world_size
-from torchtitan.errors import Stopped, StopRequests, TrainingDiverged, UserError, say_how_it_ended
+from torchtitan.config_manager import help_text, parse_args, validate_world_size
+from torchtitan.datasets.shards import decide_data_shards
+from torchtitan.errors import ConfigError, Stopped, StopRequests, TrainingDiverged, UserError, say_how_it_ended
+from torchtitan.job_config import JobConfig
 from torchtitan.logging import init_logger
 from torchtitan.memory_floor import check_step_fits
 from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
@@ -48,8 +50,10 @@ from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan, plan_pipeline
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_profiling
+from torchtitan.setup_record import SetupRecord
 
 logger = logging.getLogger("torchtitan")
 
@@ -89,6 +93,7 @@ class Preflight(NamedTuple):
     """What a job is checked and built from before any process group exists."""
 
     parallel_dims: ParallelDims
+    pipeline_plan: PipelinePlan | None  # built once here, passed to validate_fn and pipelining_fn
     train_spec: TrainSpec
     tokenizer: Any
     model_args: Any
@@ -117,21 +122,22 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
     if parallel_dims.pp_enabled and train_spec.pipelining_fn is None:
         raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
                           "must stay 1")
+    plan = plan_pipeline(job_config) if parallel_dims.pp_enabled else None
     if train_spec.validate_fn is not None:
-        train_spec.validate_fn(model_args, parallel_dims, job_config)
+        train_spec.validate_fn(model_args, parallel_dims, plan, job_config)
     device_type = tt_dist.device_type()
     tt_dist.check_device_features(job_config, device_type)
     check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
     check_step_fits(job_config, parallel_dims, model_args, device_type, sum(p.numel() for p in model.parameters()))
-    return Preflight(parallel_dims, train_spec, tokenizer, model_args, model)
+    return Preflight(parallel_dims, plan, train_spec, tokenizer, model_args, model)
 
 
 def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     t = job_config.training
     # Everything that can be checked without a process group is checked first, on every rank.
-    parallel_dims, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
+    parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
     device_type = tt_dist.device_type()
     device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
@@ -144,9 +150,9 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     # run reads the data in as many shards as its checkpoint's data position refers to.
     dp_rank, dp_degree = parallel_dims.data_parallel_coordinates()
     resume = None if job_config.checkpoint.create_seed_checkpoint else find_resume_point(job_config)
-    if resume is not None:
-        resume.adopt_data_shards(job_config, dp_degree)
-    dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree)
+    resumed_shards = resume.data_shards(t.dataset_shards, dp_degree) if resume is not None else None
+    shards = decide_data_shards(t.dataset_shards, dp_rank, dp_degree, resumed_shards)
+    dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, shards)
 
     # Model: built on the meta device (no memory) by preflight, parallelized, then materialised per rank.
     n_params = sum(p.numel() for p in model.parameters())
@@ -157,8 +163,9 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     pipeline = None
     if parallel_dims.pp_enabled:
         # Each rank keeps only its stages, each parallelized like a whole model would be.
-        pipeline = Pipeline(*train_spec.pipelining_fn(model, parallel_dims, job_config, device, model_args,
-                                                      train_spec.loss_fn))
+        pipeline = train_spec.pipelining_fn(model, model_args=model_args, plan=plan, parallel_dims=parallel_dims,
+                                            job_config=job_config, device=device,
+                                            parallelize_fn=train_spec.parallelize_fn, loss_fn=train_spec.loss_fn)
         model_parts = pipeline.model_parts
     else:
         model_parts = [train_spec.parallelize_fn(model, parallel_dims, job_config)]
@@ -176,12 +183,13 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
     train_state = TrainState()
     checkpoint = CheckpointManager(job_config, parallel_dims, model_parts, optimizers, lr_schedulers, dataloader,
-                                   train_state)
+                                   train_state, shards.count)
     if job_config.checkpoint.create_seed_checkpoint:
         checkpoint.save_seed()
         logger.info("seed checkpoint written; exiting")
         return
     checkpoint.load(resume)
+    setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
 
     # Mixed precision comes from FSDP's policy; without FSDP the model computes in fp32.
     compute_dtype = (tt_dist.resolve_param_dtype(t.mixed_precision_param, device_type)
@@ -192,7 +200,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                        iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline,
-                       stops)
+                       stops, setup)
     except (Stopped, TrainingDiverged) as e:
         # Every rank ends here after the same step, so the save still in flight can finish: the
         # newest good checkpoint is kept and named in the run's last line.
@@ -215,7 +223,8 @@ def newest_checkpoint(job_config: JobConfig) -> str:
 def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                data_iter: Iterator, train_state: TrainState, checkpoint: CheckpointManager,
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
-               pipeline: Pipeline | None = None, stops: StopRequests | None = None) -> None:
+               pipeline: Pipeline | None = None, stops: StopRequests | None = None,
+               setup: SetupRecord | None = None) -> None:
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -227,6 +236,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     gc.collect(1)
     window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
     step_loss = grad_norm = None
+    first_step = train_state.step + 1  # of this run: 1, or the step after a resumed checkpoint's
     logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
                 f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
     if stops is not None:
@@ -292,6 +302,9 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         lr_schedulers.step()
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
 
+        if setup is not None and step == setup.first_step:
+            # What this run applied and loaded, with every rank's state bytes (optimizer state exists now).
+            setup.write(metrics, parallel_dims, model_parts, optimizers, pipeline)
         # The last step before a stop is logged too, so a resumed run's metrics have no gap.
         if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or stop_signal:
             if pipeline is not None:
@@ -310,7 +323,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             profiler.step()
         if stop_signal and step < t.steps:
             raise Stopped(int(stop_signal), step)
-        if step == 1:
+        if step == first_step:  # a resumed run too: its first step is its slow one
             tt_dist.set_timeout(job_config.comm.train_timeout_seconds)
             param_bytes, optim_bytes = local_state_bytes(model_parts, optimizers.optimizers)
             logger.info(f"rank {tt_dist.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "

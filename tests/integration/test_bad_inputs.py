@@ -8,7 +8,7 @@ cheapest runner that meets it the way a user would:
 - train:    one trainer process, forked from the warm launcher (tests.helpers.run_train), ~0.2 s a
             run. Not main() in-process: pytest records Python warnings instead of printing them, so
             a stray warning line on stderr would go unseen.
-- ranks:    two ranks forked by the test launcher (torchtitan.tools.local_ranks), which prints the
+- ranks:    two ranks forked by the test launcher (tests/machinery/local_ranks.py), which prints the
             root cause once, whichever rank found it
 - launcher: ./run_llama_train.sh with environment variables (its checks answer before torch starts)
 - signal:   a running job is sent SIGINT or SIGTERM and must stop after a step, naming the newest
@@ -45,8 +45,8 @@ RUNNERS = ("config", "train", "ranks", "launcher", "signal")
 
 # Checkpointing on, every step: a run that wrongly got past its error would leave a step folder.
 CHECKPOINT_EVERY_STEP = ("--checkpoint.enable_checkpoint", "--checkpoint.interval", "1")
-# Inputs of every run that the repository provides: the config and the default tokenizer and corpus.
-REPO_INPUTS = ("train_configs", "tests/assets/stdlib_docs")
+# Inputs of every run that the package ships: the configs and the default tokenizer and corpus.
+REPO_INPUTS = ("torchtitan/assets/train_configs", "torchtitan/assets/stdlib_docs")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID", "TORCHTITAN_REPORT_DIR", "NGPU", "LOG_RANK", "CONFIG_FILE", "TORCHTITAN_VENV")
 
@@ -153,6 +153,8 @@ CASES: list[Case] = [
     config("TOML choice not offered", "--job.config_file {in}/bad.toml", "optimizer.name ({in}/bad.toml) must be one of",
            files={"bad.toml": '[optimizer]\nname = "SGD"\n'}),
     config("config file missing", "--job.config_file {in}/nope.toml", "config file not found: {in}/nope.toml"),
+    config("bundled config not shipped", "--job.config_file bundled:train_configs/nope.toml",
+           "job.config_file 'bundled:train_configs/nope.toml': the torchtitan package ships no such file"),
     config("config file is a folder", "--job.config_file {in}/conf", "config file is a directory: {in}/conf",
            files={"conf": DIR}),
     config("config file not UTF-8", "--job.config_file {in}/bad.toml", "config file {in}/bad.toml is not valid UTF-8",
@@ -184,6 +186,8 @@ CASES: list[Case] = [
     # --- data ----------------------------------------------------------------------------------------
     case("dataset file missing", "data", "--training.dataset_path {in}/no/such.jsonl", "dataset file not found: {in}/no/such.jsonl"),
     case("unknown dataset name", "data", "--training.dataset c4_nope", "unknown training.dataset 'c4_nope'"),
+    case("bundled dataset_path not shipped", "data", "--training.dataset_path bundled:stdlib_docs/nope.jsonl",
+         "training.dataset_path 'bundled:stdlib_docs/nope.jsonl': the torchtitan package ships no such file"),
     case("empty .jsonl", "data", "--training.dataset_path {in}/empty.jsonl", "{in}/empty.jsonl has no documents",
          files={"empty.jsonl": ""}),
     case("blank lines only", "data", "--training.dataset_path {in}/blank.jsonl", "{in}/blank.jsonl has no documents",
@@ -223,6 +227,8 @@ CASES: list[Case] = [
 
     # --- tokenizer -----------------------------------------------------------------------------------
     case("tokenizer missing", "tokenizer", "--model.tokenizer_path {in}/no.model", "tokenizer file not found: {in}/no.model"),
+    case("bundled tokenizer not shipped", "tokenizer", "--model.tokenizer_path bundled:../config_manager.py",
+         "model.tokenizer_path 'bundled:../config_manager.py': the torchtitan package ships no such file"),
     case("tokenizer empty", "tokenizer", "--model.tokenizer_path {in}/empty.model", "tokenizer file is empty: {in}/empty.model",
          files={"empty.model": ""}),
     case("tokenizer garbage", "tokenizer", "--model.tokenizer_path {in}/garbage.model",

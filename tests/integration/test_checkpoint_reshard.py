@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import TINY_RUN, read_metrics, run_train
+from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
 
 STEPS = 15
 TOLERANCE = 1e-4
@@ -38,9 +38,10 @@ def resume(tmp_path, name, layout, source, step, extra=()):
     """Starts `layout` in a new job folder that holds only `source`'s step-`step` checkpoint."""
     folder = tmp_path / name
     shutil.copytree(source / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
-    result = run(folder, layout, extra)
-    assert f"resuming after step {step}" in result.stdout
-    return folder, result
+    run(folder, layout, extra)
+    setup = read_setup(folder)
+    assert setup["initial_load"]["step"] == step and not setup["initial_load"]["weights_only"]
+    return folder, setup
 
 
 def losses(folder):
@@ -64,15 +65,15 @@ def assert_continues(reference, folder, first_step):
 
 
 def test_fsdp4_to_tp2_fsdp2_to_pp2_fsdp2_and_to_one_process(reference, tmp_path):
-    tp_fsdp, result = resume(tmp_path, "tp2_fsdp2", "tp2_fsdp2", reference, 5)
-    assert "reading the data as 4 shards, as the checkpoint does (2 per data-parallel rank)" in result.stdout
+    tp_fsdp, setup = resume(tmp_path, "tp2_fsdp2", "tp2_fsdp2", reference, 5)
+    assert setup["data_shards"] == 4 and setup["mesh"] == {"dp_shard": 2, "tp": 2}  # 2 shards per data-parallel rank
     assert_continues(reference, tp_fsdp, 6)
 
     pp_fsdp, _ = resume(tmp_path, "pp2_fsdp2", "pp2_fsdp2", tp_fsdp, 10)
     assert_continues(reference, pp_fsdp, 11)
 
-    single, result = resume(tmp_path, "single", "single", tp_fsdp, 10)
-    assert "(4 per data-parallel rank)" in result.stdout
+    single, setup = resume(tmp_path, "single", "single", tp_fsdp, 10)
+    assert setup["data_shards"] == 4 and setup["world_size"] == 1
     assert_continues(reference, single, 11)
 
 
@@ -80,11 +81,11 @@ def test_zero1_checkpoints_hold_every_replicas_share_and_load_under_other_owners
     """Each ZeRO-1 replica saves only the optimizer state it owns, by parameter name; FSDP 4's
     checkpoint loads into HSDP 2 x 2 with ZeRO-1 (each replica takes its owned half), whose
     checkpoint then loads into DDP 4 with ZeRO-1 (other owners, no sharding), losses unchanged."""
-    hsdp, result = resume(tmp_path, "zero1_hsdp2x2", "zero1_hsdp2x2", reference, 5)
-    assert "applied ZeRO-1 over mesh {'dp_replicate': 2}" in result.stdout
+    hsdp, setup = resume(tmp_path, "zero1_hsdp2x2", "zero1_hsdp2x2", reference, 5)
+    assert setup["zero1"]["replicas"] == 2
     assert_continues(reference, hsdp, 6)
-    ddp, result = resume(tmp_path, "zero1_ddp4", "zero1_ddp4", hsdp, 10)
-    assert "applied ZeRO-1 over mesh {'dp_replicate': 4}" in result.stdout
+    ddp, setup = resume(tmp_path, "zero1_ddp4", "zero1_ddp4", hsdp, 10)
+    assert setup["zero1"]["replicas"] == 4
     assert_continues(reference, ddp, 11)
 
 

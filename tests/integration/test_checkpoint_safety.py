@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import TINY_RUN, read_metrics, run_train
+from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
 from torchtitan.checkpoint.safe_load import read_metadata
 
 
@@ -125,7 +125,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(case, tmp_path, s
     result = run_train([*TINY_RUN, *SAVED, *args])
     problem = "it is damaged" if case == "truncated file" else "its DCP metadata is unreadable"
     assert f"skipping checkpoint {tmp_path}/job/checkpoint/step-4: {problem}" in result.stdout
-    assert "resuming after step 2" in result.stdout
+    assert read_setup(tmp_path / "job")["initial_load"] == {"path": f"{tmp_path}/job/checkpoint/step-2",
+                                                            "weights_only": False, "step": 2}
     assert [r["step"] for r in read_metrics(tmp_path / "job")] == [1, 2, 3, 4]
 
 
@@ -137,7 +138,7 @@ def test_an_untied_checkpoint_resumes_as_tied_without_its_output_projection(tmp_
     result = run_train([*TINY_RUN, *SAVED, "--training.steps", "5", "--job.dump_folder", str(job), "--model.flavor",
                         "debugmodel_tied", "--checkpoint.exclude_from_loading", "output"])
     assert f"not loading output from {job}/checkpoint/step-4 (checkpoint.exclude_from_loading)" in result.stdout
-    assert "resuming after step 4" in result.stdout
+    assert read_setup(job)["initial_load"]["step"] == 4
     assert [r["step"] for r in read_metrics(job)][-1] == 5
 
 
@@ -195,7 +196,8 @@ def test_keep_latest_k_and_a_weights_only_export(tmp_path):
     dtypes = {m.properties.dtype for m in read_metadata(ckpt / "step-8").state_dict_metadata.values()}
     assert {str(d) for d in dtypes} == {"torch.bfloat16"}
     # The export starts a new run (any layout; fp32 training from bf16 weights).
-    result = run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
-                        "--checkpoint.initial_load_path", str(ckpt / "step-8"),
-                        "--job.dump_folder", str(tmp_path / "next")], nproc=2)
-    assert f"loaded model from {ckpt / 'step-8'}" in result.stdout
+    run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
+               "--checkpoint.initial_load_path", str(ckpt / "step-8"), "--job.dump_folder", str(tmp_path / "next")],
+              nproc=2)
+    assert read_setup(tmp_path / "next")["initial_load"] == {"path": str(ckpt / "step-8"), "weights_only": True,
+                                                             "step": 0}

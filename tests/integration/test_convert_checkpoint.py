@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import REPO_ROOT, TINY_RUN, run_train
+from tests.helpers import REPO_ROOT, TINY_RUN, read_setup, run_train
 from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.folders import Manifest
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
@@ -27,8 +27,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
-TIKTOKEN_FILE = REPO_ROOT / "tests" / "assets" / "stdlib_docs" / "tokenizer.model"  # 2,256 tokens, bos 2000, eos 2001
-SENTENCEPIECE_FILE = REPO_ROOT / "tests" / "assets" / "stdlib_docs" / "sentencepiece.model"  # 2,256 pieces, bos 1, eos 2
+TIKTOKEN_FILE = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "tokenizer.model"  # 2,256 tokens, bos 2000, eos 2001
+SENTENCEPIECE_FILE = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "sentencepiece.model"  # 2,256 pieces, bos 1, eos 2
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=2256, ffn=128)  # GQA, and an ffn no flavor formula gives
 DEBUG = dict(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, vocab=2256, ffn=768)  # llama3 debugmodel's shapes
 
@@ -301,9 +301,10 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(tmp_path, caps
 
 
 def test_a_sentencepiece_tokenizer_is_copied_too(sharded, tmp_path, capsys):
+    """Named as a bundled file, the way a run's model.tokenizer_path may name it."""
     _, ckpt = sharded
     status, stderr = convert_here(capsys, "dcp-to-hf", ckpt, tmp_path / "out", "--fresh-layout", "--tokenizer",
-                                  SENTENCEPIECE_FILE)
+                                  "bundled:stdlib_docs/sentencepiece.model")
     assert status == 0, stderr
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == SENTENCEPIECE_FILE.read_bytes()
     # The original config.json is kept as it was: its token ids are the original tokenizer's.
@@ -335,10 +336,10 @@ def test_torch_save_export_and_import(sharded, tmp_path, capsys):
 def test_converted_weights_start_a_training_run(tmp_path, capsys):
     status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **DEBUG), tmp_path / "dcp")
     assert status == 0, stderr
-    result = run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
-                        "--checkpoint.initial_load_path", str(tmp_path / "dcp"),
-                        "--job.dump_folder", str(tmp_path / "run")])
-    assert "loaded model from" in result.stdout, result.stdout[-3000:]
+    run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
+               "--checkpoint.initial_load_path", str(tmp_path / "dcp"), "--job.dump_folder", str(tmp_path / "run")])
+    assert read_setup(tmp_path / "run")["initial_load"] == {"path": str(tmp_path / "dcp"), "weights_only": True,
+                                                            "step": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +409,8 @@ def test_tokenizer_mistakes_are_one_line(sharded, tmp_path, capsys):
     cases = {
         "missing": (["--tokenizer", tmp_path / "nope.model"], "--tokenizer " + str(tmp_path / "nope.model") + " does not exist"),
         "not a tokenizer": (["--tokenizer", REPO_ROOT / "pyproject.toml"], "is not a valid sentencepiece model"),
+        "bundled name not shipped": (["--tokenizer", "bundled:stdlib_docs/nope.model"],
+                                     "--tokenizer 'bundled:stdlib_docs/nope.model': the torchtitan package ships no such file"),
         "larger than the model": (["--tokenizer", TIKTOKEN_FILE, "--vocab-size", "100"],
                                   "has 2256 tokens, more than the model's 100 embedding rows"),
     }

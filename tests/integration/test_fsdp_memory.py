@@ -2,24 +2,23 @@
 its own): parameters are split over the ranks that shard them (dp_shard x cp); optimizer state is
 split over those and, with ZeRO-1, over the replicas too; plain DDP keeps a full copy.
 
-The counts come from the line every rank logs after its first step.
+The counts come from the runs' setup records (torchtitan/setup_record.py): every rank's parameter
+and optimizer-state bytes after its first step, gathered once on rank 0.
 """
-
-import re
 
 import pytest
 
 from torchtitan.tools.layout_matrix import ci_points
 
-_LINE = re.compile(r"rank (\d+) holds parameters ([\d.]+) MiB, optimizer state ([\d.]+) MiB")
+MIB = 2**20
 # Data-parallel points only: TP and PP split the model itself, by other rules.
 DATA_PARALLEL = [p for p in ci_points() if p.nproc > 1 and not p.refused_by_design
                  and set(p.degrees.active) <= {"dp_replicate", "dp_shard", "cp"}]
 
 
-def held_per_rank(stdout: str) -> dict[int, tuple[float, float]]:
+def held_per_rank(setup: dict) -> dict[int, tuple[float, float]]:
     """{rank: (parameter MiB, optimizer-state MiB)}."""
-    return {int(r): (float(p), float(o)) for r, p, o in _LINE.findall(stdout)}
+    return {r["rank"]: (r["parameter_bytes"] / MIB, r["optimizer_state_bytes"] / MIB) for r in setup["ranks"]}
 
 
 def test_the_points_cover_fsdp_hsdp_and_zero1():
@@ -32,8 +31,8 @@ def test_the_points_cover_fsdp_hsdp_and_zero1():
 @pytest.mark.parametrize("point", DATA_PARALLEL, ids=[p.name for p in DATA_PARALLEL])
 def test_each_rank_holds_its_share(matrix, point):
     outcome = matrix.check(point)
-    (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared()).stdout).values()
-    held = held_per_rank(outcome.comparison.run.stdout)
+    (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared()).setup).values()
+    held = held_per_rank(outcome.comparison.run.setup)
     assert sorted(held) == list(range(point.nproc)), held
     d = point.degrees
     shards = d.dp_shard * d.cp

@@ -5,7 +5,7 @@ import re
 import signal
 import subprocess
 
-from tests.helpers import REPO_ROOT, read_metrics
+from tests.helpers import REPO_ROOT, read_metrics, read_setup
 
 
 def _launch(args, **env):
@@ -19,7 +19,7 @@ def test_two_rank_fsdp_run_through_launcher(tmp_path):
     result = _launch(["--training.steps", "6", "--training.seq_len", "64", "--metrics.log_freq", "1",
                       "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)], NGPU="2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "applied FSDP over mesh {'dp_shard_cp': 2}" in result.stdout
+    assert read_setup(tmp_path)["fsdp"]["mesh"] == {"dp_shard_cp": 2}
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["loss"] < records[0]["loss"]

@@ -34,5 +34,33 @@ def test_harness_catches_a_different_run(parity):
 
 
 def test_harness_catches_an_unapplied_layout(parity):
-    with pytest.raises(ParityError, match="was not applied"):
-        parity.run(Layout("typo", 1, (), expect_log="applied FSDP"))
+    """A run whose setup record lacks what the layout declares (here: no FSDP on one process)."""
+    with pytest.raises(ParityError, match=r"was not applied: fsdp.mesh should be \{'dp_shard_cp': 2\}, the run "
+                                          "recorded nothing"):
+        parity.run(Layout("typo", 1, (), expect=(("fsdp.mesh", {"dp_shard_cp": 2}),)))
+
+
+def test_the_records_say_what_each_run_applied_and_loaded(parity):
+    """The setup record of an FSDP 2 run and of a pipeline run: the values every other test reads."""
+    layouts = all_layouts()
+    fsdp = parity.run(layouts["fsdp2_reshard_never"]).setup
+    assert fsdp["world_size"] == 2 and fsdp["mesh"] == {"dp_shard": 2} and fsdp["first_step"] == 1
+    assert fsdp["fsdp"] == {"modules": 9, "mesh": {"dp_shard_cp": 2}, "reshard_after_forward": "never",
+                            "cpu_offload": False, "param_dtype": "float32", "reduce_dtype": "float32"}
+    assert fsdp["ddp"] is fsdp["tp"] is fsdp["pipeline"] is fsdp["zero1"] is fsdp["float8"] is None
+    assert fsdp["initial_load"] == {"path": str(parity.seed_checkpoint()), "weights_only": True, "step": 0}
+    assert fsdp["model"] == {"name": "llama3", "flavor": "debugmodel", "parameters": 7_975_168, "vocab_size": 2256,
+                             "vocab_padding": 0}
+    # Every rank's share: each holds half of the parameters and of the optimizer state.
+    whole = parity.baseline().setup["ranks"]
+    assert [r["rank"] for r in fsdp["ranks"]] == [0, 1] and len(whole) == 1
+    for r in fsdp["ranks"]:
+        assert r["parameter_bytes"] == whole[0]["parameter_bytes"] // 2
+        assert r["optimizer_state_bytes"] == whole[0]["optimizer_state_bytes"] // 2
+    pp = parity.run(layouts["pp2_csv_1f1b"]).setup
+    assert pp["pipeline"] == {"schedule": "CSV", "microbatches": 2, "stages": 2, "split_points": ["layers.4"]}
+    assert [r["pipeline_stages"] for r in pp["ranks"]] == [
+        [{"stage": 0, "blocks": [f"layers.{i}" for i in range(4)]}],
+        [{"stage": 1, "blocks": [f"layers.{i}" for i in range(4, 8)]}]]
+    assert pp["activation_checkpoint"] == {"blocks": [f"layers.{i}" for i in range(4)], "wrapped": [],
+                                           "op_level": False}

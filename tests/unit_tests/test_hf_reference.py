@@ -22,6 +22,7 @@ pytest.importorskip("safetensors")
 
 from torchtitan.checkpoint import hf_folder  # noqa: E402
 from torchtitan.models.llama import hf_format  # noqa: E402
+from torchtitan.models.llama.hf_adapter import LlamaHFAdapter  # noqa: E402
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer  # noqa: E402
 
 SEQ, VOCAB = 12, 97
@@ -102,7 +103,7 @@ def convert(folder: Path) -> Transformer:
     """Our model from an HF folder, through the steps of `convert_checkpoint.py hf-to-dcp` (less the DCP save)."""
     args = hf_format.model_args_from_hf_config(hf_folder.read_json(str(folder / "config.json"), "config.json"))
     tensors, _ = hf_folder.read_hf_tensors(str(folder), hf_folder.safetensors_files(str(folder)))
-    weights, _ = hf_folder.hf_to_ours(tensors, args, str(folder))
+    weights, _ = hf_folder.hf_to_ours(tensors, args, LlamaHFAdapter(), str(folder))
     model = Transformer(args).eval()
     model.load_state_dict(weights)
     return model
@@ -154,7 +155,7 @@ def test_exports_load_in_transformers_silently_with_our_logits(tmp_path, case):
                      **EXPORTS[case])
     model = Transformer(args).eval()
     randomize_(model)
-    hf = hf_folder.to_hf(model.state_dict(), args)
+    hf = hf_folder.to_hf(model.state_dict(), args, LlamaHFAdapter())
     if args.tie_word_embeddings:  # as dcp-to-hf does: HF stores a tied output projection only as the embedding
         hf.pop("lm_head.weight")
     hf_folder.write_fresh(str(tmp_path), hf, hf_format.hf_config(args, torch_dtype="float32"), 10**9)

@@ -6,7 +6,8 @@ import itertools
 import pytest
 
 from torchtitan.tools import layout_matrix as lm
-from torchtitan.tools.parity import ParityError
+from torchtitan.tools.matrix_model import flavor_name
+from torchtitan.tools.parity import ParityError, unmet
 
 Degrees = lm.Degrees
 
@@ -85,3 +86,23 @@ def test_a_point_refused_against_the_plan_fails_the_check(tmp_path):
     assert lm.refusal(compile_with_cp) is not None and not compile_with_cp.refused_by_design
     with pytest.raises(ParityError, match="expected ok, got refused"):
         lm.MatrixRunner(tmp_path).check(compile_with_cp)
+
+
+def test_a_point_expects_its_layout_and_variants_in_the_setup_record():
+    """Point.expect() against a hand-made setup record (torchtitan/setup_record.py): met, and a
+    variant that was not applied as declared is named."""
+    point = lm._point({"ac": "selective", "zero1": "on", "sp": "off"}, dp_replicate=2, tp=2)
+    record = {"world_size": 4, "mesh": {"dp_replicate": 2, "tp": 2}, "model": {"flavor": flavor_name(2, False)},
+              "fsdp": None, "ddp": {"kind": "fsdp_replicate", "mesh": {"dp_replicate": 2}}, "cp": None, "pipeline": None,
+              "tp": {"mesh": {"tp": 2}, "sequence_parallel": False, "loss_parallel": True},
+              "activation_checkpoint": {"blocks": ["layers.0", "layers.1"], "wrapped": ["layers.0"], "op_level": False},
+              "compile": {"compiled_modules": 0}, "zero1": {"replicas": 2}}
+    assert unmet(record, point.expect()) == []
+    record["activation_checkpoint"]["wrapped"] = ["layers.0", "layers.1"]  # full, not every second block
+    record["tp"]["sequence_parallel"] = True
+    del record["mesh"]
+    assert unmet(record, point.expect()) == [
+        "mesh should be {'dp_replicate': 2, 'tp': 2}, the run recorded nothing",
+        "tp.sequence_parallel should be False, the run recorded True",
+        "activation_checkpoint should be every second block wrapped, whole (selective 2), the run recorded "
+        "{'blocks': ['layers.0', 'layers.1'], 'wrapped': ['layers.0', 'layers.1'], 'op_level': False}"]

@@ -11,6 +11,7 @@ import torch
 from torchtitan import metrics
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args
 from torchtitan.metrics import MetricsLogger, StepMetrics, gpu_peak_flops, peak_flops
+from torchtitan.tools.runs import read_metrics, read_setup
 
 
 @pytest.fixture(autouse=True)
@@ -166,6 +167,37 @@ def test_resumed_run_appends_after_its_checkpoint_step(tmp_path):
     run_steps(tmp_path, [3, 4, 5], resumed_step=2)  # steps 3 and 4 are trained again
     assert read_steps(dump / "metrics.jsonl") == [1, 2, 3, 4, 5]
     assert not (dump / "metrics.1.jsonl").exists()
+
+
+def run_with_setup(tmp_path, first_step, steps):
+    """A run as train.py makes it: its setup record right after its first step, before that step's row."""
+    logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0), torch.device("cpu"), 10**6, rank=0,
+                           resumed_step=first_step - 1)
+    for n in steps:
+        if n == first_step:
+            logger.log_record({"record": "setup", "first_step": first_step})
+        logger.log(step(n))
+    logger.close()
+
+
+def rows(path) -> list[str]:
+    """Each line of a metrics file as "setup <first_step>" or "<step>"."""
+    return [f"setup {r['first_step']}" if r.get("record") == "setup" else str(r["step"])
+            for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_setup_records_stay_with_the_steps_their_run_trained(tmp_path):
+    dump = tmp_path / "dump"
+    run_with_setup(tmp_path, 1, [1, 2, 3, 4])
+    run_with_setup(tmp_path, 3, [3, 4, 5, 6])  # resumed after step 2: the first run's steps 3, 4 go
+    run_with_setup(tmp_path, 5, [5, 6, 7])  # resumed after step 4: the second run's steps 3, 4 stay, with its record
+    assert rows(dump / "metrics.jsonl") == ["setup 1", "1", "2", "setup 3", "3", "4", "setup 5", "5", "6", "7"]
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2, 3, 4, 5, 6, 7]  # step rows only, as before
+    assert read_setup(dump) == {"record": "setup", "first_step": 5}
+    run_with_setup(tmp_path, 3, [3])  # resumed after step 2 again: the records of the runs that began later go
+    assert rows(dump / "metrics.jsonl") == ["setup 1", "1", "2", "setup 3", "3"]
+    run_steps(tmp_path, [1])  # a fresh run that wrote no record: the earlier file moves aside, records and all
+    assert read_setup(dump) is None and rows(dump / "metrics.1.jsonl") == ["setup 1", "1", "2", "setup 3", "3"]
 
 
 def test_colours_off_with_either_spelling(tmp_path):

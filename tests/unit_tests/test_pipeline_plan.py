@@ -16,13 +16,10 @@ import torch
 
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args
 from torchtitan.models.llama.model import ModelArgs, Transformer
-from torchtitan.models.llama.pipeline_llama import (
-    build_stage_module,
-    parse_split_points,
-    split_points_for,
-    unit_costs,
-    validate_pipeline_llama,
-)
+from torchtitan.models.llama.parallelize_llama import validate_llama
+from torchtitan.models.llama.pipeline_llama import build_stage_module
+from torchtitan.models.llama.pipeline_split import parse_split_points, split_points_for, unit_costs
+from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 from torchtitan.parallelisms.pipeline import (
     SCHEDULES,
     PipelinePlan,
@@ -167,7 +164,10 @@ def test_missing_csv_refused(tmp_path):
 def test_shipped_csv_gives_csv_plan():
     assert SHIPPED_CSV.is_file()
     plan = plan_pipeline(pp_config(pp=2, schedule_csv=SHIPPED_CSV))
-    assert plan == PipelinePlan("CSV", pp=2, stages_per_rank=1, microbatches=2)
+    assert plan == PipelinePlan("CSV", pp=2, stages_per_rank=1, microbatches=2, csv_path=str(SHIPPED_CSV))
+    # The shipped CSV by its bundled name, from any working directory: the plan carries its path.
+    bundled = plan_pipeline(pp_config(pp=2, schedule_csv="bundled:train_configs/pipeline_schedules/1f1b_pp2_2microbatches.csv"))
+    assert Path(bundled.csv_path).read_text() == SHIPPED_CSV.read_text()
     assert plan.v_shape is False
     # Its file is two rows (one per rank) of forward/backward actions on 2 microbatches.
     rows = SHIPPED_CSV.read_text().split()
@@ -349,12 +349,18 @@ def test_split_point_count_must_match_stages():
         split_points_for(SMALL_ARGS, config, plan_pipeline(config))
 
 
-def test_validate_pipeline_llama():
-    validate_pipeline_llama(SMALL_ARGS, pp_config(pp=2))
-    validate_pipeline_llama(dataclasses.replace(SMALL_ARGS, tie_word_embeddings=True), pp_config(pp=2))  # tied: fine
+def _validate_pp(args: ModelArgs, config: JobConfig) -> None:
+    """validate_llama as preflight calls it: with the job's one pipeline plan."""
+    pp = config.experimental.pipeline_parallel_degree
+    validate_llama(args, parallel_dims_from_config(config, pp), plan_pipeline(config), config)
+
+
+def test_validate_llama_checks_the_pipeline_split():
+    _validate_pp(SMALL_ARGS, pp_config(pp=2))
+    _validate_pp(dataclasses.replace(SMALL_ARGS, tie_word_embeddings=True), pp_config(pp=2))  # tied: fine
     # 4 ranks x 2 stages need 8 blocks; a 4-block model cannot give each stage one.
     with pytest.raises(ConfigError, match="at least as many transformer blocks"):
-        validate_pipeline_llama(dataclasses.replace(SMALL_ARGS, n_layers=4), pp_config(pp=4, schedule="Interleaved1F1B"))
+        _validate_pp(dataclasses.replace(SMALL_ARGS, n_layers=4), pp_config(pp=4, schedule="Interleaved1F1B"))
 
 
 # ----------------------------------------------------------------------------- llama: stage modules

@@ -25,9 +25,9 @@ def tp_dims(tp: int) -> ParallelDims:
 
 
 def test_shapes_that_divide_pass():
-    validate_llama(SMALL, tp_dims(2), parse_args([]))
-    validate_llama(dataclasses.replace(SMALL, tie_word_embeddings=True), tp_dims(2), parse_args([]))  # tied: fine
-    validate_llama(SMALL, tp_dims(1), parse_args([]))  # nothing to check without TP
+    validate_llama(SMALL, tp_dims(2), None, parse_args([]))
+    validate_llama(dataclasses.replace(SMALL, tie_word_embeddings=True), tp_dims(2), None, parse_args([]))  # tied: fine
+    validate_llama(SMALL, tp_dims(1), None, parse_args([]))  # nothing to check without TP
 
 
 @pytest.mark.parametrize("change,fragment", [
@@ -37,7 +37,7 @@ def test_shapes_that_divide_pass():
 ])
 def test_shapes_that_do_not_divide_are_refused(change, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        validate_llama(dataclasses.replace(SMALL, **change), tp_dims(2), parse_args([]))
+        validate_llama(dataclasses.replace(SMALL, **change), tp_dims(2), None, parse_args([]))
 
 
 def test_vocab_padding_from_config():
@@ -45,7 +45,7 @@ def test_vocab_padding_from_config():
     args = build_model_args(spec, parse_args(["--model.vocab_size_divisible_by", "64"]), vocab_size=2256)
     assert (args.vocab_size, args.vocab_padding) == (2256, 48)
     assert build_model_args(spec, parse_args([]), vocab_size=2256).vocab_padding == 0
-    validate_llama(dataclasses.replace(args, vocab_size=2255, vocab_padding=1), tp_dims(2), parse_args([]))
+    validate_llama(dataclasses.replace(args, vocab_size=2255, vocab_padding=1), tp_dims(2), None, parse_args([]))
 
 
 def test_padded_vocabulary_never_changes_the_loss():

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torchtitan.errors import UserError
+from torchtitan.errors import CheckpointError  # defined there (models raise it too); also imported from here
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +28,6 @@ FORMAT = "torchtitan-dcp-1"
 _FINAL = re.compile(r"^step-(\d+)$")
 _PARTIAL = re.compile(r"^step-(\d+)\.partial-")
 _DELETING = ".deleting-"
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint the run cannot use (missing, incomplete, damaged, or from another model);
-    the message is one line naming the folder and, where there is one, the option to change."""
 
 
 class CheckpointSaveError(CheckpointError):

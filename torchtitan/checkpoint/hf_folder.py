@@ -1,10 +1,12 @@
-"""Hugging Face Llama folders (config.json + safetensors): reading them, and writing them back exactly or afresh.
+"""Hugging Face folders (config.json + safetensors): reading them, and writing them back exactly or afresh.
 
-Used by scripts/convert_checkpoint.py. A checkpoint made from an HF folder keeps a sidecar (the
-`hf` subfolder): the folder's other files verbatim, each safetensors file's raw header and any
-derived buffers. With it, unchanged weights come back as byte-identical files, whatever wrote
-the originals; without it (or when the weights no longer fit it), a fresh layout is written.
-safetensors is an optional dependency (the `convert` extra), imported only when needed.
+Used by scripts/convert_checkpoint.py, for any model family: its names, tensor layouts and
+config.json come from the family's HFAdapter (its TrainSpec's `hf_adapter`), which the caller
+passes in. A checkpoint made from an HF folder keeps a sidecar (the `hf` subfolder): the folder's
+other files verbatim, each safetensors file's raw header and any derived buffers. With it,
+unchanged weights come back as byte-identical files, whatever wrote the originals; without it (or
+when the weights no longer fit it), a fresh layout is written. safetensors is an optional
+dependency (the `convert` extra), imported only when needed.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import json
 import os
 import shutil
 import struct
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from torchtitan.checkpoint.folders import CheckpointError
-from torchtitan.models.llama import hf_format
-from torchtitan.models.llama.model import ModelArgs
+
+if TYPE_CHECKING:
+    from torchtitan.models.hf_adapter import HFAdapter
 
 SIDECAR = "hf"  # subfolder of a checkpoint made by hf-to-dcp: what reproduces the original files
 SIDECAR_FORMAT = "torchtitan-hf-sidecar-1"
@@ -30,6 +33,9 @@ _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 # Derived buffers some HF exports carry: kept in the sidecar, so the files still come back exactly.
 _BUFFER_SUFFIX = ".rotary_emb.inv_freq"
+# Names every HF `*ForCausalLM` decoder gives its embedding, final norm and output projection. A tied
+# output projection is stored only as the embedding.
+HF_EMBEDDING, HF_NORM, HF_OUTPUT = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
 def import_safetensors() -> Any:
@@ -105,7 +111,7 @@ def read_hf_tensors(hf_dir: str, files: list[str]) -> tuple[dict[str, torch.Tens
     return tensors, headers
 
 
-def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: ModelArgs,
+def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,
                hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar."""
     buffers = {k: v for k, v in hf_tensors.items() if k.endswith(_BUFFER_SUFFIX)}
@@ -115,16 +121,17 @@ def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: ModelArgs,
         if name in buffers:
             continue
         try:
-            fqn = hf_format.from_hf_name(name)
+            fqn = adapter.from_hf_name(name)
         except KeyError:
             unknown.append(name)
             continue
-        ours[fqn] = hf_format.from_hf_tensor(fqn, tensor, args).contiguous()
+        ours[fqn] = adapter.from_hf_tensor(fqn, tensor, args).contiguous()
     if unknown:
-        raise CheckpointError(f"{hf_dir} holds tensors that are not LlamaForCausalLM parameters: {sorted(unknown)[0]}" +
-                              (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
-    if args.tie_word_embeddings and "output.weight" not in ours and "tok_embeddings.weight" in ours:
-        ours["output.weight"] = ours["tok_embeddings.weight"]  # our model keeps the tied weight under both names
+        raise CheckpointError(f"{hf_dir} holds tensors that are not {adapter.hf_architecture} parameters: "
+                              f"{sorted(unknown)[0]}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
+    output, embedding = adapter.from_hf_name(HF_OUTPUT), adapter.from_hf_name(HF_EMBEDDING)
+    if adapter.ties_embeddings(args) and output not in ours and embedding in ours:
+        ours[output] = ours[embedding]  # our model keeps the tied weight under both names
     return ours, buffers
 
 
@@ -198,7 +205,7 @@ def _exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any
             end = stop
         plan[name] = [hf[k] for k, _ in entries]
         used.update(k for k, _ in entries)
-    left = set(hf) - used - ({"lm_head.weight"} if tied else set())
+    left = set(hf) - used - ({HF_OUTPUT} if tied else set())
     return plan if not left else f"{sorted(left)[0]} has no place in the original files"
 
 
@@ -221,12 +228,12 @@ def _hf_order(name: str) -> tuple:
     if name.startswith("model.layers."):
         parts = name.split(".")
         return (1, int(parts[2]), ".".join(parts[3:]))
-    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, name)
+    return ({HF_EMBEDDING: 0, HF_NORM: 2}.get(name, 3), 0, name)
 
 
-def to_hf(model: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+def to_hf(model: dict[str, torch.Tensor], args: Any, adapter: HFAdapter) -> dict[str, torch.Tensor]:
     """HF name -> tensor in HF's layout and order, from our FQN -> tensor."""
-    out = {hf_format.to_hf_name(k): hf_format.to_hf_tensor(k, v, args).contiguous() for k, v in model.items()}
+    out = {adapter.to_hf_name(k): adapter.to_hf_tensor(k, v, args).contiguous() for k, v in model.items()}
     return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
 
 

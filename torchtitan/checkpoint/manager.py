@@ -35,7 +35,8 @@ from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, 
 from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from torchtitan.checkpoint.states import DataState, ModelState, PartialState, RNGState, TrainState, flatten
-from torchtitan.config_manager import JobConfig
+from torchtitan.job_config import JobConfig
+from torchtitan.models import get_train_spec
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class CheckpointManager:
     resume point. At most one asynchronous save is in flight; `close()` waits for it."""
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, model_parts: list[nn.Module],
-                 optimizers: Stateful, lr_schedulers: Stateful, dataloader: Any, train_state: TrainState):
+                 optimizers: Stateful, lr_schedulers: Stateful, dataloader: Any, train_state: TrainState,
+                 data_shards: int):
         c = job_config.checkpoint
         self.job_config = job_config
         self.enabled = c.enable_checkpoint or c.create_seed_checkpoint
@@ -90,9 +92,7 @@ class CheckpointManager:
         self.weights_only_at_end, self.export_dtype = c.model_weights_only, _DTYPES[c.export_dtype]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.layout = _layout(parallel_dims)
-        # The shard count the data position refers to (-1 resolves to one per data-parallel rank).
-        shards = job_config.training.dataset_shards
-        self.data_shards = shards if shards > 0 else parallel_dims.dp_degree
+        self.data_shards = data_shards  # the shard count the data position refers to (DataShards.count)
         self.train_state = train_state
         self.model = ModelState(model_parts)
         self.states: dict[str, Stateful] = {
@@ -118,8 +118,6 @@ class CheckpointManager:
         """This run's model as a manifest records it: name, flavor, args, tied weights (read once
         from the whole model built on the meta device, since a pipeline stage holds one side)."""
         if self._record is None:
-            from torchtitan.models import get_train_spec  # here: the model registry imports checkpoint code
-
             m, args = self.job_config.model, getattr(self.model.model_parts[0], "args", None)
             whole = build_on_meta(get_train_spec(m.name).model_cls, args)
             self._record = ModelRecord(m.name, m.flavor, args_record(args),
@@ -182,8 +180,6 @@ class CheckpointManager:
                     top_level: bool) -> set[str]:
         """Refuses, on every rank alike and before any tensor is read, a checkpoint that does not fit
         this run's states (fit.py); returns the keys this rank leaves out of a deliberate partial load."""
-        from torchtitan.models import get_train_spec
-
         def registered(name: str, flavor: str) -> tuple[Any, Any]:
             spec = get_train_spec(name)
             return spec.model_cls, spec.config[flavor]

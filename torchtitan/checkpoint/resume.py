@@ -19,7 +19,7 @@ from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.failures import one_line
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.safe_load import read_metadata
-from torchtitan.config_manager import JobConfig
+from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +32,21 @@ class ResumePoint:
     weights_only: bool  # model weights that start a new run at step 0 (seed, export, initial_load_path)
     manifest: Manifest | None  # None for a DCP folder written by another tool
 
-    def adopt_data_shards(self, job_config: JobConfig, dp_degree: int) -> None:
-        """Reads the data with the shard count the checkpoint's data position refers to.
+    def data_shards(self, configured: int, dp_degree: int) -> int | None:
+        """The shard count the data must be read in to continue from this checkpoint's data
+        position, or None when it has none (weights only, or written by another tool).
 
-        With `training.dataset_shards = -1` the count follows the checkpoint (not this run's
-        data-parallel degree), so a resumed run neither repeats nor skips documents. Any other
-        count would not match the saved position, and is refused.
+        With `training.dataset_shards = -1` (`configured`) the count follows the checkpoint, not
+        this run's data-parallel degree, so a resumed run neither repeats nor skips documents.
+        Any other count would not match the saved position, and is refused.
         """
         if self.weights_only or self.manifest is None or self.manifest.data_shards is None:
-            return
-        saved, t = self.manifest.data_shards, job_config.training
-        if t.dataset_shards not in (-1, saved):
+            return None
+        saved = self.manifest.data_shards
+        if configured not in (-1, saved):
             raise CheckpointError(
                 f"{self.path} keeps the data position of {saved} data shards, but training.dataset_shards is "
-                f"{t.dataset_shards}; set it to {saved} (or -1) to resume, or start a new run from the weights "
+                f"{configured}; set it to {saved} (or -1) to resume, or start a new run from the weights "
                 "with checkpoint.initial_load_path"
             )
         if saved % dp_degree:
@@ -53,10 +54,7 @@ class ResumePoint:
                 f"{self.path} keeps the data position of {saved} data shards, which {dp_degree} data-parallel ranks "
                 f"cannot split evenly; use a data-parallel degree that divides {saved}"
             )
-        if t.dataset_shards == -1 and saved != dp_degree:
-            logger.info(f"reading the data as {saved} shards, as the checkpoint does ({saved // dp_degree} per "
-                        "data-parallel rank)")
-        t.dataset_shards = saved
+        return saved
 
 
 def decide_on_rank0(fn: Callable[[], Any]) -> Any:

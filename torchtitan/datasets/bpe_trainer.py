@@ -21,9 +21,9 @@ from collections.abc import Iterable
 
 import regex
 
-LLAMA3_PATTERN: str = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# Trained pieces must be the pieces the tokenizer splits text into at run time.
+from torchtitan.datasets.tokenizer import LLAMA3_PATTERN
+
 _PIECE_RE = regex.compile(LLAMA3_PATTERN)
 
 Pair = tuple[int, int]

@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import BadLineCounter, DatasetError, HFSource, StreamPosition, read_from, resolve_source
 from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 Source = Any  # a Path, a list of Paths or an HFSource (see sources.py)
@@ -136,17 +137,10 @@ class PackedTextDataset(IterableDataset, Stateful):
             p.load_state_dict(state_dict[f"shard_{p.shard}"])
 
 
-def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> StatefulDataLoader:
+def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
     t = job_config.training
-    num_shards = dp_degree if t.dataset_shards == -1 else t.dataset_shards
-    if num_shards % dp_degree:
-        raise DatasetError(
-            f"training.dataset_shards {num_shards} must be a multiple of the data-parallel degree {dp_degree}"
-        )
-    per_rank = num_shards // dp_degree
-    shards = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     source = resolve_source(t.dataset, t.dataset_path)
-    dataset = PackedTextDataset(source, tokenizer, t.seq_len, t.batch_size, shards, num_shards,
+    dataset = PackedTextDataset(source, tokenizer, t.seq_len, t.batch_size, shards.owned, shards.count,
                                 infinite=t.dataset_infinite, skip_bad_lines=t.dataset_skip_bad_lines)
     # batch_size=None: the dataset yields whole batches (each assembled from its shards).
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)

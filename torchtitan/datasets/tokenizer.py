@@ -7,9 +7,15 @@ import binascii
 import os
 from abc import ABC, abstractmethod
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.datasets.bpe_trainer import LLAMA3_PATTERN
+from torchtitan.assets import resolve_path
 from torchtitan.errors import UserError
+from torchtitan.job_config import JobConfig
+
+# Llama 3's pre-tokenisation: how text is cut into pieces before byte-pair merges (tiktoken's
+# pat_str). The BPE trainer (bpe_trainer.py) cuts its training text the same way.
+LLAMA3_PATTERN: str = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class TokenizerError(UserError, ValueError):
@@ -164,6 +170,6 @@ def _check_file(path: str) -> None:
 
 def build_tokenizer(job_config: JobConfig) -> Tokenizer:
     """A tiktoken (Llama 3) or sentencepiece (Llama 2) tokenizer, told apart by the file's content."""
-    path = job_config.model.tokenizer_path
+    path = resolve_path(job_config.model.tokenizer_path, "model.tokenizer_path", TokenizerError)
     _check_file(path)
     return TikTokenizer(path) if _looks_like_tiktoken(path) else SentencePieceTokenizer(path)

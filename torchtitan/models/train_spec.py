@@ -1,53 +1,173 @@
-"""TrainSpec: everything the trainer needs to know about one model family, in one registration.
+"""TrainSpec: the one contract between the trainer and a model family.
 
 `train.py` looks the spec up by `model.name` and uses nothing else model-specific, so adding a
-model is one new folder plus one `register_train_spec` call (see docs/extension.md).
+model is one new folder plus one `register_train_spec` call (docs/extension.md). Every builder
+has a typed signature below (a Protocol), so a type checker flags a model whose function drifts
+from the contract, and `register_train_spec` refuses one whose parameters do not match, with one
+line naming the builder and the parameter.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
-from torch import nn
+from torchtitan.errors import ConfigError
 
-from torchtitan.config_manager import ConfigError
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-# Builder signatures (kept as plain callables so a model can reuse or replace any of them):
-#   parallelize_fn(model, parallel_dims, job_config) -> model  (meshes by role: parallel_dims.fsdp_mesh, .tp_mesh, ...)
-#   pipelining_fn(model, parallel_dims, job_config, device, model_args, loss_fn)
-#       -> (schedule, model_parts); None while the family has no pipeline support
-#   build_optimizers_fn(model_parts, job_config, parallel_dims) -> OptimizersContainer
-#   build_lr_schedulers_fn(optimizers, job_config) -> LRSchedulersContainer
-#   build_tokenizer_fn(job_config) -> Tokenizer
-#   build_dataloader_fn(job_config, tokenizer, dp_rank, dp_degree) -> Stateful iterable of (inputs, labels)
-#   loss_fn(logits, labels) -> scalar loss
-#   validate_fn(model_args, parallel_dims, job_config) -> None, raising ConfigError for a layout the
-#       model's shapes cannot take (optional; runs before any process group exists)
+    from torchtitan.datasets.shards import DataShards
+    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.job_config import JobConfig
+    from torchtitan.models.hf_adapter import HFAdapter
+    from torchtitan.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.parallelisms.pipeline import PipelinePlan
+    from torchtitan.parallelisms.pipeline_runtime import Pipeline
 
 
-@dataclass
+class TrainableModel(Protocol):
+    """What the trainer calls on a model besides forward (`(batch, seq)` ids -> logits)."""
+
+    @classmethod
+    def from_model_args(cls, args: Any) -> nn.Module: ...  # called under torch.device("meta")
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None: ...
+
+    def flops_per_token(self, seq_len: int) -> int: ...
+
+
+class ParallelizeFn(Protocol):
+    """Applies the configured parallelisms (TP, CP, AC, compile, FSDP/HSDP/DDP) to a meta-device
+    model or pipeline stage, taking meshes from `parallel_dims` by role, and returns it."""
+
+    def __call__(self, model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module: ...
+
+
+class LossFn(Protocol):
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+
+class PipeliningFn(Protocol):
+    """Cuts this rank's stages out of the meta-device model as `plan` places them, parallelizes
+    each with `parallelize_fn` (the spec's own), and builds the schedule around `loss_fn`."""
+
+    def __call__(self, model: nn.Module, *, model_args: Any, plan: PipelinePlan, parallel_dims: ParallelDims,
+                 job_config: JobConfig, device: torch.device, parallelize_fn: ParallelizeFn,
+                 loss_fn: LossFn) -> Pipeline: ...
+
+
+class ValidateFn(Protocol):
+    """Checks, before any process group exists, that the model's shapes allow the layout (head
+    counts divisible by TP, enough blocks for the pipeline's stages, ...); raises ConfigError.
+    `plan` is the job's pipeline plan, None without pipeline parallelism."""
+
+    def __call__(self, model_args: Any, parallel_dims: ParallelDims, plan: PipelinePlan | None,
+                 job_config: JobConfig) -> None: ...
+
+
+class BuildOptimizersFn(Protocol):
+    def __call__(self, model_parts: list[nn.Module], job_config: JobConfig,
+                 parallel_dims: ParallelDims) -> OptimizersContainer: ...
+
+
+class BuildLRSchedulersFn(Protocol):
+    def __call__(self, optimizers: OptimizersContainer, job_config: JobConfig) -> LRSchedulersContainer: ...
+
+
+class BuildTokenizerFn(Protocol):
+    def __call__(self, job_config: JobConfig) -> Tokenizer: ...
+
+
+class BuildDataloaderFn(Protocol):
+    """A stateful iterable of `(inputs, labels)` batches for this rank's data shards (`shards`
+    says which shards of how many; the count is decided once, from the config and a resumed
+    checkpoint's data position)."""
+
+    def __call__(self, job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> Iterable: ...
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     name: str
-    model_cls: type[nn.Module]
-    config: dict[str, Any]  # flavor name -> model args (a dataclass the model class accepts)
-    parallelize_fn: Callable[..., nn.Module]
-    pipelining_fn: Callable[..., Any] | None
-    build_optimizers_fn: Callable[..., Any]
-    build_lr_schedulers_fn: Callable[..., Any]
-    build_tokenizer_fn: Callable[..., Any]
-    build_dataloader_fn: Callable[..., Any]
-    loss_fn: Callable[..., Any]
-    validate_fn: Callable[..., None] | None = None
+    model_cls: type[TrainableModel]
+    config: Mapping[str, Any]  # flavor name -> model args (a dataclass with a vocab_size field)
+    parallelize_fn: ParallelizeFn
+    pipelining_fn: PipeliningFn | None  # None: pipeline_parallel_degree > 1 is refused with one line
+    build_optimizers_fn: BuildOptimizersFn
+    build_lr_schedulers_fn: BuildLRSchedulersFn
+    build_tokenizer_fn: BuildTokenizerFn
+    build_dataloader_fn: BuildDataloaderFn
+    loss_fn: LossFn
+    validate_fn: ValidateFn | None = None
+    # Hugging Face names and layouts of this family's weights (scripts/convert_checkpoint.py);
+    # None: the family has no Hugging Face conversion.
+    hf_adapter: HFAdapter | None = None
+
+
+# Builders whose signature register_train_spec checks against the Protocol above.
+_BUILDERS: dict[str, type] = {
+    "parallelize_fn": ParallelizeFn,
+    "pipelining_fn": PipeliningFn,
+    "build_optimizers_fn": BuildOptimizersFn,
+    "build_lr_schedulers_fn": BuildLRSchedulersFn,
+    "build_tokenizer_fn": BuildTokenizerFn,
+    "build_dataloader_fn": BuildDataloaderFn,
+    "loss_fn": LossFn,
+    "validate_fn": ValidateFn,
+}
+
+
+def signature_mismatch(fn: Any, protocol: type) -> str | None:
+    """Why `fn` cannot be called the way `protocol.__call__` is called (None when it can): the
+    trainer passes the Protocol's positional parameters by position and its keyword-only ones by
+    name, so those names must exist; extra parameters need defaults."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return None
+    wanted = list(inspect.signature(protocol.__call__).parameters.values())[1:]  # without self
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params) and any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    n_positional = sum(1 for p in wanted if p.kind is p.POSITIONAL_OR_KEYWORD)
+    if len(positional) < n_positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        names = [p.name for p in wanted if p.kind is p.POSITIONAL_OR_KEYWORD]
+        return f"takes {len(positional)} positional parameters, the trainer passes {n_positional} ({', '.join(names)})"
+    by_name = {p.name: p for p in params}
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    for p in wanted:
+        if p.kind is p.KEYWORD_ONLY and p.name not in by_name and not takes_kwargs:
+            return f"has no parameter {p.name!r} (the trainer passes it by name)"
+    for p in positional[n_positional:]:
+        if p.default is p.empty:
+            return f"needs parameter {p.name!r}, which the trainer does not pass"
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in {w.name for w in wanted}:
+            return f"needs keyword parameter {p.name!r}, which the trainer does not pass"
+    return None
 
 
 _REGISTRY: dict[str, TrainSpec] = {}
 
 
 def register_train_spec(spec: TrainSpec) -> None:
-    """Makes `spec` available under `model.name = spec.name`."""
+    """Makes `spec` available under `model.name = spec.name`, after checking that its builders
+    take what the trainer passes them."""
     if spec.name in _REGISTRY:
         raise ValueError(f"a model named {spec.name!r} is already registered")
+    for field_name, protocol in _BUILDERS.items():
+        fn = getattr(spec, field_name)
+        if fn is None:
+            continue
+        problem = signature_mismatch(fn, protocol)
+        if problem is not None:
+            raise TypeError(f"TrainSpec {spec.name!r}: {field_name} {getattr(fn, '__qualname__', fn)} {problem}; "
+                            f"see {protocol.__name__} in torchtitan/models/train_spec.py")
     _REGISTRY[spec.name] = spec
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequence
 
 logger = logging.getLogger(__name__)

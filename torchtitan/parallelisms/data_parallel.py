@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from torchtitan.config_manager import ConfigError, Training
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import Training
 from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 

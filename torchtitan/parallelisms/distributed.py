@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.errors import ConfigError
 
 
 def device_type() -> str:

@@ -6,7 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig, Training
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -221,6 +222,58 @@ def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> Paralle
         world_size=world_size,
         enable_loss_parallel=t.enable_loss_parallel and not t.disable_loss_parallel,
     )
+
+
+def check_options(config: JobConfig) -> None:
+    """What the degrees ask of other options, checked before the world size is known."""
+    t, e = config.training, config.experimental
+    if e.enable_async_tensor_parallel:
+        if t.tensor_parallel_degree == 1:
+            raise ConfigError("experimental.enable_async_tensor_parallel needs training.tensor_parallel_degree > 1")
+        if not t.compile:
+            raise ConfigError("experimental.enable_async_tensor_parallel works through torch.compile's micro-pipelining; "
+                              "set training.compile true")
+    cp = e.context_parallel_degree
+    if cp > 1:
+        if t.seq_len % (2 * cp):
+            raise ConfigError(f"training.seq_len {t.seq_len} must divide by 2 x experimental.context_parallel_degree "
+                              f"= {2 * cp}: each cp rank holds two equal chunks of every sequence")
+        if e.context_parallel_backend == "torch":
+            raise ConfigError("experimental.context_parallel_backend 'torch' (PyTorch's context parallel) is not offered "
+                              "yet: it has no CPU path, and this version runs only the ring backend; use 'ring'")
+        if t.compile:
+            raise ConfigError("training.compile with context parallelism is not supported yet: ring attention's "
+                              "point-to-point exchange cannot sit inside a fullgraph-compiled block")
+
+
+def check_layout(config: JobConfig, dims: ParallelDims) -> None:
+    """What a layout of the known world size can honour."""
+    _check_fsdp_only_options(config.training, dims)
+    if config.checkpoint.create_seed_checkpoint and dims.world_size > 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {dims.world_size} (set NGPU=1)")
+
+
+def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
+    """Options that only FSDP/HSDP can honour are refused, not ignored, on layouts without it."""
+    if dims.fsdp_enabled:
+        return
+    if dims.ddp_enabled:
+        layout = (f"training.data_parallel_replicate_degree {dims.dp_replicate} with shard degree 1 is DDP, "
+                  "which has no sharding")
+    else:
+        layout = "this layout has no FSDP (data_parallel_shard_degree 1)"
+    if t.enable_cpu_offload:
+        raise ConfigError(
+            f"training.enable_cpu_offload offloads FSDP-sharded state and needs data_parallel_shard_degree > 1; {layout}"
+        )
+    if t.fsdp_reshard_after_forward != "default":
+        raise ConfigError(f"training.fsdp_reshard_after_forward {t.fsdp_reshard_after_forward!r} applies to FSDP only; "
+                          f"{layout}; leave it at 'default'")
+    if t.mixed_precision_param == "bfloat16":
+        raise ConfigError(f"training.mixed_precision_param bfloat16 is FSDP's mixed-precision policy; {layout} and "
+                          "computes in float32; use 'auto' or 'float32', or shard (data_parallel_shard_degree > 1)")
+    if t.mixed_precision_reduce == "bfloat16" and not dims.ddp_enabled:
+        raise ConfigError(f"training.mixed_precision_reduce bfloat16 has no effect on one rank: {layout}; leave it at float32")
 
 
 def _join(world: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:

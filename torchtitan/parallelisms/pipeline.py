@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.assets import resolve_path
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class PipelinePlan:
         return self.pp * self.stages_per_rank
 
     split_backward: bool = False  # input and weight gradients in two backward passes (zero bubble, CSV I/W)
+    csv_path: str = ""  # the schedule CSV's resolved path (schedule CSV_SCHEDULE)
 
     @property
     def v_shape(self) -> bool:
@@ -86,8 +89,11 @@ def plan_pipeline(job_config: JobConfig) -> PipelinePlan:
     """Validates the pipeline options against each other and the batch; one clear line per mistake."""
     e, t = job_config.experimental, job_config.training
     pp = e.pipeline_parallel_degree
+    csv_path = ""
     if e.pipeline_parallel_schedule_csv:
-        if not os.path.isfile(e.pipeline_parallel_schedule_csv):
+        csv_path = resolve_path(e.pipeline_parallel_schedule_csv, "experimental.pipeline_parallel_schedule_csv",
+                                ConfigError)
+        if not os.path.isfile(csv_path):
             raise ConfigError(f"experimental.pipeline_parallel_schedule_csv: no such file "
                               f"{e.pipeline_parallel_schedule_csv!r}")
         schedule = CSV_SCHEDULE
@@ -136,17 +142,23 @@ def plan_pipeline(job_config: JobConfig) -> PipelinePlan:
         if kind.per_round and microbatches % pp:
             raise ConfigError(f"pipeline schedule {schedule} runs microbatches in rounds of the pipeline degree {pp}; "
                               f"{microbatches} microbatches is not a multiple of it")
-    split_backward = _splits_backward(job_config, kind)
+    split_backward = _splits_backward(csv_path, kind)
     _check_backward_passes(job_config, schedule, split_backward)
-    return PipelinePlan(schedule, pp, stages_per_rank, microbatches, split_backward)
+    return PipelinePlan(schedule, pp, stages_per_rank, microbatches, split_backward, csv_path)
 
 
-def _splits_backward(job_config: JobConfig, kind: ScheduleKind | None) -> bool:
+def check_options(config: JobConfig) -> None:
+    """The config pass's pipeline rule: a plan can be made (see plan_pipeline)."""
+    if config.experimental.pipeline_parallel_degree > 1:
+        plan_pipeline(config)
+
+
+def _splits_backward(csv_path: str, kind: ScheduleKind | None) -> bool:
     """Whether the schedule runs the input and the weight gradients of a microbatch as two backward
     passes over the same graph: the zero-bubble family, and CSV schedules with I / W actions."""
     if kind is not None:
         return kind.split_backward
-    with open(job_config.experimental.pipeline_parallel_schedule_csv) as f:
+    with open(csv_path) as f:
         return re.search(r"\d+[IW]\d+", f.read()) is not None
 
 

@@ -11,13 +11,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.errors import ConfigError
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
 
-def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None, csv_path: str = ""):
+def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None):
     """The torch.distributed.pipelining schedule for this rank's stages.
 
     Gradients are not rescaled by the schedule (scale_grads=False): the loss function passed in
@@ -32,7 +32,7 @@ def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None, c
     if plan.schedule == CSV_SCHEDULE:
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn,
                                                       scale_grads=False)
-        schedule._load_csv(csv_path)
+        schedule._load_csv(plan.csv_path)
         return schedule
     try:
         cls = schedules.get_schedule_class(plan.schedule)

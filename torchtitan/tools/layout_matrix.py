@@ -36,8 +36,17 @@ from pathlib import Path
 from typing import Callable
 
 from torchtitan.tools.matrix_model import DEPTHS, MODEL_NAME, flavor_name
-from torchtitan.tools.parity import COMPARISON_ARGS, Comparison, Layout, ParityError, ParityHarness
-from torchtitan.tools.runs import TINY_RUN, TrainingFailed
+from torchtitan.tools.parity import (
+    COMPARISON_ARGS,
+    POSITIVE,
+    Check,
+    Comparison,
+    Expectations,
+    Layout,
+    ParityError,
+    ParityHarness,
+)
+from torchtitan.tools.runs import TINY_RUN, Runner, TrainingFailed, run_trainer
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 _SHORT = {"dp_replicate": "rep", "dp_shard": "fsdp", "cp": "cp", "tp": "tp", "pp": "pp"}
@@ -74,9 +83,9 @@ class Degrees:
     def name(self) -> str:
         return "_".join(f"{_SHORT[d]}{getattr(self, d)}" for d in DIMS if self.over(d)) or "single"
 
-    def mesh_text(self) -> str:
-        """The world mesh as the trainer logs it: "{'dp_replicate': 2, 'cp': 2}"."""
-        return str({d: getattr(self, d) for d in _MESH_ORDER if self.over(d)})
+    def mesh(self) -> dict[str, int]:
+        """The world mesh as the setup record shows it: {"dp_replicate": 2, "cp": 2}."""
+        return {d: getattr(self, d) for d in _MESH_ORDER if self.over(d)}
 
 
 def all_degrees(world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[Degrees]:
@@ -91,14 +100,31 @@ def all_degrees(world_sizes: tuple[int, ...] = WORLD_SIZES) -> list[Degrees]:
 class Factor:
     """A variant of how a layout runs. `values[0]` is what a plain run does; `applies` says on
     which degrees the variant exists at all; each value must meet every dim in `meets`. `args`
-    are the overrides of each value, `logs` the line a run with it must print."""
+    are the overrides of each value, `expect` what a run's setup record must show with it."""
 
     name: str
     values: tuple[str, ...]
     applies: Callable[[Degrees], bool]
     meets: tuple[str, ...]
     args: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    logs: dict[str, str] = field(default_factory=dict)
+    expect: dict[str, Expectations] = field(default_factory=dict)
+
+
+def _even_blocks(ac: dict) -> list[str]:
+    return [b for b in ac["blocks"] if int(b.rsplit(".", 1)[1]) % 2 == 0]
+
+
+# What activation checkpointing leaves on rank 0's blocks (setup record "activation_checkpoint").
+_AC_APPLIED = {
+    "none": Check("no block wrapped", lambda ac: ac["wrapped"] == []),
+    "full": Check("every block wrapped, whole", lambda ac: ac["blocks"] != [] and sorted(ac["wrapped"]) == sorted(ac["blocks"])
+                  and not ac["op_level"]),
+    "selective": Check("every second block wrapped, whole (selective 2)",
+                       lambda ac: ac["wrapped"] != [] and sorted(ac["wrapped"]) == sorted(_even_blocks(ac))
+                       and not ac["op_level"]),
+    "op": Check("every block wrapped with the op-level policy", lambda ac: ac["blocks"] != []
+                and sorted(ac["wrapped"]) == sorted(ac["blocks"]) and ac["op_level"]),
+}
 
 
 _AC = "--activation_checkpoint.mode"
@@ -108,19 +134,23 @@ FACTORS = (
     # the concrete schedule is the point's own (Point.schedule).
     Factor("schedule", ("single", "interleaved", "V"), lambda d: d.pp > 1, ("dp_replicate", "dp_shard", "cp", "tp")),
     Factor("sp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp"),
-           {"off": ("--training.disable_sequence_parallel",)}, {"off": "sequence parallel off"}),
+           {"off": ("--training.disable_sequence_parallel",)},
+           {"on": (("tp.sequence_parallel", True),), "off": (("tp.sequence_parallel", False),)}),
     Factor("lp", ("on", "off"), lambda d: d.tp > 1, ("dp_replicate", "dp_shard", "cp", "pp"),  # loss parallel
-           {"off": ("--training.disable_loss_parallel",)}, {"off": "loss parallel off"}),
+           {"off": ("--training.disable_loss_parallel",)},
+           {"on": (("tp.loss_parallel", True),), "off": (("tp.loss_parallel", False),)}),
     Factor("ac", ("none", "full", "selective", "op"), lambda d: True, DIMS,
            {"full": (_AC, "full"), "selective": (_AC, "selective", _SAC, "2"), "op": (_AC, "selective", _SAC, "op")},
-           {"full": "applied full activation checkpointing", "selective": "applied selective activation checkpointing",
-            "op": "applied selective (op-level) activation checkpointing"}),
+           {v: (("activation_checkpoint", check),) for v, check in _AC_APPLIED.items()}),
     Factor("compile", ("off", "on"), lambda d: True, DIMS,
-           {"on": ("--training.compile",)}, {"on": "transformer blocks with torch.compile"}),
+           {"on": ("--training.compile",)},
+           {"off": (("compile.compiled_modules", 0),), "on": (("compile.compiled_modules", POSITIVE),)}),
     Factor("tied", ("untied", "tied"), lambda d: True, DIMS),  # a model flavor: Point.shared()
     Factor("accum", ("1", "2"), lambda d: True, DIMS, {"2": ("--training.gradient_accumulation_steps", "2")}),
     Factor("zero1", ("off", "on"), lambda d: d.dp_replicate > 1, ("dp_shard", "cp", "tp", "pp"),
-           {"on": ("--optimizer.zero1",)}, {"on": "applied ZeRO-1"}),
+           {"on": ("--optimizer.zero1",)},
+           {"off": (("zero1", None),), "on": (("zero1", Check("shared over the replicas", lambda z: z is not None
+                                                               and z["replicas"] > 1)),)}),
 )
 _FACTOR = {f.name: f for f in FACTORS}
 # The concrete schedules of each kind, used in turn so the full matrix runs each of them.
@@ -172,15 +202,31 @@ class Point:
             args += _FACTOR[f].args.get(v, ())
         return tuple(args)
 
-    def expect_logs(self) -> tuple[str, ...]:
-        """Lines the run must print, proving that the layout and every variant were applied."""
-        lines = [f"built world mesh {self.degrees.mesh_text()}"] if self.nproc > 1 else []
+    def expect(self) -> Expectations:
+        """What the run's setup record must show, proving that the layout and every variant were
+        applied: the mesh, each parallelism over its own dims, and each variant's mark."""
+        d = self.degrees
+        shard = d.dp_shard * d.cp
+        expect: list[tuple[str, object]] = [("world_size", self.nproc), ("mesh", d.mesh()),
+                                            ("model.flavor", flavor_name(self.depth, self.value("tied") == "tied"))]
+        if shard > 1:  # FSDP over dp_shard x cp, HSDP with replicas
+            mesh = {"dp_replicate": d.dp_replicate, "dp_shard_cp": shard} if d.over("dp_replicate") else {"dp_shard_cp": shard}
+            expect += [("fsdp.mesh", mesh), ("ddp", None)]
+        elif d.over("dp_replicate"):
+            expect += [("fsdp", None), ("ddp.mesh", {"dp_replicate": d.dp_replicate})]
+        else:
+            expect += [("fsdp", None), ("ddp", None)]
+        expect.append(("tp.mesh", {"tp": d.tp}) if d.over("tp") else ("tp", None))
+        expect += [("cp.mesh", {"cp": d.cp}), ("cp.ring_attention_modules", POSITIVE)] if d.over("cp") else [("cp", None)]
         if self.schedule:
-            lines.append(f"schedule {self.schedule},")
-        return tuple(lines + [_FACTOR[f].logs[v] for f, v in self.variants if v in _FACTOR[f].logs])
+            stages = d.pp * (2 if self.value("schedule") in ("interleaved", "V") else 1)
+            expect += [("pipeline.schedule", self.schedule), ("pipeline.stages", stages)]
+        else:
+            expect.append(("pipeline", None))
+        return tuple(expect + [e for f, v in self.variants for e in _FACTOR[f].expect.get(v, ())])
 
     def layout(self) -> Layout:
-        return Layout(self.name, self.nproc, self.overrides(), self.expect_logs(), self.shared())
+        return Layout(self.name, self.nproc, self.overrides(), self.expect(), self.shared())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,9 +437,9 @@ class Outcome:
 class MatrixRunner:
     """Judges points: refused by the preflight, or trained and compared with one process."""
 
-    def __init__(self, workdir: Path, steps: int = 10, timeout: int = 400):
+    def __init__(self, workdir: Path, steps: int = 10, timeout: int = 400, runner: Runner = run_trainer):
         self.harness = ParityHarness(workdir, steps=steps, global_batch=GLOBAL_BATCH, dataset_shards=DATASET_SHARDS,
-                                     timeout=timeout)
+                                     timeout=timeout, runner=runner)
 
     def run(self, point: Point) -> Outcome:
         reason = refusal(point)

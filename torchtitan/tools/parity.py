@@ -7,9 +7,10 @@ baseline. A layout is a name, a process count and a list of overrides; the harne
 per-rank batch size from the layout's data-parallel degree and gradient-accumulation steps, so
 the global batch never changes.
 
-Used by the parity tests (tests/integration/test_parity.py), by the layout matrix
-(layout_matrix.py) and by scripts/loss_compare.py, which prints a table and can plot the loss
-curves.
+A user tool: scripts/loss_compare.py runs it for any layout, prints a table and can plot the
+loss curves. The layout matrix (layout_matrix.py) and the parity tests
+(tests/integration/test_parity.py) use it too. Runs go through a `Runner` (runs.py): real
+processes, torchrun for several ranks, unless the caller passes another (the tests' warm one).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from torchtitan.config_manager import parse_args
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
-from torchtitan.tools.runs import TINY_RUN, read_metrics, run_trainer
+from torchtitan.tools.runs import TINY_RUN, Runner, read_metrics, read_setup, run_trainer
 
 # What every run of a comparison shares, on top of TINY_RUN. The baseline uses library defaults
 # for everything else (no AC, no compile), and a layout's overrides come last, so they win.
@@ -28,11 +30,52 @@ COMPARISON_ARGS = ("--training.deterministic", "--activation_checkpoint.mode", "
 
 
 @dataclass(frozen=True)
+class Check:
+    """A test on one value of the setup record, where equality with a value does not say enough."""
+
+    text: str  # what the value must be, in the words a failure shows
+    test: Callable[[Any], bool]
+
+    def __call__(self, value: Any) -> bool:
+        return bool(self.test(value))
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+# (dotted key of the setup record, the value it must equal or a Check it must pass), e.g.
+# ("fsdp.mesh", {"dp_shard_cp": 2}). Setup records: torchtitan/setup_record.py.
+Expectations = tuple[tuple[str, Any], ...]
+_ABSENT = object()
+
+
+def lookup(record: dict, key: str) -> Any:
+    """The value at dotted `key` of `record`, or _ABSENT."""
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def unmet(record: dict, expect: Expectations) -> list[str]:
+    """One line per expectation the setup record does not meet."""
+    failures = []
+    for key, want in expect:
+        got = lookup(record, key)
+        if got is _ABSENT or not (want(got) if isinstance(want, Check) else got == want):
+            failures.append(f"{key} should be {want!r}, the run recorded "
+                            f"{'nothing' if got is _ABSENT else repr(got)}")
+    return failures
+
+
+@dataclass(frozen=True)
 class Layout:
     """One parallel layout under test: `nproc` ranks with `overrides` on top of the shared args.
 
-    `expect_log` is a line the run must print, proving the layout was really applied (a typo in
-    an override must not pass as a trivially equal single-process run). `shared` overrides change
+    `expect` says what the run's setup record must show, proving the layout was really applied (a
+    typo in an override must not pass as a trivially equal single-process run). `shared` overrides change
     the model itself (vocabulary padding, for example): the seed checkpoint and the baseline are
     made with them too, so the layout is compared with a single process of the same model.
     `loss_tolerance`, when set, replaces the harness's for this layout (float8 only; see there).
@@ -41,14 +84,15 @@ class Layout:
     name: str
     nproc: int
     overrides: tuple[str, ...]
-    expect_log: str | tuple[str, ...] = ""  # one line, or several that must all appear
+    expect: Expectations = ()
     shared: tuple[str, ...] = ()
     loss_tolerance: float | None = None
 
 
-def L(name: str, nproc: int, overrides: str, expect_log: str = "", shared: str = "",  # noqa: N802 - a table row
+def L(name: str, nproc: int, overrides: str, expect: dict[str, Any] | None = None, shared: str = "",  # noqa: N802 - a table row
       loss_tolerance: float | None = None) -> Layout:
-    return Layout(name, nproc, tuple(overrides.split()), expect_log, tuple(shared.split()), loss_tolerance)
+    return Layout(name, nproc, tuple(overrides.split()), tuple((expect or {}).items()), tuple(shared.split()),
+                  loss_tolerance)
 
 
 # Float8 layouts: the baseline runs float8 too. Float8 scales each activation by its own maximum,
@@ -56,6 +100,7 @@ def L(name: str, nproc: int, overrides: str, expect_log: str = "", shared: str =
 # loss) moves a little; float8 itself moves the loss by about 2.5e-3 against fp32 here.
 FLOAT8 = "--float8.enable_float8_linear --float8.emulate"
 FLOAT8_TOLERANCE = 1e-3
+POSITIVE = Check("a count above 0", lambda n: n > 0)
 
 
 # Hand-picked layouts for what the layout matrix (layout_matrix.py) does not vary: options of one
@@ -65,30 +110,35 @@ FLOAT8_TOLERANCE = 1e-3
 SUITES: dict[str, list[Layout]] = {
     "dp": [
         L("ddp2_bucket1mb_accum2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1 "
-          "--training.ddp_bucket_cap_mb 1 --training.gradient_accumulation_steps 2", "(bucket 1 MB"),
+          "--training.ddp_bucket_cap_mb 1 --training.gradient_accumulation_steps 2",
+          {"ddp.kind": "ddp", "ddp.mesh": {"dp_replicate": 2}, "ddp.bucket_cap_mb": 1}),
         L("fsdp2_reshard_never", 2, "--training.data_parallel_shard_degree 2 --training.fsdp_reshard_after_forward never",
-          "reshard after forward: never"),
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "fsdp.reshard_after_forward": "never"}),
         L("fsdp2_cpu_offload", 2, "--training.data_parallel_shard_degree 2 --training.enable_cpu_offload",
-          "offloaded to CPU"),
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "fsdp.cpu_offload": True}),
     ],
     "tp": [
-        L("tp2_padded_vocab", 2, "--training.tensor_parallel_degree 2", "vocab 2256 (+48 padding)",
+        L("tp2_padded_vocab", 2, "--training.tensor_parallel_degree 2",
+          {"tp.mesh": {"tp": 2}, "model.vocab_size": 2256, "model.vocab_padding": 48},
           shared="--model.vocab_size_divisible_by 64"),
     ],
     "pp": [
         L("pp2_csv_1f1b", 2, "--experimental.pipeline_parallel_degree 2 "
-          "--experimental.pipeline_parallel_schedule_csv train_configs/pipeline_schedules/1f1b_pp2_2microbatches.csv",
-          "schedule CSV, 2 microbatches"),
+          "--experimental.pipeline_parallel_schedule_csv bundled:train_configs/pipeline_schedules/1f1b_pp2_2microbatches.csv",
+          {"pipeline.schedule": "CSV", "pipeline.microbatches": 2, "pipeline.stages": 2}),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [
-        L("float8_fsdp2", 2, "--training.data_parallel_shard_degree 2", "applied FSDP over mesh {'dp_shard_cp': 2}",
+        L("float8_fsdp2", 2, "--training.data_parallel_shard_degree 2",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "float8.linears": POSITIVE, "float8.fsdp_float8_all_gather": False},
           shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
         L("float8_fsdp2_float8_gather", 2, "--training.data_parallel_shard_degree 2 "
           "--float8.enable_fsdp_float8_all_gather --float8.precompute_float8_dynamic_scale_for_fsdp",
-          "FSDP float8 all-gather on", shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "float8.fsdp_float8_all_gather": True},
+          shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
         L("float8_tp2", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
-          "float8 projections", shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
+          {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": False, "tp.float8_linears": POSITIVE},
+          shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
     ],
 }
 
@@ -104,6 +154,7 @@ class RunResult:
     records: list[dict]  # rank 0's metrics.jsonl rows, one per step
     stdout: str
     seconds: float
+    setup: dict = field(default_factory=dict)  # the run's setup record: what it applied and loaded
 
     @property
     def losses(self) -> list[float]:
@@ -140,11 +191,16 @@ class ParityHarness:
     """Runs the seed checkpoint, the baseline and any number of layouts under `workdir`.
 
     Each run is done once and cached, so tests of one session share the seed and the baseline.
+    Every run goes through `runner`: by default real processes in the current directory (the
+    runs' relative paths resolve there); loss_compare.py passes its repository root, the test
+    suite its warm runner.
     """
 
     def __init__(self, workdir: Path, steps: int = 10, global_batch: int = 8, dataset_shards: int = 4,
-                 loss_tolerance: float = 1e-4, grad_norm_rtol: float = 1e-3, timeout: int = 400):
+                 loss_tolerance: float = 1e-4, grad_norm_rtol: float = 1e-3, timeout: int = 400,
+                 runner: Runner = run_trainer):
         self.workdir = Path(workdir)
+        self.runner = runner
         self.steps, self.global_batch, self.dataset_shards = steps, global_batch, dataset_shards
         self.loss_tolerance, self.grad_norm_rtol, self.timeout = loss_tolerance, grad_norm_rtol, timeout
         self._runs: dict[str, RunResult] = {}
@@ -163,7 +219,7 @@ class ParityHarness:
         folder = self.workdir / f"seed{self._variant(shared)}"
         path = folder / "checkpoint" / "step-0"
         if not path.exists():
-            run_trainer([*TINY_RUN, *shared, "--job.dump_folder", str(folder), "--checkpoint.create_seed_checkpoint"],
+            self.runner([*TINY_RUN, *shared, "--job.dump_folder", str(folder), "--checkpoint.create_seed_checkpoint"],
                         timeout=self.timeout)
         return path
 
@@ -174,15 +230,20 @@ class ParityHarness:
             args = [*self._common(layout.shared), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
                     *layout.overrides]
             start = time.perf_counter()
-            result = run_trainer(args, nproc=layout.nproc, timeout=self.timeout)
+            result = self.runner(args, nproc=layout.nproc, timeout=self.timeout)
             seconds = time.perf_counter() - start
-            if "loaded model from" not in result.stdout:
-                raise ParityError(f"{layout.name}: the run did not start from the seed checkpoint")
-            expected = (layout.expect_log,) if isinstance(layout.expect_log, str) else layout.expect_log
-            for line in expected:
-                if line and line not in result.stdout:
-                    raise ParityError(f"{layout.name}: expected the log line {line!r}; the layout was not applied")
-            self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds)
+            setup = read_setup(folder) or {}
+            seed = self.seed_checkpoint(layout.shared).resolve()
+            from_seed = Check(f"weights loaded from {seed}", lambda load: load is not None and load["weights_only"]
+                              and Path(load["path"]).resolve() == seed)
+            if unmet(setup, (("initial_load", from_seed),)):
+                raise ParityError(f"{layout.name}: the run did not start from the seed checkpoint "
+                                  f"(initial_load: {setup.get('initial_load', 'no setup record')})")
+            failures = unmet(setup, layout.expect)
+            if failures:
+                raise ParityError(f"{layout.name}: the layout was not applied: {'; '.join(failures)}")
+            self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds,
+                                                setup)
         return self._runs[layout.name]
 
     def baseline(self, shared: tuple[str, ...] = ()) -> RunResult:

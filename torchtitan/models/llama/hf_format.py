@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from torchtitan.checkpoint.folders import CheckpointError
+from torchtitan.errors import CheckpointError
+from torchtitan.models.llama.flavors import llama2_configs, llama3_configs
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, ffn_hidden_dim
 
 # Our FQN suffix within a block -> HF suffix within `model.layers.{i}`.
@@ -335,8 +336,6 @@ def _known_ffn_settings(dim: int) -> list[tuple[int, float | None]]:
     """(multiple_of, ffn_dim_multiplier) pairs of the published flavors, so that a converted
     config gets the familiar values when they fit (they do for every Llama 2 and 3 release).
     Flavors of the same width come first: several pairs can give the same size."""
-    from torchtitan.models.llama import llama2_configs, llama3_configs  # here: the package may import this module
-
     flavors = (*llama2_configs.values(), *llama3_configs.values())
     same_width = [(a.multiple_of, a.ffn_dim_multiplier) for a in flavors if a.dim == dim]
     return list(dict.fromkeys([*same_width, (256, None), *((a.multiple_of, a.ffn_dim_multiplier) for a in flavors)]))

@@ -22,23 +22,26 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig
 from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
+from torchtitan.models.llama.pipeline_split import split_points_for
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.float8 import apply_float8, float8_tp_styles, is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan
 
 logger = logging.getLogger(__name__)
 
 
-def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
-    """Shape requirements of the layout, checked on every rank before any process group starts."""
-    if parallel_dims.pp_enabled:
-        from torchtitan.models.llama.pipeline_llama import validate_pipeline_llama
-
-        validate_pipeline_llama(args, job_config)
+def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, plan: PipelinePlan | None,
+                   job_config: JobConfig) -> None:
+    """Shape requirements of the layout (the TrainSpec's ValidateFn), checked on every rank before
+    any process group starts."""
+    if plan is not None:
+        split_points_for(args, job_config, plan)  # raises when the stages cannot be cut
     tp = parallel_dims.tp
     if tp == 1:
         return

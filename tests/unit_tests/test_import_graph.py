@@ -1,0 +1,138 @@
+"""The product package's import graph: no circles among its modules, nothing imported from tests.
+
+Every import statement counts, wherever it sits (module level, inside a function, under
+`if TYPE_CHECKING:`), and importing `a.b.c` also counts as importing the packages `a` and `a.b`,
+whose `__init__` runs first. A circle hidden in a function-level import is still a circle: it
+only moves the failure to the first call.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Mapping
+
+import torchtitan
+
+PACKAGE_ROOT = Path(torchtitan.__file__).parent
+
+
+def product_modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        parts = ("torchtitan", *path.relative_to(PACKAGE_ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def imported_names(path: Path, module: str, modules: Mapping[str, Path] | None = None) -> set[str]:
+    """Every dotted name an import statement in `path` refers to, relative imports resolved.
+    `from pkg import x` names `pkg.x` when that is a module (one of `modules`), else `pkg`."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    modules = product_modules() if modules is None else modules
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join([*base, node.module] if node.module else base)
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                names.add(submodule if submodule in modules else source)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = product_modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        own_packages = {".".join(module.split(".")[:end]) for end in range(1, module.count(".") + 1)}
+        edges = set()
+        for name in imported_names(path, module, modules):
+            parts = name.split(".")
+            known = [".".join(parts[:end]) for end in range(1, len(parts) + 1) if ".".join(parts[:end]) in modules]
+            if not known:
+                continue
+            # The module named (the longest known prefix) always counts, even when it is one of this
+            # module's own packages (`from pkg import name` inside pkg reads pkg's half-run __init__).
+            # The packages above it count too, except this module's own: they are already importing.
+            edges.add(known[-1])
+            edges.update(p for p in known[:-1] if p not in own_packages)
+        edges.discard(module)  # `from torchtitan.config_manager import main` under __main__: the same file again
+        graph[module] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), plus self-loops."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_product_modules_import_no_circles():
+    graph = import_graph()
+    assert len(graph) > 50  # the walk found the package
+    cycles = find_cycles(graph)
+    described = ["; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles]
+    assert not cycles, "import circles:\n" + "\n".join(described)
+
+
+def test_product_imports_nothing_from_tests():
+    offenders = sorted(
+        module for module, path in product_modules().items()
+        if any(name == "tests" or name.startswith("tests.") for name in imported_names(path, module))
+    )
+    assert not offenders, f"product modules importing from tests/: {offenders}"
+
+
+def test_the_walk_sees_circles_and_hidden_imports(tmp_path):
+    # The detector itself: a circle through a function-level import, and one through a package's
+    # __init__, are both found; an acyclic chain is not.
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert find_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    modules = {name: tmp_path for name in ("torchtitan.pkg", "torchtitan.pkg.sibling", "torchtitan.pkg.other",
+                                           "torchtitan.train")}
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from torchtitan.train import main\n    from . import sibling, CONSTANT\n")
+    # A function-level import counts; a submodule reading its own package's names (CONSTANT) is
+    # an edge to the package, whose __init__ may be half-run when it does.
+    assert imported_names(module, "torchtitan.pkg.m", modules) == {"torchtitan.train", "torchtitan.pkg.sibling",
+                                                                   "torchtitan.pkg"}
+    package = tmp_path / "__init__.py"
+    package.write_text("from .other import thing\n")
+    assert imported_names(package, "torchtitan.pkg", modules) == {"torchtitan.pkg.other"}

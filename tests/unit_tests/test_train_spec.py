@@ -1,0 +1,74 @@
+"""The TrainSpec contract: registration refuses builders whose parameters drift from the
+Protocols in torchtitan/models/train_spec.py, and the built-in families satisfy them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from torchtitan.models import get_train_spec, registered_names
+from torchtitan.models.train_spec import (
+    _BUILDERS,
+    PipeliningFn,
+    TrainSpec,
+    ValidateFn,
+    register_train_spec,
+    signature_mismatch,
+)
+
+
+def _spec(name: str, **changes) -> TrainSpec:
+    return dataclasses.replace(get_train_spec("llama3"), name=name, **changes)
+
+
+@pytest.mark.parametrize("model", ["llama2", "llama3"])
+def test_built_in_families_match_every_builder_protocol(model):
+    spec = get_train_spec(model)
+    for field, protocol in _BUILDERS.items():
+        fn = getattr(spec, field)
+        assert fn is not None or field in ("pipelining_fn", "validate_fn")
+        if fn is not None:
+            assert signature_mismatch(fn, protocol) is None, field
+
+
+def test_a_pipelining_fn_of_the_old_positional_form_is_refused():
+    def old_pipelining(model, parallel_dims, job_config, device, model_args, loss_fn):
+        return None
+
+    with pytest.raises(TypeError, match=r"pipelining_fn .*old_pipelining has no parameter 'plan'"):
+        register_train_spec(_spec("drifted_pp", pipelining_fn=old_pipelining))
+    assert "drifted_pp" not in registered_names()
+
+
+def test_a_validate_fn_that_misses_the_plan_is_refused():
+    def validate(model_args, parallel_dims, job_config):
+        pass
+
+    with pytest.raises(TypeError, match="validate_fn .* takes 3 positional parameters, the trainer passes 4"):
+        register_train_spec(_spec("drifted_validate", validate_fn=validate))
+
+
+def test_extra_parameters_need_defaults():
+    def parallelize(model, parallel_dims, job_config, compile_everything):
+        return model
+
+    with pytest.raises(TypeError, match="needs parameter 'compile_everything'"):
+        register_train_spec(_spec("drifted_parallelize", parallelize_fn=parallelize))
+
+    def parallelize_with_default(model, parallel_dims, job_config, compile_everything=False):
+        return model
+
+    assert signature_mismatch(parallelize_with_default, _BUILDERS["parallelize_fn"]) is None
+
+
+def test_keyword_contract_accepts_any_order_and_kwargs():
+    def pipelining(model, *, loss_fn, parallelize_fn, device, job_config, parallel_dims, plan, model_args):
+        return None
+
+    def pipelining_kwargs(model, **kwargs):
+        return None
+
+    assert signature_mismatch(pipelining, PipeliningFn) is None
+    assert signature_mismatch(pipelining_kwargs, PipeliningFn) is None
+    assert signature_mismatch(lambda args, dims, plan, config: None, ValidateFn) is None

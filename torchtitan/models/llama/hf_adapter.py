@@ -1,0 +1,75 @@
+"""Llama's HFAdapter (torchtitan/models/hf_adapter.py): hf_format's functions, registered in Llama's TrainSpecs."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any, Iterable
+
+from torchtitan.errors import CheckpointError
+from torchtitan.models.llama import hf_format
+from torchtitan.models.llama.model import ModelArgs
+
+if TYPE_CHECKING:
+    import torch
+
+_BLOCK = re.compile(r"^layers\.(\d+)\.")
+
+
+def _n_layers(fqns: Iterable[str]) -> int:
+    """How many blocks `fqns` reach (`layers.{i}.*`: the highest i, plus one)."""
+    layers = [int(m.group(1)) for m in map(_BLOCK.match, fqns) if m]
+    return max(layers) + 1 if layers else 0
+
+
+class LlamaHFAdapter:
+    """Hugging Face `LlamaForCausalLM` names, q/k layouts and config.json, for Llama 2 and 3."""
+
+    family = "Llama"
+    hf_architecture = "LlamaForCausalLM"
+
+    def to_hf_name(self, fqn: str) -> str:
+        return hf_format.to_hf_name(fqn)
+
+    def from_hf_name(self, name: str) -> str:
+        return hf_format.from_hf_name(name)
+
+    def whole_model_names(self, fqns: Iterable[str]) -> list[str]:
+        return hf_format.param_names(_n_layers(fqns))
+
+    def to_hf_tensor(self, fqn: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+        return hf_format.to_hf_tensor(fqn, w, args)
+
+    def from_hf_tensor(self, fqn: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+        return hf_format.from_hf_tensor(fqn, w, args)
+
+    def ties_embeddings(self, args: ModelArgs) -> bool:
+        return args.tie_word_embeddings
+
+    def hf_config(self, args: ModelArgs, torch_dtype: str = "bfloat16", **extra: Any) -> dict[str, Any]:
+        return hf_format.hf_config(args, torch_dtype, **extra)
+
+    def model_args_from_hf_config(self, cfg: dict[str, Any]) -> ModelArgs:
+        return hf_format.model_args_from_hf_config(cfg)
+
+    def args_with_shapes(self, base: ModelArgs | None, shapes: dict[str, tuple[int, ...]], n_heads: int | None,
+                         n_kv_heads: int | None) -> ModelArgs:
+        """dim, vocabulary, layers and feed-forward size from the shapes; given the head count (which
+        shapes cannot tell), the key/value head count from the key projection's rows."""
+        base = ModelArgs() if base is None else base
+        rows, dim = shapes["tok_embeddings.weight"]
+        if n_heads is None and dim != base.dim:
+            raise CheckpointError(f"the weights have dim {dim}, not the {base.dim} of the flavor they claim, so their "
+                                  "head count is unknown; pass --n-heads (and --n-kv-heads)")
+        n_heads = n_heads or base.n_heads
+        if dim % n_heads:
+            raise CheckpointError(f"dim {dim} is not divisible by {n_heads} heads; pass --n-heads")
+        kv_from_shape = shapes["layers.0.attention.wk.weight"][0] // (dim // n_heads)
+        if n_kv_heads is not None and n_kv_heads != kv_from_shape:
+            raise CheckpointError(f"--n-kv-heads {n_kv_heads} does not fit the key projection's {kv_from_shape} heads "
+                                  f"of {dim // n_heads} dims")
+        # Every embedding row becomes part of HF's vocabulary: HF has no masked padding rows.
+        args = dataclasses.replace(base, dim=dim, n_heads=n_heads, vocab_size=rows, vocab_padding=0,
+                                   n_kv_heads=None if kv_from_shape == n_heads else kv_from_shape,
+                                   n_layers=_n_layers(shapes))
+        return hf_format.with_ffn_hidden_dim(args, shapes["layers.0.feed_forward.w1.weight"][0])

@@ -1,0 +1,226 @@
+"""The setup record: what a run applied and loaded, read from the built model, in metrics.jsonl.
+
+Console lines say what each step applied, for people; this record says it for programs (tests,
+the parity harness, tools), which must not depend on log wording. Rank 0 appends it to
+metrics.jsonl once per run, right after the first step this run trains: optimizer state exists
+only from then on, and the lazily initialised wrappers (DDP) are built by then. It comes before
+that step's own row and carries `first_step`, so a resumed run writes its own and keeps earlier
+runs' records for the steps it keeps (metrics.py). Every key is listed in docs/architecture.md.
+
+The parallelisms are described from rank 0's model parts as built (with pipeline parallelism,
+rank 0 holds the first stage); per-rank facts (state bytes, pipeline stages) are gathered from
+every rank once. FSDP2, composable DDP, the pipeline schedule and torch.compile keep what is read
+here only in private attributes; each such read says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+
+from torchtitan.metrics import MetricsLogger, local_state_bytes
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.ring_attention import ring_attention
+
+if TYPE_CHECKING:
+    from torchtitan.checkpoint.resume import ResumePoint
+    from torchtitan.job_config import JobConfig
+    from torchtitan.optimizer import OptimizersContainer
+    from torchtitan.parallelisms.pipeline_runtime import Pipeline
+
+
+class SetupRecord:
+    """What a run starts from (model, initial load, data shards), known before its first step;
+    `write` adds what the built model parts show and every rank's state bytes."""
+
+    def __init__(self, job_config: JobConfig, model_args: Any, n_params: int, resume: ResumePoint | None,
+                 resumed_step: int, data_shards: int):
+        m = job_config.model
+        self.first_step = resumed_step + 1
+        self.start: dict[str, Any] = {
+            "model": {"name": m.name, "flavor": m.flavor, "parameters": n_params, "vocab_size": model_args.vocab_size,
+                      "vocab_padding": getattr(model_args, "vocab_padding", 0)},
+            # A seed or exported checkpoint (weights only) starts at step 0; a full one resumes after its step.
+            "initial_load": None if resume is None else {"path": str(resume.path), "weights_only": resume.weights_only,
+                                                         "step": resumed_step},
+            "data_shards": data_shards,
+        }
+
+    def write(self, metrics: MetricsLogger, parallel_dims: ParallelDims, model_parts: list[nn.Module],
+              optimizers: OptimizersContainer, pipeline: Pipeline | None = None) -> dict | None:
+        """Collective: every rank calls it after the step `first_step`. Returns the record on rank 0."""
+        ranks = _gather(_rank_facts(model_parts, optimizers, pipeline))
+        if ranks is None:
+            return None
+        record = {"record": "setup", "first_step": self.first_step, "world_size": len(ranks),
+                  "mesh": _mesh(parallel_dims.world_mesh) or {}, **self.start,
+                  **describe_parallelisms(model_parts, parallel_dims, optimizers, pipeline, ranks), "ranks": ranks}
+        metrics.log_record(record)
+        return record
+
+
+def _gather(facts: dict) -> list[dict] | None:
+    """Every rank's `facts` in rank order on rank 0; None on the other ranks."""
+    if not dist.is_initialized():
+        return [facts]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, facts)
+    return gathered if dist.get_rank() == 0 else None
+
+
+def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, pipeline: Pipeline | None) -> dict:
+    param_bytes, state_bytes = local_state_bytes(model_parts, optimizers.optimizers)
+    facts = {"rank": dist.get_rank() if dist.is_initialized() else 0, "parameter_bytes": param_bytes,
+             "optimizer_state_bytes": state_bytes}
+    if pipeline is not None:
+        # The schedule keeps this rank's stages in `_stages` (multi-stage) or `_stage` (no public getter).
+        stages = getattr(pipeline.schedule, "_stages", None) or [pipeline.schedule._stage]
+        facts["pipeline_stages"] = [{"stage": s.stage_index, "blocks": _blocks(s.submod)} for s in stages]
+    return facts
+
+
+def _blocks(part: nn.Module) -> list[str]:
+    """The transformer blocks of a model part by name (models keep them in `layers`)."""
+    layers = getattr(part, "layers", None)
+    return [f"layers.{name}" for name in layers.keys()] if isinstance(layers, nn.ModuleDict) else []
+
+
+def _mesh(mesh) -> dict[str, int] | None:
+    return None if mesh is None else dict(zip(mesh.mesh_dim_names, (int(n) for n in mesh.shape)))
+
+
+def _dtype(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelDims, optimizers: OptimizersContainer,
+                          pipeline: Pipeline | None, ranks: list[dict]) -> dict:
+    """The parallelisms the model parts carry, one key each (None where not applied)."""
+    modules = [(name, m) for part in model_parts for name, m in part.named_modules()]
+    fsdp, replicate = _data_parallel(modules)
+    zero1 = getattr(optimizers, "zero1", None)
+    return {
+        "fsdp": fsdp,
+        "ddp": replicate,
+        "tp": _tensor_parallel(modules, parallel_dims),
+        "cp": _context_parallel(modules, parallel_dims),
+        "pipeline": _pipeline(pipeline, ranks),
+        "zero1": None if zero1 is None else {"replicas": zero1.size, "parameters": len(zero1.params),
+                                             "owned_parameters": sum(zero1.owns(p) for p in zero1.params)},
+        "activation_checkpoint": _activation_checkpoint(model_parts, modules),
+        # nn.Module.compile keeps the compiled call in `_compiled_call_impl` (no public getter).
+        "compile": {"compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for _, m in modules)},
+        "float8": _float8(modules, fsdp is not None),
+    }
+
+
+def _data_parallel(modules: list[tuple[str, nn.Module]]) -> tuple[dict | None, dict | None]:
+    """(FSDP / HSDP, replication: composable DDP or FSDP-based replicate)."""
+    from torch.distributed._composable.contract import _get_registry
+
+    shard_groups, replicate_groups = [], []
+    for _, m in modules:
+        if isinstance(m, FSDPModule):
+            # FSDP2 keeps mesh, resharding and policies per parameter group in its private state only.
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                sharded = getattr(group.mesh_info, "shard_mesh_dim", None) is not None
+                (shard_groups if sharded else replicate_groups).append(group)
+    fsdp = None
+    if shard_groups:
+        first, resharding = shard_groups[0], sum(g.post_forward_mesh_info is not None for g in shard_groups)
+        n = len(shard_groups)
+        fsdp = {"modules": n, "mesh": _mesh(first.mesh_info.mesh),
+                "reshard_after_forward": ("always" if resharding == n else "never" if resharding == 0
+                                          else f"{resharding} of {n} modules"),
+                "cpu_offload": isinstance(first.offload_policy, CPUOffloadPolicy),
+                "param_dtype": _dtype(first.mp_policy.param_dtype), "reduce_dtype": _dtype(first.mp_policy.reduce_dtype)}
+    if replicate_groups:
+        first = replicate_groups[0]
+        return fsdp, {"kind": "fsdp_replicate", "modules": len(replicate_groups), "mesh": _mesh(first.mesh_info.mesh),
+                      "bucket_cap_mb": None}
+    for _, m in modules:
+        # Composable DDP leaves the module's class alone; its registry and state are private.
+        if "replicate" in (_get_registry(m) or {}) and not isinstance(m, FSDPModule):
+            from torch.distributed._composable.replicate import replicate
+
+            ddp = getattr(replicate.state(m), "_ddp", None)  # built at the first forward
+            return fsdp, {"kind": "ddp", "modules": 1, "mesh": _mesh(getattr(ddp, "device_mesh", None)),
+                          "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20 if ddp is not None else None}
+    return fsdp, None
+
+
+def _tp_placement(p: torch.Tensor):
+    """The placement of a parameter on the mesh dim named "tp", or None."""
+    if not isinstance(p, DTensor):
+        return None
+    names = p.device_mesh.mesh_dim_names or ()
+    return p.placements[names.index("tp")] if "tp" in names else None
+
+
+def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: ParallelDims) -> dict | None:
+    if parallel_dims.tp_mesh is None:
+        return None
+    params = {id(p): p for _, m in modules for p in m.parameters(recurse=False)}.values()
+    placements = Counter(repr(pl) for p in params if (pl := _tp_placement(p)) is not None)
+    # Sequence parallelism leaves its mark on the norms: their weights become DTensors replicated over
+    # tp (norms without weights cannot show it).
+    norms_replicated = any(type(m).__name__.endswith("Norm") and isinstance(_tp_placement(p), Replicate)
+                           for _, m in modules for p in m.parameters(recurse=False))
+    return {"mesh": _mesh(parallel_dims.tp_mesh), "parameters": sum(placements.values()),
+            "placements": dict(sorted(placements.items())), "sequence_parallel": norms_replicated,
+            # What the training loop computes the loss under (torch's loss_parallel context).
+            "loss_parallel": parallel_dims.loss_parallel_enabled,
+            "float8_linears": sum(type(m).__name__ == "Float8Linear" and _tp_placement(m.weight) is not None
+                                  for _, m in modules)}
+
+
+def _context_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: ParallelDims) -> dict | None:
+    if parallel_dims.cp_mesh is None:
+        return None
+    ring = sum(isinstance(k := getattr(m, "kernel", None), functools.partial) and k.func is ring_attention
+               for _, m in modules)
+    return {"mesh": _mesh(parallel_dims.cp_mesh), "ring_attention_modules": ring}
+
+
+def _pipeline(pipeline: Pipeline | None, ranks: list[dict]) -> dict | None:
+    if pipeline is None:
+        return None
+    stages = {s["stage"]: s for r in ranks for s in r["pipeline_stages"]}  # tp / dp peers hold the same stages
+    ordered = [stages[i] for i in sorted(stages)]
+    name = type(pipeline.schedule).__name__
+    return {
+        # The runtime class itself runs a schedule loaded from a CSV file.
+        "schedule": "CSV" if name == "_PipelineScheduleRuntime" else name.removeprefix("Schedule"),
+        "microbatches": pipeline.schedule._n_microbatches,  # no public getter
+        "stages": len(ordered),
+        "split_points": [s["blocks"][0] for s in ordered[1:] if s["blocks"]],
+    }
+
+
+def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str, nn.Module]]) -> dict:
+    wrappers = [(name, m) for name, m in modules if isinstance(m, CheckpointWrapper)]
+    return {"blocks": [b for part in model_parts for b in _blocks(part)],
+            "wrapped": [name for name, _ in wrappers],
+            # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
+            "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers)}
+
+
+def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:
+    linears = [m for _, m in modules if type(m).__name__ == "Float8Linear"]
+    if not linears:
+        return None
+    # torchao wraps the weights that FSDP all-gathers in float8 in its own tensor subclass.
+    gathered = any(type(_local(m.weight)).__name__ == "WeightWithDynamicFloat8CastTensor" for m in linears)
+    return {"linears": len(linears), "fsdp_float8_all_gather": fsdp and gathered}
