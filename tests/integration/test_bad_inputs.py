@@ -164,6 +164,10 @@ CASES: list[Case] = [
     case("unknown model name", "config", "--model.name gpt5", "unknown model.name 'gpt5'"),
     case("custom_import module missing", "config", "--experimental.custom_import nosuch_models_xyz",
          "experimental.custom_import 'nosuch_models_xyz': no module named 'nosuch_models_xyz'"),
+    case("custom_import registers a drifted TrainSpec", "config",
+         "--experimental.custom_import tests.integration.drifted_spec --model.name drifted",
+         "TrainSpec 'drifted': build_dataloader_fn tests.integration.drifted_spec.old_dataloader needs parameter "
+         "'dp_degree', which the trainer does not pass"),
     case("unknown model flavor", "config", "--model.flavor 5B", "unknown model.flavor '5B'"),
     case("float8 on CPU", "config", "--float8.enable_float8_linear", "float8.enable_float8_linear needs CUDA"),
 

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
-from torchtitan.errors import ConfigError
+from torchtitan.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import torch
@@ -152,6 +152,11 @@ def signature_mismatch(fn: Any, protocol: type) -> str | None:
     return None
 
 
+class SpecError(UserError, TypeError):
+    """A TrainSpec whose builder does not take what the trainer passes: one line at registration
+    (under `experimental.custom_import`, the run ends there with exit code 2)."""
+
+
 _REGISTRY: dict[str, TrainSpec] = {}
 
 
@@ -166,8 +171,9 @@ def register_train_spec(spec: TrainSpec) -> None:
             continue
         problem = signature_mismatch(fn, protocol)
         if problem is not None:
-            raise TypeError(f"TrainSpec {spec.name!r}: {field_name} {getattr(fn, '__qualname__', fn)} {problem}; "
-                            f"see {protocol.__name__} in torchtitan/models/train_spec.py")
+            where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+            raise SpecError(f"TrainSpec {spec.name!r}: {field_name} {where} {problem}; see {protocol.__name__} in "
+                            "torchtitan/models/train_spec.py (docs/extension.md)")
     _REGISTRY[spec.name] = spec
 
 
