@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.metrics import MetricsLogger, local_state_bytes
+from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.ring_attention import ring_attention
 
@@ -182,8 +183,7 @@ def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: Parall
             "placements": dict(sorted(placements.items())), "sequence_parallel": norms_replicated,
             # What the training loop computes the loss under (torch's loss_parallel context).
             "loss_parallel": parallel_dims.loss_parallel_enabled,
-            "float8_linears": sum(type(m).__name__ == "Float8Linear" and _tp_placement(m.weight) is not None
-                                  for _, m in modules)}
+            "float8_linears": sum(is_float8(m) and _tp_placement(m.weight) is not None for _, m in modules)}
 
 
 def _context_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: ParallelDims) -> dict | None:
@@ -218,7 +218,7 @@ def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str
 
 
 def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:
-    linears = [m for _, m in modules if type(m).__name__ == "Float8Linear"]
+    linears = [m for _, m in modules if is_float8(m)]
     if not linears:
         return None
     # torchao wraps the weights that FSDP all-gathers in float8 in its own tensor subclass.
