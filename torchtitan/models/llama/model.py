@@ -18,25 +18,22 @@ possible without any parallel branches here:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import causal_attention
-from torchtitan.models.norms import build_norm, reset_norm
-
-
-@dataclass
-class RopeScaling:
-    """Llama 3.1 frequency scaling: long wavelengths are slowed down, short ones kept."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+from torchtitan.models.common import (  # noqa: F401  (RopeScaling, apply_rope: part of this module's API)
+    FeedForward,
+    PaddedVocabMask,
+    RopeScaling,
+    apply_rope,
+    build_norm,
+    causal_attention,
+    reset_norm,
+    rope_table,
+    trunc_normal,
+)
 
 
 @dataclass
@@ -63,43 +60,7 @@ class ModelArgs:
 
 def precompute_rope(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
     """Returns (max_seq_len, head_dim // 2, 2): cos and sin of every position's rotation angles."""
-    head_dim = args.dim // args.n_heads
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
-    if args.rope_scaling is not None:
-        freqs = _scale_rope_freqs(freqs, args.rope_scaling)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, freqs)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
-
-
-def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / freqs
-    # Between the two wavelengths, blend smoothly between scaled and unscaled frequencies.
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    blended = (1 - smooth) * freqs / s.factor + smooth * freqs
-    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, blended)
-    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotates adjacent feature pairs of x (batch, seq, heads, head_dim) by rope (seq, head_dim/2, 2).
-
-    Pairs are adjacent (Meta's layout): each pair (a, b) is multiplied as the complex number a + ib
-    by cos + i sin. Eager mode uses one complex multiply (4x faster than the real-valued form on
-    CPU); under torch.compile the same product is written with real tensors, because inductor
-    cannot generate code for complex ops and would fall back to eager kernels.
-    """
-    if torch.compiler.is_compiling():
-        cos, sin = rope.float().unsqueeze(1).unbind(-1)  # each (seq, 1, head_dim/2)
-        a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
-    rotation = torch.view_as_complex(rope.float().contiguous()).unsqueeze(1)  # (seq, 1, head_dim/2)
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+    return rope_table(args.dim // args.n_heads, args.rope_theta, args.max_seq_len, args.rope_scaling, device)
 
 
 class Attention(nn.Module):
@@ -141,22 +102,6 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
     return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
@@ -176,24 +121,6 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
-
-
-class PaddedVocabMask(nn.Module):
-    """Sets the logits of padding rows (ids >= vocab_size) to -inf: softmax gives them zero
-    probability, so the loss, its gradients and the predictions are those of the real vocabulary."""
-
-    def __init__(self, vocab_size: int):
-        super().__init__()
-        self.vocab_size = vocab_size
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        ids = torch.arange(logits.shape[-1], device=logits.device)
-        return logits.masked_fill(ids >= self.vocab_size, float("-inf"))
-
-
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    """Normal init cut at three standard deviations."""
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class Transformer(nn.Module):
@@ -237,7 +164,7 @@ class Transformer(nn.Module):
         with torch.no_grad():
             if self.tok_embeddings is not None:
                 if tied:
-                    _trunc_normal(self.tok_embeddings.weight, out_std)
+                    trunc_normal(self.tok_embeddings.weight, out_std)
                 else:
                     nn.init.normal_(self.tok_embeddings.weight)
             for layer in self.layers.values():
@@ -247,7 +174,7 @@ class Transformer(nn.Module):
             if self.output is not None and not (tied and self.tok_embeddings is not None):
                 # Untied, or the last pipeline stage's copy of a tied matrix (pipelining then gives
                 # it the first stage's values).
-                _trunc_normal(self.output.weight, out_std)
+                trunc_normal(self.output.weight, out_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) ints -> logits (batch, seq, vocab). A pipeline stage without the

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -32,6 +31,7 @@ from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.float8 import apply_float8, float8_tp_styles, is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
+from torchtitan.parallelisms.tensor_parallel import apply_async_tp, apply_compile, apply_root_tp
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +107,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     float8 before the collectives (the embedding and the output stay in high precision).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    if sequence_parallel:
-        root_plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
-    if loss_parallel and getattr(model, "vocab_mask", None) is not None:
-        model.vocab_mask = ShardedVocabMask(model.vocab_mask.vocab_size)
+    apply_root_tp(model, tp_mesh, loss_parallel, sequence_parallel)
 
     projections = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -147,40 +138,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     logger.info(f"applied tensor parallelism over mesh {{'tp': {tp_mesh.size()}}} (sequence parallel "
                 f"{'on' if sequence_parallel else 'off'}, loss parallel {'on' if loss_parallel else 'off'}"
                 f"{', float8 projections' if float8 else ''})")
-
-
-def apply_async_tp(tp_mesh: DeviceMesh) -> None:
-    """Async TP: inductor splits each TP all-gather / reduce-scatter and its matmul into chunks that
-    overlap, exchanging data through symmetric memory (CUDA only; needs training.compile)."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-    logger.info("enabled async tensor parallelism (micro-pipelined collectives)")
-
-
-class ShardedVocabMask(nn.Module):
-    """The model's padded-vocabulary mask for vocabulary-sharded logits (loss parallelism): each
-    rank masks the padding ids that fall into its own slice of the columns."""
-
-    def __init__(self, vocab_size: int):
-        super().__init__()
-        self.vocab_size = vocab_size
-
-    def forward(self, logits: DTensor) -> DTensor:
-        local = logits.to_local()
-        first = logits.device_mesh.get_local_rank() * local.shape[-1]  # the vocabulary divides by TP
-        ids = torch.arange(first, first + local.shape[-1], device=local.device)
-        masked = local.masked_fill(ids >= self.vocab_size, float("-inf"))
-        return DTensor.from_local(masked, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride())
-
-
-def apply_compile(model: nn.Module) -> None:
-    """Compiles each transformer block on its own (in place, so parameter names do not change).
-
-    Blocks share one code object, so the compiled graph is reused by every block; compiling
-    block by block keeps graphs small and lets FSDP / DDP hooks sit between them.
-    """
-    for block in model.layers.values():
-        block.compile(fullgraph=True)
-    logger.info(f"compiled {len(model.layers)} transformer blocks with torch.compile")

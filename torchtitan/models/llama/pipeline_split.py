@@ -6,10 +6,10 @@ and by `pipeline_llama` (which cuts the stages there), from the one PipelinePlan
 
 from __future__ import annotations
 
-from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
-from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split
+from torchtitan.parallelisms.pipeline import PipelinePlan
+from torchtitan.parallelisms.pipeline_decoder import parse_split_points, stage_starts  # noqa: F401
 
 
 def unit_costs(args: ModelArgs, seq_len: int) -> list[float]:
@@ -28,30 +28,6 @@ def unit_costs(args: ModelArgs, seq_len: int) -> list[float]:
     return costs
 
 
-def parse_split_points(points: list[str], n_layers: int) -> list[int]:
-    """`layers.N` names -> block indices where stages 2, 3, ... start, checked for order and range."""
-    starts = []
-    for point in points:
-        prefix, _, index = point.partition(".")
-        if prefix != "layers" or not index.isdecimal() or not 0 < int(index) < n_layers:
-            raise ConfigError(f"experimental.pipeline_parallel_split_points: {point!r} is not a block where a stage "
-                              f"can start; use layers.1 ... layers.{n_layers - 1}")
-        starts.append(int(index))
-    if starts != sorted(set(starts)):
-        raise ConfigError(f"experimental.pipeline_parallel_split_points must be increasing and distinct, got {points}")
-    return starts
-
-
 def split_points_for(args: ModelArgs, job_config: JobConfig, plan: PipelinePlan) -> list[int]:
     """The block index where each stage after the first starts: as configured, or cost-balanced."""
-    points = job_config.experimental.pipeline_parallel_split_points
-    if points:
-        starts = parse_split_points(points, args.n_layers)
-        if len(starts) != plan.num_stages - 1:
-            raise ConfigError(f"experimental.pipeline_parallel_split_points gives {len(starts) + 1} stages, but "
-                              f"{plan.pp} ranks x {plan.stages_per_rank} stages per rank need {plan.num_stages}")
-        return starts
-    if plan.num_stages > args.n_layers:
-        raise ConfigError(f"{plan.num_stages} pipeline stages need at least as many transformer blocks; the model has "
-                          f"{args.n_layers}")
-    return balanced_split(unit_costs(args, job_config.training.seq_len), plan.num_stages)
+    return stage_starts(args.n_layers, unit_costs(args, job_config.training.seq_len), job_config, plan)

@@ -1,0 +1,153 @@
+"""Building blocks shared by the model families (Llama, Qwen3): RoPE, normalization, the causal
+attention kernel and the SwiGLU feed-forward.
+
+Nothing here knows about parallelism. Each block keeps the idioms that let parallelism reach it
+from outside by module name (see torchtitan/models/llama/model.py's docstring): head counts are
+recovered with `view(..., -1, head_dim)`, the attention kernel is an attribute, and weights are
+initialised by `init_weights`, separately from construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency scaling: long wavelengths are slowed down, short ones kept."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_table(head_dim: int, theta: float, max_seq_len: int, scaling: RopeScaling | None = None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """Returns (max_seq_len, head_dim // 2, 2): cos and sin of every position's rotation angles."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        freqs = _scale_rope_freqs(freqs, scaling)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    # Between the two wavelengths, blend smoothly between scaled and unscaled frequencies.
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotates adjacent feature pairs of x (batch, seq, heads, head_dim) by rope (seq, head_dim/2, 2).
+
+    Pairs are adjacent (Meta's layout): each pair (a, b) is multiplied as the complex number a + ib
+    by cos + i sin. Eager mode uses one complex multiply (4x faster than the real-valued form on
+    CPU); under torch.compile the same product is written with real tensors, because inductor
+    cannot generate code for complex ops and would fall back to eager kernels. Hugging Face's
+    checkpoints pair dims i and i + head_dim/2 instead; the families' converters permute q and k.
+    """
+    if torch.compiler.is_compiling():
+        cos, sin = rope.float().unsqueeze(1).unbind(-1)  # each (seq, 1, head_dim/2)
+        a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
+    rotation = torch.view_as_complex(rope.float().contiguous()).unsqueeze(1)  # (seq, 1, head_dim/2)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalization
+
+
+def build_norm(norm_type: str, dim: int, eps: float = 1e-6) -> nn.Module:
+    """Returns the normalization layer named by `norm_type` over the last `dim` features."""
+    if norm_type in ("rmsnorm", "fused_rmsnorm"):  # the same math; compile fuses it
+        return nn.RMSNorm(dim, eps=eps)
+    if norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=False)
+    if norm_type == "np_layernorm":  # no learnable parameters
+        return nn.LayerNorm(dim, eps=eps, elementwise_affine=False, bias=False)
+    raise ValueError(f"unknown norm_type {norm_type!r}; expected rmsnorm, layernorm or np_layernorm")
+
+
+def reset_norm(norm: nn.Module) -> None:
+    """Re-initialises a norm's parameters in place (weights to one)."""
+    if getattr(norm, "weight", None) is not None:
+        with torch.no_grad():
+            nn.init.ones_(norm.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention kernel
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled-dot-product attention on (batch, heads, seq, head_dim) tensors.
+
+    k and v may have fewer heads than q (grouped-query attention). On CPU, bf16/fp16 inputs are
+    computed in fp32: PyTorch's CPU flash-attention backward is about 2.5x slower in bf16 than in
+    fp32 for small head dims (debug model, 2-core Xeon: 1.8 s vs 0.7 s per step), and the fp32
+    result is at least as accurate. On CUDA the flash kernels run in the input dtype.
+    """
+    grouped = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=grouped)
+        return out.type_as(q)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feed-forward
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). Tensor parallelism splits w1/w3 by output, w2 by input."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class PaddedVocabMask(nn.Module):
+    """Sets the logits of padding rows (ids >= vocab_size) to -inf: softmax gives them zero
+    probability, so the loss, its gradients and the predictions are those of the real vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        return logits.masked_fill(ids >= self.vocab_size, float("-inf"))
+
+
+def trunc_normal(weight: torch.Tensor, std: float) -> None:
+    """Normal init cut at three standard deviations."""
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

@@ -1,0 +1,112 @@
+"""Pipeline parallelism for decoder models of the shared layout (`tok_embeddings`, `layers` keyed
+by block index, `norm`, `output`, optional `vocab_mask`; a forward that skips missing parts): where
+stages start, how a stage is cut out of the meta-device model, and how the stages become a
+schedule. A family's pipelining function supplies its per-block costs and calls these.
+
+A stage is a copy of the whole model with the blocks of other stages deleted and, except on the
+first stage, no token embedding (the last stage alone keeps the final norm and output). Every
+kept module keeps its original name (`layers.5.attention.wq.weight`), so checkpoints are the same
+whatever the pipeline layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split, stage_ids_for_rank
+from torchtitan.parallelisms.pipeline_runtime import Pipeline, build_schedule, make_stages
+from torchtitan.parallelisms.pipeline_tied import TiedWeights
+
+logger = logging.getLogger(__name__)
+
+
+def parse_split_points(points: list[str], n_layers: int) -> list[int]:
+    """`layers.N` names -> block indices where stages 2, 3, ... start, checked for order and range."""
+    starts = []
+    for point in points:
+        prefix, _, index = point.partition(".")
+        if prefix != "layers" or not index.isdecimal() or not 0 < int(index) < n_layers:
+            raise ConfigError(f"experimental.pipeline_parallel_split_points: {point!r} is not a block where a stage "
+                              f"can start; use layers.1 ... layers.{n_layers - 1}")
+        starts.append(int(index))
+    if starts != sorted(set(starts)):
+        raise ConfigError(f"experimental.pipeline_parallel_split_points must be increasing and distinct, got {points}")
+    return starts
+
+
+def stage_starts(n_layers: int, unit_costs: list[float], job_config: JobConfig, plan: PipelinePlan) -> list[int]:
+    """The block index where each stage after the first starts: as configured, or balancing
+    `unit_costs` (one estimated cost per block)."""
+    points = job_config.experimental.pipeline_parallel_split_points
+    if points:
+        starts = parse_split_points(points, n_layers)
+        if len(starts) != plan.num_stages - 1:
+            raise ConfigError(f"experimental.pipeline_parallel_split_points gives {len(starts) + 1} stages, but "
+                              f"{plan.pp} ranks x {plan.stages_per_rank} stages per rank need {plan.num_stages}")
+        return starts
+    if plan.num_stages > n_layers:
+        raise ConfigError(f"{plan.num_stages} pipeline stages need at least as many transformer blocks; the model has "
+                          f"{n_layers}")
+    return balanced_split(unit_costs, plan.num_stages)
+
+
+def build_stage_module(model: nn.Module, first: int, last: int, num_stages: int, stage_id: int) -> nn.Module:
+    """A copy of the (meta-device) model that holds blocks first..last-1 under their original names."""
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers.keys()):
+        if not first <= int(name) < last:
+            del stage.layers[name]
+    if stage_id != 0:
+        stage.tok_embeddings = None
+    if stage_id != num_stages - 1:
+        stage.norm, stage.output, stage.vocab_mask = None, None, None
+    return stage
+
+
+def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int], tied_embeddings: bool,
+                           plan: PipelinePlan, parallel_dims: ParallelDims, job_config: JobConfig,
+                           device: torch.device, parallelize_fn: Callable[..., nn.Module],
+                           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+    """Cuts this rank's stages at `starts`, parallelizes each with `parallelize_fn`, and builds
+    the schedule around `loss_fn` (the TrainSpec's ParallelizeFn and LossFn; typed loosely here
+    because parallelisms do not import the model registry)."""
+    pp_mesh = parallel_dims.pp_mesh
+    bounds = [0, *starts, n_layers]
+    names = [f"layers.{bounds[i]}-{bounds[i + 1] - 1}" for i in range(plan.num_stages)]
+    given = "given" if job_config.experimental.pipeline_parallel_split_points else "cost-balanced"
+    logger.info(f"pipeline: {plan.num_stages} stages ({given} split at {', '.join(f'layers.{s}' for s in starts)}): "
+                f"{'; '.join(names)}; schedule {plan.schedule}, {plan.microbatches} microbatches")
+    stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), plan)
+    modules = []
+    for stage_id in stage_ids:
+        module = build_stage_module(model, bounds[stage_id], bounds[stage_id + 1], plan.num_stages, stage_id)
+        modules.append(parallelize_fn(module, parallel_dims, job_config))
+    stages = make_stages(modules, stage_ids, plan, pp_mesh.get_group(), device)
+    scale = plan.microbatches * job_config.training.gradient_accumulation_steps
+
+    def microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The mean over a microbatch, pre-divided so that the gradients summed over microbatches
+        # and accumulation steps are those of the mean over the whole batch (the schedule does
+        # not rescale them).
+        return loss_fn(output, target) / scale
+
+    # Every rank passes the loss function: a schedule without one runs forward only.
+    schedule = build_schedule(plan, stages, microbatch_loss)
+    tied = None
+    if tied_embeddings:
+        # The embedding (first stage) and the output projection (last stage) share one matrix.
+        by_stage = dict(zip(stage_ids, modules))
+        last_stage = plan.num_stages - 1
+        owners = tuple(next(r for r in range(plan.pp) if s in stage_ids_for_rank(r, plan)) for s in (0, last_stage))
+        tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
+                           (by_stage[last_stage], "output") if last_stage in by_stage else None,
+                           owners, parallel_dims.world_mesh)
+    return Pipeline(schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied)

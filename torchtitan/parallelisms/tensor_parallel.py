@@ -1,0 +1,74 @@
+"""Tensor-parallel pieces every decoder family shares: the plan of the model's root (embedding,
+final norm, output projection), the padded-vocabulary mask for sharded logits, async TP, and
+per-block compilation. Each family's parallelize function adds its own per-block plan.
+
+The root plan assumes the decoder layout both families use: `tok_embeddings`, `layers`, `norm`,
+`output` and an optional `vocab_mask` (any of them None on a pipeline stage that lacks it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+logger = logging.getLogger(__name__)
+
+
+def apply_root_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """The embedding is split by vocabulary rows (its output is sequence-sharded under sequence
+    parallelism); the output projection by vocabulary columns, and with loss parallelism its
+    logits stay sharded into the cross-entropy."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+    if loss_parallel and getattr(model, "vocab_mask", None) is not None:
+        model.vocab_mask = ShardedVocabMask(model.vocab_mask.vocab_size)
+
+
+class ShardedVocabMask(nn.Module):
+    """The model's padded-vocabulary mask for vocabulary-sharded logits (loss parallelism): each
+    rank masks the padding ids that fall into its own slice of the columns."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: DTensor) -> DTensor:
+        local = logits.to_local()
+        first = logits.device_mesh.get_local_rank() * local.shape[-1]  # the vocabulary divides by TP
+        ids = torch.arange(first, first + local.shape[-1], device=local.device)
+        masked = local.masked_fill(ids >= self.vocab_size, float("-inf"))
+        return DTensor.from_local(masked, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride())
+
+
+def apply_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Async TP: inductor splits each TP all-gather / reduce-scatter and its matmul into chunks that
+    overlap, exchanging data through symmetric memory (CUDA only; needs training.compile)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    logger.info("enabled async tensor parallelism (micro-pipelined collectives)")
+
+
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
+    """Compiles each transformer block on its own (in place, so parameter names do not change).
+
+    Blocks share one code object, so the compiled graph is reused by every block; compiling
+    block by block keeps graphs small and lets FSDP / DDP hooks sit between them. `fullgraph`
+    False lets data-dependent code (MoE routing) break the graph instead of failing.
+    """
+    for block in model.layers.values():
+        block.compile(fullgraph=fullgraph)
+    logger.info(f"compiled {len(model.layers)} transformer blocks with torch.compile")
