@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Converts model weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
 
-Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3) can be converted: the
-adapter gives its Hugging Face names, tensor layouts and config.json.
+Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE) can be
+converted: the adapter gives its Hugging Face names, tensor layouts and config.json.
 
 Usage examples (from the repository root, with PYTHONPATH=.):
 
@@ -104,6 +104,7 @@ def _hf_adapter(name: str | None) -> HFAdapter:
 
 
 def _is_param(adapter: HFAdapter, fqn: str) -> bool:
+    """Whether `fqn` is a tensor of the family (None from to_hf_name: one without an HF counterpart)."""
     try:
         adapter.to_hf_name(fqn)
     except KeyError:
@@ -199,7 +200,7 @@ def _token_ids(tokenizer: Tokenizer | None) -> dict[str, int]:
 
 def _drop_padding_rows(model: dict[str, torch.Tensor], vocab_size: int, adapter: HFAdapter) -> None:
     """Keeps the first `vocab_size` embedding and output rows (a padded vocabulary's real ones)."""
-    embedding, output = adapter.from_hf_name(hf_folder.HF_EMBEDDING), adapter.from_hf_name(hf_folder.HF_OUTPUT)
+    (embedding,), (output,) = adapter.from_hf_names(hf_folder.HF_EMBEDDING), adapter.from_hf_names(hf_folder.HF_OUTPUT)
     rows = model[embedding].shape[0]
     if not 0 < vocab_size <= rows:
         raise CheckpointError(f"--vocab-size {vocab_size} must be between 1 and the embedding's {rows} rows")
@@ -336,13 +337,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="convert_checkpoint.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("hf-to-dcp", help="Hugging Face Llama folder -> weights-only DCP checkpoint")
+    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3: --model) -> weights-only DCP checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
                    "names and layouts are used (default llama3)")
     p.set_defaults(run=hf_to_dcp)
-    p = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face Llama folder (config.json + safetensors)")
+    p = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face folder (config.json + safetensors)")
     p.add_argument("ckpt_dir")
     p.add_argument("out_dir")
     _dtype_option(p)

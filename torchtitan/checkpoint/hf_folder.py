@@ -113,23 +113,31 @@ def read_hf_tensors(hf_dir: str, files: list[str]) -> tuple[dict[str, torch.Tens
 
 def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,
                hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar."""
+    """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar. Each of
+    our tensors is made from every HF tensor the adapter relates to it (one, or an expert's part
+    each, or a fused tensor it shares with another of ours); those HF lacks come from the adapter."""
     buffers = {k: v for k, v in hf_tensors.items() if k.endswith(_BUFFER_SUFFIX)}
-    ours: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     unknown = []
     for name, tensor in hf_tensors.items():
         if name in buffers:
             continue
         try:
-            fqn = adapter.from_hf_name(name)
+            fqns = adapter.from_hf_names(name)
         except KeyError:
             unknown.append(name)
             continue
-        ours[fqn] = adapter.from_hf_tensor(fqn, tensor, args).contiguous()
+        for fqn in fqns:
+            parts.setdefault(fqn, {})[name] = tensor
     if unknown:
-        raise CheckpointError(f"{hf_dir} holds tensors that are not {adapter.hf_architecture} parameters: "
+        raise CheckpointError(f"{hf_dir} holds tensors that are not {adapter.hf_architecture(args)} parameters: "
                               f"{sorted(unknown)[0]}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
-    output, embedding = adapter.from_hf_name(HF_OUTPUT), adapter.from_hf_name(HF_EMBEDDING)
+    try:
+        ours = {fqn: adapter.from_hf_tensors(fqn, group, args).contiguous() for fqn, group in parts.items()}
+    except CheckpointError as e:  # the adapter names the tensor; the folder is said here
+        raise CheckpointError(f"{hf_dir}: {e}") from None
+    ours.update(adapter.tensors_without_hf(args))
+    (output,), (embedding,) = adapter.from_hf_names(HF_OUTPUT), adapter.from_hf_names(HF_EMBEDDING)
     if adapter.ties_embeddings(args) and output not in ours and embedding in ours:
         ours[output] = ours[embedding]  # our model keeps the tied weight under both names
     return ours, buffers
@@ -224,16 +232,19 @@ def try_exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, 
 
 
 def _hf_order(name: str) -> tuple:
-    """Embedding, blocks in order, final norm, output: the order HF's own exports use."""
+    """Embedding, blocks in order, final norm, output: the order HF's own exports use. Within a
+    block, numbers compare as numbers, so expert 10 follows expert 9 (and one expert's tensors stay
+    together in a shard)."""
     if name.startswith("model.layers."):
         parts = name.split(".")
-        return (1, int(parts[2]), ".".join(parts[3:]))
+        return (1, int(parts[2]), [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts[3:]])
     return ({HF_EMBEDDING: 0, HF_NORM: 2}.get(name, 3), 0, name)
 
 
 def to_hf(model: dict[str, torch.Tensor], args: Any, adapter: HFAdapter) -> dict[str, torch.Tensor]:
-    """HF name -> tensor in HF's layout and order, from our FQN -> tensor."""
-    out = {adapter.to_hf_name(k): adapter.to_hf_tensor(k, v, args).contiguous() for k, v in model.items()}
+    """HF name -> tensor in HF's layout and order, from our FQN -> tensor. One of ours may become
+    several HF tensors (views of it: `write_fresh` copies them apart) or none (`to_hf_name` None)."""
+    out = {name: t.contiguous() for k, v in model.items() for name, t in adapter.to_hf_tensors(k, v, args).items()}
     return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
 
 
@@ -279,7 +290,7 @@ def write_fresh(out_tmp: str, hf: dict[str, torch.Tensor], config: dict[str, Any
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_tmp, name), metadata={"format": "pt"})
+        save_file(_apart(shard), os.path.join(out_tmp, name), metadata={"format": "pt"})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in hf.values())
         weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
@@ -288,6 +299,19 @@ def write_fresh(out_tmp: str, hf: dict[str, torch.Tensor], config: dict[str, Any
     with open(os.path.join(out_tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+
+
+def _apart(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`shard` with tensors that share storage (the per-expert views of one stacked tensor) copied
+    apart: safetensors refuses to save shared storage. One shard at a time, so the copies cost at
+    most a shard's size."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in shard.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    return out
 
 
 def give_default_modes(folder: str) -> None:

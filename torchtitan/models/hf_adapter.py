@@ -6,6 +6,16 @@ only through the adapter its TrainSpec registers (`TrainSpec.hf_adapter`), so ne
 model family. Below, `args` is the family's model args (a dataclass, like a TrainSpec flavor).
 Refusals of what the family cannot represent raise CheckpointError (torchtitan.errors) with one
 line naming the field or tensor.
+
+Names need not map one to one. Mostly one of our tensors is one HF tensor, but:
+- HF may store one of ours as several tensors (Qwen3-MoE's stacked experts `moe.experts.w1`, shape
+  (experts, hidden, dim), are one `mlp.experts.{j}.gate_proj.weight` per expert): `to_hf_tensors`
+  splits it and `from_hf_tensors` merges the parts back;
+- one HF tensor may hold parts of several of ours (transformers' fused `gate_up_proj`, our w1 and
+  w3): `from_hf_names` names each of them, and each one's `from_hf_tensors` takes its part;
+- we may keep a tensor HF has no counterpart for (the auxiliary-loss-free `moe.expert_bias`):
+  `to_hf_name` gives None, an export leaves it out and an import fills in `tensors_without_hf`.
+This module also holds the q/k row permutation that every family with HF's `rotate_half` RoPE needs.
 """
 
 from __future__ import annotations
@@ -18,27 +28,44 @@ if TYPE_CHECKING:
 
 class HFAdapter(Protocol):
     family: str  # the family in refusals: "... are not Llama parameters"
-    hf_architecture: str  # HF's model class, as config.json's `architectures` names it: "LlamaForCausalLM"
 
-    def to_hf_name(self, fqn: str) -> str:
-        """HF's name for one of our parameter FQNs; KeyError for a name that is no parameter of the family."""
+    def hf_architecture(self, args: Any) -> str:
+        """HF's model class for `args`, as config.json's `architectures` names it ("LlamaForCausalLM";
+        Qwen3 has a dense and an MoE one)."""
         ...
 
-    def from_hf_name(self, name: str) -> str:
-        """Our FQN for one of HF's parameter names; KeyError for any other name."""
+    def to_hf_name(self, fqn: str) -> str | None:
+        """HF's name for one of our FQNs; for a tensor HF stores as several, their names with `*`
+        for the part's index (as transformers' own conversion mappings write them); None for a tensor
+        of ours with no HF counterpart; KeyError for a name that is no tensor of the family."""
+        ...
+
+    def from_hf_names(self, name: str) -> tuple[str, ...]:
+        """Our FQNs that HF's tensor `name` is, or holds a part of (usually one); KeyError for any
+        other name."""
         ...
 
     def whole_model_names(self, fqns: Iterable[str]) -> list[str]:
-        """Every parameter FQN of a whole model with as many blocks as `fqns` reach (a tied output
-        projection included): what a checkpoint holding `fqns` must hold. `fqns` are parameters."""
+        """Every FQN of a whole model with as many blocks as `fqns` reach (a tied output projection
+        included), of the kind `fqns` are (dense or MoE, say): what a checkpoint holding `fqns` must
+        hold. `fqns` are the family's names."""
         ...
 
-    def to_hf_tensor(self, fqn: str, w: torch.Tensor, args: Any) -> torch.Tensor:
-        """Our tensor `fqn` in HF's layout (e.g. RoPE rows reordered); may be `w` itself."""
+    def to_hf_tensors(self, fqn: str, w: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
+        """HF's tensors (name -> tensor in HF's layout, e.g. RoPE rows reordered) that store our
+        tensor `fqn`: usually one, which may be `w` itself; several for a tensor HF stores split
+        (views of `w`); none for one HF has no counterpart for."""
         ...
 
-    def from_hf_tensor(self, fqn: str, w: torch.Tensor, args: Any) -> torch.Tensor:
-        """HF's tensor for our `fqn` in our layout: the inverse of `to_hf_tensor`."""
+    def from_hf_tensors(self, fqn: str, parts: dict[str, torch.Tensor], args: Any) -> torch.Tensor:
+        """Our tensor `fqn` in our layout from the HF tensors that `from_hf_names` relates to it
+        (name -> tensor, all of a folder's): the inverse of `to_hf_tensors`. CheckpointError when
+        parts are missing or do not fit `args`."""
+        ...
+
+    def tensors_without_hf(self, args: Any) -> dict[str, torch.Tensor]:
+        """Our tensors that HF has no counterpart for (`to_hf_name` None), as a freshly initialised
+        model holds them: what an import adds. Usually none."""
         ...
 
     def ties_embeddings(self, args: Any) -> bool:
@@ -59,7 +86,23 @@ class HFAdapter(Protocol):
     def args_with_shapes(self, base: Any | None, shapes: dict[str, tuple[int, ...]], n_heads: int | None,
                          n_kv_heads: int | None) -> Any:
         """`base` (the args of the checkpoint's flavor; None when it has none, the family's
-        defaults) with every size the tensor `shapes` (our FQN -> shape) tell. Head counts do not
+        defaults) with every size the tensor `shapes` (our FQN -> shape) tell. Head counts may not
         show in shapes: `n_heads` and `n_kv_heads` are the user's, None where not given (the
         converter's --n-heads and --n-kv-heads, which the refusals name)."""
         ...
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE layouts
+
+
+def rope_rows_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q or k projection (or the features of a per-head q/k norm, as `n_heads` 1 and a
+    vector) from this project's interleaved RoPE pairs (2i, 2i+1) to HF's `rotate_half` halves
+    (i, i + head_dim/2), head by head."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def rope_rows_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of `rope_rows_to_hf`: HF's rotate_half rows back to interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)

@@ -26,22 +26,28 @@ class LlamaHFAdapter:
     """Hugging Face `LlamaForCausalLM` names, q/k layouts and config.json, for Llama 2 and 3."""
 
     family = "Llama"
-    hf_architecture = "LlamaForCausalLM"
+
+    def hf_architecture(self, args: ModelArgs) -> str:
+        return "LlamaForCausalLM"
 
     def to_hf_name(self, fqn: str) -> str:
         return hf_format.to_hf_name(fqn)
 
-    def from_hf_name(self, name: str) -> str:
-        return hf_format.from_hf_name(name)
+    def from_hf_names(self, name: str) -> tuple[str, ...]:
+        return (hf_format.from_hf_name(name),)  # one to one
 
     def whole_model_names(self, fqns: Iterable[str]) -> list[str]:
         return hf_format.param_names(_n_layers(fqns))
 
-    def to_hf_tensor(self, fqn: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-        return hf_format.to_hf_tensor(fqn, w, args)
+    def to_hf_tensors(self, fqn: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+        return {hf_format.to_hf_name(fqn): hf_format.to_hf_tensor(fqn, w, args)}
 
-    def from_hf_tensor(self, fqn: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    def from_hf_tensors(self, fqn: str, parts: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
+        (w,) = parts.values()  # from_hf_names is one to one, so each of ours has exactly one part
         return hf_format.from_hf_tensor(fqn, w, args)
+
+    def tensors_without_hf(self, args: ModelArgs) -> dict[str, torch.Tensor]:
+        return {}
 
     def ties_embeddings(self, args: ModelArgs) -> bool:
         return args.tie_word_embeddings

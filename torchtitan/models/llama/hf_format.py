@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from torchtitan.errors import CheckpointError
+from torchtitan.models.hf_adapter import rope_rows_from_hf, rope_rows_to_hf
 from torchtitan.models.llama.flavors import llama2_configs, llama3_configs
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, ffn_hidden_dim
 
@@ -111,16 +112,9 @@ def _heads_of(fqn: str, args: ModelArgs) -> int | None:
     return None
 
 
-def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q or k projection from interleaved pairs (2i, 2i+1) to HF's halves (i, i + head_dim/2)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def unpermute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of `permute_for_hf`: HF's rotate_half rows back to interleaved pairs."""
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+# The q/k row permutation is shared with the other families that convert to HF's rotate_half RoPE.
+permute_for_hf = rope_rows_to_hf
+unpermute_from_hf = rope_rows_from_hf
 
 
 def to_hf_tensor(fqn: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
