@@ -245,6 +245,7 @@ def validate(config: JobConfig) -> None:
         "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
         "training.data_parallel_replicate_degree": t.data_parallel_replicate_degree,
         "training.tensor_parallel_degree": t.tensor_parallel_degree,
+        "training.expert_parallel_degree": t.expert_parallel_degree,
         "training.gc_freq": t.gc_freq,
         "training.ddp_bucket_cap_mb": t.ddp_bucket_cap_mb,
         "metrics.log_freq": m.log_freq,
@@ -273,6 +274,9 @@ def validate(config: JobConfig) -> None:
     if t.warmup_steps > t.steps:
         raise ConfigError(f"training.warmup_steps {t.warmup_steps} is longer than the run (training.steps {t.steps}): "
                           "the learning rate would never reach optimizer.lr; lower training.warmup_steps")
+    if config.moe.aux_loss_coef < 0 or config.moe.bias_update_rate < 0:
+        raise ConfigError(f"moe.aux_loss_coef and moe.bias_update_rate must be >= 0 (0 turns each off), got "
+                          f"{config.moe.aux_loss_coef} and {config.moe.bias_update_rate}")
     if not 0 <= t.lr_min <= 1:
         raise ConfigError(f"training.lr_min is a fraction of optimizer.lr and must lie in [0, 1], got {t.lr_min}")
     if config.profiling.enable_profiling and config.profiling.profile_freq < 2:

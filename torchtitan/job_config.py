@@ -127,6 +127,9 @@ class Training:
     data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = every rank not used by another degree.")
     enable_cpu_offload: bool = opt(False, "Offload FSDP parameters, gradients and optimizer state to CPU.")
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree.")
+    expert_parallel_degree: int = opt(
+        1, "Expert-parallel degree (MoE models): experts are split over this many ranks, taken from the "
+        "data-parallel shard x context-parallel ranks (it adds no ranks; docs/moe.md).")
     disable_loss_parallel: bool = opt(False, "Gather full logits instead of computing the loss vocab-sharded (TP).")
     enable_loss_parallel: bool = opt(True, "Late-2024 spelling of the same switch: false means disable_loss_parallel.")
     disable_sequence_parallel: bool = opt(False, "TP without sequence parallelism for norms (all-reduce mode).")
@@ -176,6 +179,16 @@ class Experimental:
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
     enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
     custom_import: str = opt("", "Python module imported at start-up, e.g. one that registers a new model.")
+
+
+@dataclass
+class MoE:
+    aux_loss_coef: float = opt(
+        0.001, "Weight of the sequence-wise load-balancing loss per MoE layer (0 = none; Qwen3-MoE trains with 0.001).")
+    bias_update_rate: float = opt(
+        0.0, "DeepSeek-V3 auxiliary-loss-free balancing: per step, each expert's routing bias moves by this much "
+        "towards an even load (0 = off; DeepSeek-V3 uses 0.001).")
+    grouped_mm: bool = opt(True, "Compute experts with torch._grouped_mm where the device supports it (else a loop).")
 
 
 @dataclass
@@ -257,6 +270,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     training: Training = field(default_factory=Training)
     experimental: Experimental = field(default_factory=Experimental)
+    moe: MoE = field(default_factory=MoE)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)

@@ -11,7 +11,7 @@ import platform
 import re
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -273,6 +273,10 @@ class StepMetrics:
     # Pipeline only: the share of the schedule's time that the pp ranks (on average) spent not
     # computing, i.e. the bubble plus waiting for neighbours.
     pp_bubble: float | None = None
+    # The model's own figures (TrainSpec.after_step_fn): logged under their names; `model_summary`
+    # ends the console line.
+    model_values: dict[str, float] = field(default_factory=dict)
+    model_summary: str = ""
 
 
 class MetricsLogger:
@@ -324,7 +328,9 @@ class MetricsLogger:
         }
         if s.pp_bubble is not None:
             values["pp_bubble_percent"] = 100 * s.pp_bubble
+        values.update(s.model_values)
         bubble = f"  bubble: {100 * s.pp_bubble:.1f}%" if s.pp_bubble is not None else ""
+        bubble += f"  {s.model_summary}" if s.model_summary else ""
         c = self.colors
         logger.info(
             f"{c.red}step: {s.step:2}  {c.green}loss: {s.loss:7.4f}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "

@@ -110,7 +110,8 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
                           pipeline: Pipeline | None, ranks: list[dict]) -> dict:
     """The parallelisms the model parts carry, one key each (None where not applied)."""
     modules = [(name, m) for part in model_parts for name, m in part.named_modules()]
-    fsdp, replicate = _data_parallel(modules)
+    # FSDP units inside MoE layers shard over meshes of their own; the "moe" record lists those.
+    fsdp, replicate = _data_parallel([(n, m) for n, m in modules if not _in_moe(n)])
     zero1 = getattr(optimizers, "zero1", None)
     return {
         "fsdp": fsdp,
@@ -124,6 +125,7 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         # nn.Module.compile keeps the compiled call in `_compiled_call_impl` (no public getter).
         "compile": {"compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for _, m in modules)},
         "float8": _float8(modules, fsdp is not None),
+        "moe": _moe(modules),
     }
 
 
@@ -177,8 +179,10 @@ def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: Parall
     placements = Counter(repr(pl) for p in params if (pl := _tp_placement(p)) is not None)
     # Sequence parallelism leaves its mark on the norms: their weights become DTensors replicated over
     # tp (norms without weights cannot show it).
+    # (Per-head q/k norms are replicated over tp in any case: they see a slice of the heads.)
     norms_replicated = any(type(m).__name__.endswith("Norm") and isinstance(_tp_placement(p), Replicate)
-                           for _, m in modules for p in m.parameters(recurse=False))
+                           and name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm")
+                           for name, m in modules for p in m.parameters(recurse=False))
     return {"mesh": _mesh(parallel_dims.tp_mesh), "parameters": sum(placements.values()),
             "placements": dict(sorted(placements.items())), "sequence_parallel": norms_replicated,
             # What the training loop computes the loss under (torch's loss_parallel context).
@@ -215,6 +219,31 @@ def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str
             "wrapped": [name for name, _ in wrappers],
             # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
             "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers)}
+
+
+def _in_moe(name: str) -> bool:
+    """Whether a module name lies inside an MoE layer (`layers.3.moe`, `layers.3.moe.experts`)."""
+    return "moe" in name.split(".")
+
+
+def _moe(modules: list[tuple[str, nn.Module]]) -> dict | None:
+    """Mixture-of-experts layers (recognised by their per-step statistics) and where their experts
+    live: the mesh of the stacked expert weights shows expert parallelism (dim `ep`) and the FSDP
+    dims that shard them."""
+    layers = [m for _, m in modules if hasattr(m, "take_step_stats")]
+    if not layers:
+        return None
+    first = layers[0]
+    w = first.experts.w1
+    mesh = _mesh(w.device_mesh) if isinstance(w, DTensor) else None
+    ep = (mesh or {}).get("ep", 1)
+    fsdp_dims = {k: v for k, v in (mesh or {}).items() if k != "ep"}
+    units = sorted({str(_mesh(g.mesh_info.mesh)) for n, m in modules if _in_moe(n) and isinstance(m, FSDPModule)
+                    for g in m._get_fsdp_state()._fsdp_param_groups})
+    return {"layers": len(layers), "experts": first.num_experts, "top_k": first.top_k,
+            "ep_mesh": {"ep": ep} if ep > 1 else None, "experts_per_rank": first.num_experts // ep,
+            "expert_fsdp_mesh": fsdp_dims or None, "fsdp_unit_meshes": units,
+            "aux_loss_coef": first.aux_loss_coef, "bias_update_rate": first.bias_update_rate}
 
 
 def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:

@@ -79,7 +79,8 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
     m = job_config.model
     flavor = train_spec.config[m.flavor]
     # vocab_size is required of every model's args; the others are set where the model has them.
-    updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": m.norm_type}
+    updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": m.norm_type,
+               "moe_aux_loss_coef": job_config.moe.aux_loss_coef, "moe_bias_update_rate": job_config.moe.bias_update_rate}
     padding = -vocab_size % m.vocab_size_divisible_by
     if padding:
         if not hasattr(flavor, "vocab_padding"):
@@ -130,6 +131,9 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
     check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
+    if parallel_dims.ep > 1 and not any(hasattr(m, "num_experts") for m in model.modules()):
+        raise ConfigError(f"training.expert_parallel_degree {parallel_dims.ep} needs a mixture-of-experts model; "
+                          f"{job_config.model.name} {job_config.model.flavor} has no experts (leave it at 1)")
     check_step_fits(job_config, parallel_dims, model_args, device_type, sum(p.numel() for p in model.parameters()))
     return Preflight(parallel_dims, plan, train_spec, tokenizer, model_args, model)
 
@@ -301,12 +305,16 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             precompute_float8_scales(model_parts)
         lr_schedulers.step()
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
+        # The last step before a stop is logged too, so a resumed run's metrics have no gap.
+        log_step = step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or bool(stop_signal)
+        report = None
+        if train_spec.after_step_fn is not None:  # e.g. MoE routing biases and statistics
+            report = train_spec.after_step_fn(model_parts, parallel_dims, log=log_step)
 
         if setup is not None and step == setup.first_step:
             # What this run applied and loaded, with every rank's state bytes (optimizer state exists now).
             setup.write(metrics, parallel_dims, model_parts, optimizers, pipeline)
-        # The last step before a stop is logged too, so a resumed run's metrics have no gap.
-        if step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or stop_signal:
+        if log_step:
             if pipeline is not None:
                 # Only the last stage has a loss; the others contribute zero to the sum over pp.
                 step_loss = tt_dist.sum_across(step_loss, pp_mesh)
@@ -316,7 +324,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
             # per device, every token counts once per group (so MFU compares with one device's peak).
             tokens = window_tokens / parallel_dims.non_data_parallel_size
-            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble))
+            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble,
+                                    *(report or ())))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
         checkpoint.save(step, last=step == t.steps, loss=step_loss, grad_norm=grad_norm)
         if profiler is not None:

@@ -140,6 +140,9 @@ CASES: list[Case] = [
            env={"WORLD_SIZE": "2"}),
     config("context parallel odd sequence", "--experimental.context_parallel_degree 2 --training.seq_len 63",
            "training.seq_len 63 must divide by 2 x experimental.context_parallel_degree", env={"WORLD_SIZE": "2"}),
+    config("expert parallel degree 0", "--training.expert_parallel_degree 0", "training.expert_parallel_degree must be >= 1, got 0"),
+    config("expert parallel degree does not divide the ranks", "--training.expert_parallel_degree 3",
+           "training.expert_parallel_degree 3 must divide the ranks it is taken from (dp_shard 2 = 2)", env={"WORLD_SIZE": "2"}),
     config("TOML syntax error", "--job.config_file {in}/bad.toml", "malformed TOML in {in}/bad.toml",
            files={"bad.toml": TOML_SYNTAX}),
     config("TOML unknown key", "--job.config_file {in}/bad.toml", "unknown option training.stepz in {in}/bad.toml",
@@ -170,6 +173,22 @@ CASES: list[Case] = [
          "'dp_degree', which the trainer does not pass"),
     case("unknown model flavor", "config", "--model.flavor 5B", "unknown model.flavor '5B'"),
     case("float8 on CPU", "config", "--float8.enable_float8_linear", "float8.enable_float8_linear needs CUDA"),
+    # Model-dependent layout checks of the preflight, met by rank 0 of a job of WORLD_SIZE ranks before it joins
+    # the process group (one process stands for the job: a check that let the layout through would fail to join).
+    case("expert parallelism with a dense model", "config",
+         "--model.name qwen3 --model.flavor debugmodel --training.expert_parallel_degree 2",
+         "training.expert_parallel_degree 2 needs a mixture-of-experts model; model qwen3 debugmodel is dense",
+         env={"WORLD_SIZE": "2"}),
+    case("expert parallelism with a Llama model", "config", "--training.expert_parallel_degree 2",
+         "training.expert_parallel_degree 2 needs a mixture-of-experts model; llama3 debugmodel has no experts",
+         env={"WORLD_SIZE": "2"}),
+    case("experts not divisible by the expert parallel degree", "config",
+         "--model.name qwen3 --model.flavor debugmodel_moe --training.expert_parallel_degree 3",
+         "training.expert_parallel_degree 3 must divide the 8 experts of model qwen3 debugmodel_moe", env={"WORLD_SIZE": "3"}),
+    case("MoE under tensor parallelism with DDP", "config",
+         "--model.name qwen3 --model.flavor debugmodel_moe --training.tensor_parallel_degree 2 "
+         "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1",
+         ("training.tensor_parallel_degree 2", "training.data_parallel_replicate_degree 2"), env={"WORLD_SIZE": "4"}),
 
     # --- launcher: run_llama_train.sh's own checks, before torch starts --------------------------------
     launcher("NGPU=0", {"NGPU": "0"}, "NGPU must be a positive number of processes, got '0'"),

@@ -96,7 +96,7 @@ def test_a_point_expects_its_layout_and_variants_in_the_setup_record():
               "fsdp": None, "ddp": {"kind": "fsdp_replicate", "mesh": {"dp_replicate": 2}}, "cp": None, "pipeline": None,
               "tp": {"mesh": {"tp": 2}, "sequence_parallel": False, "loss_parallel": True},
               "activation_checkpoint": {"blocks": ["layers.0", "layers.1"], "wrapped": ["layers.0"], "op_level": False},
-              "compile": {"compiled_modules": 0}, "zero1": {"replicas": 2}}
+              "compile": {"compiled_modules": 0}, "zero1": {"replicas": 2}, "moe": None}
     assert unmet(record, point.expect()) == []
     record["activation_checkpoint"]["wrapped"] = ["layers.0", "layers.1"]  # full, not every second block
     record["tp"]["sequence_parallel"] = True
@@ -106,3 +106,18 @@ def test_a_point_expects_its_layout_and_variants_in_the_setup_record():
         "tp.sequence_parallel should be False, the run recorded True",
         "activation_checkpoint should be every second block wrapped, whole (selective 2), the run recorded "
         "{'blocks': ['layers.0', 'layers.1'], 'wrapped': ['layers.0', 'layers.1'], 'op_level': False}"]
+
+
+def test_an_expert_parallel_point_expects_the_split_mesh_and_its_experts():
+    """The MoE variant: the model switches to qwen3_moe_matrix, expert parallelism takes every rank it
+    can borrow (here dp_shard 2 x tp 2 = 4), dp_shard shows as two mesh dims, and each rank must
+    hold 8 / 4 experts."""
+    point = lm._point({"moe": "ep"}, dp_shard=2, tp=2)
+    assert point.ep_degree == 4 and "--training.expert_parallel_degree" in point.overrides()
+    assert "qwen3_moe_matrix" in point.shared() and point.flavor == flavor_name(2, False, moe=True)
+    expect = dict(point.expect())
+    assert expect["mesh"] == {"dp_shard_mod_ep": 1, "dp_shard_in_ep": 2, "tp": 2}
+    assert expect["moe.ep_mesh"] == {"ep": 4} and expect["moe.experts_per_rank"] == 2
+    dense = lm._point({}, dp_shard=2, tp=2)
+    assert dict(dense.expect())["moe"] is None and "qwen3_moe_matrix" not in dense.shared()
+

@@ -22,12 +22,12 @@ def _spec(name: str, **changes) -> TrainSpec:
     return dataclasses.replace(get_train_spec("llama3"), name=name, **changes)
 
 
-@pytest.mark.parametrize("model", ["llama2", "llama3"])
+@pytest.mark.parametrize("model", ["llama2", "llama3", "qwen3"])
 def test_built_in_families_match_every_builder_protocol(model):
     spec = get_train_spec(model)
     for field, protocol in _BUILDERS.items():
         fn = getattr(spec, field)
-        assert fn is not None or field in ("pipelining_fn", "validate_fn")
+        assert fn is not None or field in ("pipelining_fn", "validate_fn", "after_step_fn")
         if fn is not None:
             assert signature_mismatch(fn, protocol) is None, field
 

@@ -45,7 +45,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _layout(parallel_dims: ParallelDims) -> dict[str, int]:
-    return {**{name: getattr(parallel_dims, name) for name in MESH_DIM_ORDER}, "world_size": parallel_dims.world_size}
+    return {**{name: getattr(parallel_dims, name) for name in MESH_DIM_ORDER}, "ep": parallel_dims.ep,
+            "world_size": parallel_dims.world_size}
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -174,7 +175,8 @@ class CheckpointManager:
         """Generator states are per rank: restored only by the layout that wrote them (all ranks
         decide alike, from the manifest and the metadata every rank reads)."""
         keys = flatten("rng", self.states["rng"].state_dict())
-        return resume.manifest.layout == self.layout and all(k in metadata.state_dict_metadata for k in keys)
+        # Checkpoints from before expert parallelism recorded no ep: theirs was 1.
+        return {"ep": 1, **resume.manifest.layout} == self.layout and all(k in metadata.state_dict_metadata for k in keys)
 
     def _check_fits(self, resume: ResumePoint, metadata: Metadata, states: dict[str, Stateful],
                     top_level: bool) -> set[str]:

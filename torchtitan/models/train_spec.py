@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, Protocol
 
 from torchtitan.errors import ConfigError, UserError
 
@@ -90,6 +90,22 @@ class BuildDataloaderFn(Protocol):
     def __call__(self, job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> Iterable: ...
 
 
+class StepReport(NamedTuple):
+    """What an AfterStepFn has to log: `values` go to metrics.jsonl and TensorBoard under their
+    names, `summary` (short) is appended to the console's step line."""
+
+    values: dict[str, float]
+    summary: str
+
+
+class AfterStepFn(Protocol):
+    """Runs on every rank after each optimizer step (it may use collectives: every rank calls
+    it), for model state kept outside the optimizer, e.g. MoE routing biases and statistics.
+    Returns a StepReport when `log` (a logging step), else None."""
+
+    def __call__(self, model_parts: list[nn.Module], parallel_dims: ParallelDims, *, log: bool) -> StepReport | None: ...
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     name: str
@@ -106,6 +122,8 @@ class TrainSpec:
     # Hugging Face names and layouts of this family's weights (scripts/convert_checkpoint.py);
     # None: the family has no Hugging Face conversion.
     hf_adapter: HFAdapter | None = None
+    # Per-step work after the optimizer step (MoE load balancing and statistics); None: nothing.
+    after_step_fn: AfterStepFn | None = None
 
 
 # Builders whose signature register_train_spec checks against the Protocol above.
@@ -118,6 +136,7 @@ _BUILDERS: dict[str, type] = {
     "build_dataloader_fn": BuildDataloaderFn,
     "loss_fn": LossFn,
     "validate_fn": ValidateFn,
+    "after_step_fn": AfterStepFn,
 }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -28,12 +30,27 @@ logger = logging.getLogger(__name__)
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
-def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, t: Training) -> None:
+@dataclass(frozen=True)
+class FSDPUnit:
+    """A submodule that FSDP wraps on its own, before its block: over another mesh than the
+    block's (parameters shared by other ranks, e.g. experts under expert parallelism), with
+    gradients divided by `divide_factor` instead of that mesh's size."""
+
+    module: nn.Module
+    mesh: DeviceMesh
+    divide_factor: int
+
+
+def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, t: Training,
+                        units: Sequence[FSDPUnit] = ()) -> None:
     """FSDP / HSDP when anything shards parameters (dp_shard or cp > 1), else DDP over the replicas.
 
     Replicas of a model that tensor or pipeline parallelism already touched use PyTorch's
     FSDP-based `replicate`, because the composable DDP does not accept DTensor parameters.
+    `units` are wrapped first, each over its own mesh (also on layouts without FSDP otherwise).
     """
+    if units:
+        _apply_fsdp_units(units, parallel_dims, t)
     if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.fsdp_mesh
         apply_fsdp(
@@ -53,6 +70,28 @@ def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, t: Traini
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, parallel_dims.replicate_mesh, bucket_cap_mb=t.ddp_bucket_cap_mb,
                   reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"), compiled=t.compile)
+
+
+def _apply_fsdp_units(units: Sequence[FSDPUnit], parallel_dims: ParallelDims, t: Training) -> None:
+    device_type = units[0].mesh.device_type
+    # The same precision as the rest of the model: FSDP's policy where FSDP shards the model, fp32 otherwise.
+    param_dtype = resolve_param_dtype(t.mixed_precision_param, device_type) if parallel_dims.fsdp_enabled else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                  reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, device_type))
+    config = {"mp_policy": policy}
+    if t.enable_cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    reshard = not parallel_dims.pp_enabled and t.fsdp_reshard_after_forward != "never"
+    for unit in units:
+        fully_shard(unit.module, mesh=unit.mesh, reshard_after_forward=reshard, **config)
+        unit.module.set_gradient_divide_factor(unit.divide_factor)
+        if device_type == "cpu" and unit.mesh.shape[-1] > 1:
+            # A custom factor becomes a pre-multiplied sum, which gloo lacks: sum, then divide.
+            # (Not over a single shard: PyTorch 2.13 would then divide twice.)
+            unit.module.set_force_sum_reduction_for_comms(True)
+    meshes = sorted({_mesh_text(u.mesh) for u in units})
+    logger.info(f"applied FSDP to {len(units)} submodules over their own meshes ({', '.join(meshes)}; gradients "
+                f"divided by {sorted({u.divide_factor for u in units})})")
 
 
 def _mesh_text(mesh: DeviceMesh) -> str:

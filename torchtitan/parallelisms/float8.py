@@ -50,10 +50,12 @@ def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
 
     f = job_config.float8
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather, emulate=f.emulate)
-    # Float8 matmuls need dimensions divisible by 16; the output projection stays in high precision.
+    # Float8 matmuls need dimensions divisible by 16; the output projection and MoE routers (whose
+    # small score differences choose the experts) stay in high precision.
     convert_to_float8_training(
         model, config=config,
-        module_filter_fn=lambda module, fqn: fqn != "output" and module.in_features % 16 == 0 and module.out_features % 16 == 0,
+        module_filter_fn=lambda module, fqn: (fqn != "output" and "router" not in fqn.split(".")
+                                              and module.in_features % 16 == 0 and module.out_features % 16 == 0),
     )
     logger.info(f"converted linear layers to float8 (FSDP float8 all-gather {'on' if f.enable_fsdp_float8_all_gather else 'off'}"
                 f"{'; matmuls emulated in high precision, for tests only' if f.emulate else ''})")

@@ -23,12 +23,28 @@ FLATTENED_VIEWS = {
     "dp_shard_cp": ("dp_shard", "cp"),  # FSDP: ranks that share one parameter shard set
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss averaging
 }
+# Expert parallelism adds no ranks: it takes ep of the dp_shard x cp ranks (x tp: under tensor
+# parallelism each tp rank routes its own slice of the tokens, so for MoE layers tp ranks are
+# data-parallel ranks too). With ep > 1 the world mesh splits dp_shard into dp_shard_mod_ep
+# (outer: ranks holding the same experts) x dp_shard_in_ep (inner: with cp and tp, the ep group),
+# and the views above see dp_shard as those two dims. Both are kept even at size 1: the experts'
+# FSDP needs a mesh in any case.
+EP_DP_SHARD_DIMS = ("dp_shard_mod_ep", "dp_shard_in_ep")
+# Views for mixture-of-experts layers (see the MoE role properties below).
+MOE_VIEWS = {
+    "ep": ("dp_shard_in_ep", "cp", "tp"),  # expert parallelism: tokens travel between these ranks
+    "efsdp": ("dp_shard_mod_ep",),  # FSDP of the experts: ranks holding the same experts
+    "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),  # FSDP of MoE layers under TP (tp ranks route their own tokens)
+    "cp_tp": ("cp", "tp"),  # ranks holding parts of the same sequences
+    "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),  # ranks of one pipeline stage
+}
 _OPTION = {
     "dp_replicate": "training.data_parallel_replicate_degree",
     "dp_shard": "training.data_parallel_shard_degree",
     "cp": "experimental.context_parallel_degree",
     "tp": "training.tensor_parallel_degree",
     "pp": "experimental.pipeline_parallel_degree",
+    "ep": "training.expert_parallel_degree",
 }
 
 
@@ -41,6 +57,7 @@ class ParallelDims:
     pp: int
     world_size: int
     enable_loss_parallel: bool
+    ep: int = 1  # expert parallelism: borrowed from dp_shard x cp, so not part of the product below
 
     def __post_init__(self) -> None:
         self._validate()
@@ -68,6 +85,21 @@ class ParallelDims:
                 "change the degrees or the number of processes (NGPU), or set "
                 "training.data_parallel_shard_degree = -1 to use the remaining ranks"
             )
+        self._validate_ep()
+
+    def _validate_ep(self) -> None:
+        if self.ep < 1:
+            raise ConfigError(f"training.expert_parallel_degree must be >= 1, got {self.ep}")
+        if self.ep == 1:
+            return
+        borrowed = self.dp_shard * self.cp * self.tp
+        if self.ep % (self.cp * self.tp) or borrowed % self.ep:
+            named = " x ".join(f"{n} {getattr(self, n)}" for n in ("dp_shard", "cp", "tp") if n == "dp_shard" or getattr(self, n) > 1)
+            raise ConfigError(
+                f"training.expert_parallel_degree {self.ep} must divide the ranks it is taken from ({named} = "
+                f"{borrowed}) and be a multiple of context x tensor parallel ({self.cp * self.tp}); e.g. "
+                f"{_ep_choices(self.dp_shard, self.cp * self.tp)}"
+            )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Builds the named world mesh (size-1 dims left out), its FLATTENED_VIEWS and the role views.
@@ -79,15 +111,23 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         self._meshes: dict[str, DeviceMesh] = {}
-        names = [n for n in MESH_DIM_ORDER if getattr(self, n) > 1]
+        sizes = self._mesh_dim_sizes()
+        names = [n for n, size in sizes.items() if size > 1 or n in EP_DP_SHARD_DIMS]
         if not names:
             return None
-        shape = [getattr(self, n) for n in names]
+        shape = [sizes[n] for n in names]
         world = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-        self._meshes = {"world": world, **{n: world[n] for n in names}}
-        for flat_name, members in FLATTENED_VIEWS.items():
+        self._meshes = {"world": world, **{n: world[n] for n in names if sizes[n] > 1}}
+        views = dict(FLATTENED_VIEWS, **MOE_VIEWS) if self.ep > 1 or self.tp > 1 else FLATTENED_VIEWS
+        if self.ep > 1:
+            views["dp_shard"] = ("dp_shard",)
+        for flat_name, members in views.items():
+            if self.ep > 1:  # dp_shard is two dims of the mesh
+                members = tuple(d for n in members for d in (EP_DP_SHARD_DIMS if n == "dp_shard" else (n,)))
+            if flat_name not in ("efsdp",):
+                members = tuple(n for n in members if sizes.get(n, 1) > 1)
             present = tuple(n for n in members if n in names)
-            if present:
+            if present and (flat_name == "efsdp" or _prod(sizes[n] for n in present) > 1):
                 # Flattened meshes are kept by name here: slicing them back out of the world
                 # mesh is deprecated in PyTorch.
                 self._meshes[flat_name] = world[present]._flatten(mesh_dim_name=flat_name)
@@ -96,12 +136,23 @@ class ParallelDims:
         logger.info(f"built world mesh {dict(zip(names, shape))} on {device_type}")
         return world
 
+    def _mesh_dim_sizes(self) -> dict[str, int]:
+        """The world mesh's dims, outermost first, with their sizes (size-1 dims included)."""
+        sizes = {n: getattr(self, n) for n in MESH_DIM_ORDER}
+        if self.ep > 1:
+            in_ep = self.ep // (self.cp * self.tp)
+            split = {"dp_shard_mod_ep": self.dp_shard // in_ep, "dp_shard_in_ep": in_ep}
+            sizes = {d: v for n, size in sizes.items() for d, v in (split.items() if n == "dp_shard" else ((n, size),))}
+        return sizes
+
     def get_mesh(self, name: str) -> DeviceMesh | None:
-        """The world mesh, one of its dims, or a view by name; None when of size 1."""
+        """The world mesh, one of its dims, or a view by name; None when of size 1 (except
+        `efsdp`, which exists whenever ep > 1)."""
         meshes = getattr(self, "_meshes", None)
         if meshes is None:
             raise RuntimeError("ParallelDims.build_mesh() must be called before get_mesh()")
-        if name not in meshes and name not in ("world", "hsdp", *MESH_DIM_ORDER, *FLATTENED_VIEWS):
+        known = ("world", "hsdp", "ehsdp", *MESH_DIM_ORDER, *FLATTENED_VIEWS, *MOE_VIEWS, *EP_DP_SHARD_DIMS)
+        if name not in meshes and name not in known:
             raise KeyError(f"unknown mesh name {name!r}")
         return meshes.get(name)
 
@@ -139,6 +190,58 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self.get_mesh("tp")
+
+    # Mixture-of-experts roles. Under TP each tp rank routes its own slice of the tokens, so MoE
+    # parameters are data-parallel over tp as well: their FSDP meshes include tp (and their
+    # gradients are divided by the data-parallel size alone, `moe_gradient_divide_factor`).
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """Ranks that split the experts and exchange tokens (ep of the dp_shard x cp x tp ranks)."""
+        return self.get_mesh("ep") if self.ep > 1 else None
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """What FSDP shards an ep-sharded expert weight over: the ranks holding the same experts
+        (dp_shard x cp x tp / ep of them), HSDP's 2-D mesh with replicas. Exists (maybe of size 1)
+        whenever ep > 1, so the experts are always their own FSDP unit."""
+        if self.ep == 1:
+            return None
+        if self.dp_replicate_enabled:
+            if "ehsdp" not in self._meshes:
+                self._meshes["ehsdp"] = _join(self.world_mesh, self._meshes["dp_replicate"], self._meshes["efsdp"])
+            return self._meshes["ehsdp"]
+        return self.get_mesh("efsdp")
+
+    @property
+    def moe_fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP mesh of the MoE layers' other parameters (router; experts without EP) under TP:
+        the dp_shard x cp x tp ranks, HSDP's 2-D mesh with replicas. None without TP: they then
+        shard with their block over `fsdp_mesh`."""
+        if self.tp == 1:
+            return None
+        inner = self.get_mesh("dp_shard_cp_tp")
+        if self.dp_replicate_enabled:
+            if "moe_hsdp" not in self._meshes:
+                self._meshes["moe_hsdp"] = _join(self.world_mesh, self._meshes["dp_replicate"], inner)
+            return self._meshes["moe_hsdp"]
+        return inner
+
+    @property
+    def sequence_mesh(self) -> DeviceMesh | None:
+        """Ranks holding parts of the same sequences inside an MoE layer (cp x tp)."""
+        return self.get_mesh("cp_tp") if self.tp > 1 else self.get_mesh("cp")
+
+    @property
+    def stage_mesh(self) -> DeviceMesh | None:
+        """Every rank of one pipeline stage (all dims but pp): where routed-token counts are summed."""
+        return self.get_mesh("dp_cp_tp") if self.tp > 1 else self.get_mesh("dp_cp")
+
+    @property
+    def moe_gradient_divide_factor(self) -> int:
+        """Ranks whose losses are averaged (dp_replicate x dp_shard x cp): what MoE gradients,
+        summed over more ranks than that (tp, or the ep group through the all-to-all), are divided by."""
+        return self.dp_replicate * self.dp_shard * self.cp
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
@@ -221,6 +324,7 @@ def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> Paralle
         pp=e.pipeline_parallel_degree,
         world_size=world_size,
         enable_loss_parallel=t.enable_loss_parallel and not t.disable_loss_parallel,
+        ep=t.expert_parallel_degree,
     )
 
 
@@ -274,6 +378,22 @@ def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
                           "computes in float32; use 'auto' or 'float32', or shard (data_parallel_shard_degree > 1)")
     if t.mixed_precision_reduce == "bfloat16" and not dims.ddp_enabled:
         raise ConfigError(f"training.mixed_precision_reduce bfloat16 has no effect on one rank: {layout}; leave it at float32")
+
+
+def _prod(values) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
+
+
+def _ep_choices(dp_shard: int, unit: int) -> str:
+    """Expert-parallel degrees a layout allows (multiples of cp x tp = `unit` dividing
+    dp_shard x unit), for the refusal's hint."""
+    valid = [ep for ep in range(unit, dp_shard * unit + 1, unit) if (dp_shard * unit) % ep == 0 and ep > 1]
+    if not valid:
+        return "this layout has no ranks to take it from (raise training.data_parallel_shard_degree)"
+    return f"{' or '.join(map(str, valid))} here"
 
 
 def _join(world: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:

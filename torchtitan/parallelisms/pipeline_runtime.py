@@ -78,6 +78,32 @@ class BusyTimer:
         return wrapper
 
 
+def _count_statistics_in_chunks_only(schedule) -> None:
+    """Modules that keep per-step statistics (a `count_step_stats` flag, e.g. MoE routed-token
+    counts) count only in the schedule's microbatch forwards: on its first step a schedule also
+    runs each stage forward once to learn the shapes it exchanges, which must not count."""
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        counters = [m for m in stage.submod.modules() if hasattr(m, "count_step_stats")]
+        if not counters:
+            continue
+        for m in counters:
+            m.count_step_stats = False
+
+        def counting(fn, counters=counters):
+            def wrapper(*args, **kwargs):
+                for m in counters:
+                    m.count_step_stats = True
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    for m in counters:
+                        m.count_step_stats = False
+
+            return wrapper
+
+        stage.forward_one_chunk = counting(stage.forward_one_chunk)
+
+
 @dataclasses.dataclass
 class Pipeline:
     """What a model's pipelining_fn returns: the schedule and this rank's stages (and, for a model
@@ -92,6 +118,7 @@ class Pipeline:
     def __post_init__(self) -> None:
         self.timer = BusyTimer(self.schedule)
         self.step_seconds = 0.0
+        _count_statistics_in_chunks_only(self.schedule)
 
     def bubble_since_last_call(self, pp_mesh) -> float:
         """The pp ranks' mean share of schedule time spent not computing, since the last call."""

@@ -35,7 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from torchtitan.tools.matrix_model import DEPTHS, MODEL_NAME, flavor_name
+from torchtitan.tools.matrix_model import DEPTHS, MODEL_NAME, MOE_MODEL_NAME, flavor_name
 from torchtitan.tools.parity import (
     COMPARISON_ARGS,
     POSITIVE,
@@ -147,6 +147,9 @@ FACTORS = (
            {"off": (("compile.compiled_modules", 0),), "on": (("compile.compiled_modules", POSITIVE),)}),
     Factor("tied", ("untied", "tied"), lambda d: True, DIMS),  # a model flavor: Point.shared()
     Factor("accum", ("1", "2"), lambda d: True, DIMS, {"2": ("--training.gradient_accumulation_steps", "2")}),
+    # A mixture-of-experts model (matrix_model's qwen3_moe_matrix) with its experts split over every
+    # rank expert parallelism can borrow (dp_shard x cp x tp; Point.ep_degree).
+    Factor("moe", ("dense", "ep"), lambda d: d.dp_shard * d.cp * d.tp > 1, DIMS),
     Factor("zero1", ("off", "on"), lambda d: d.dp_replicate > 1, ("dp_shard", "cp", "tp", "pp"),
            {"on": ("--optimizer.zero1",)},
            {"off": (("zero1", None),), "on": (("zero1", Check("shared over the replicas", lambda z: z is not None
@@ -189,13 +192,29 @@ class Point:
         stages = self.degrees.pp * (2 if self.value("schedule") in ("interleaved", "V") else 1)
         return next(d for d in DEPTHS if d >= stages)
 
+    @property
+    def moe(self) -> bool:
+        return self.value("moe") == "ep"
+
+    @property
+    def ep_degree(self) -> int:
+        """Expert parallelism over every rank it can borrow: dp_shard x cp x tp."""
+        d = self.degrees
+        return d.dp_shard * d.cp * d.tp if self.moe else 1
+
+    @property
+    def flavor(self) -> str:
+        return flavor_name(self.depth, self.value("tied") == "tied", moe=self.moe)
+
     def shared(self) -> tuple[str, ...]:
         """Overrides that define the model (the seed checkpoint and the baseline use them too)."""
-        return ("--experimental.custom_import", "torchtitan.tools.matrix_model", "--model.name", MODEL_NAME,
-                "--model.flavor", flavor_name(self.depth, self.value("tied") == "tied"))
+        return ("--experimental.custom_import", "torchtitan.tools.matrix_model", "--model.name",
+                MOE_MODEL_NAME if self.moe else MODEL_NAME, "--model.flavor", self.flavor)
 
     def overrides(self) -> tuple[str, ...]:
         args = [a for d in DIMS for a in (_OPTION[d], str(getattr(self.degrees, d)))]
+        if self.moe:
+            args += ["--training.expert_parallel_degree", str(self.ep_degree)]
         if self.schedule:
             args += ["--experimental.pipeline_parallel_schedule", self.schedule]
         for f, v in self.variants:
@@ -207,8 +226,7 @@ class Point:
         applied: the mesh, each parallelism over its own dims, and each variant's mark."""
         d = self.degrees
         shard = d.dp_shard * d.cp
-        expect: list[tuple[str, object]] = [("world_size", self.nproc), ("mesh", d.mesh()),
-                                            ("model.flavor", flavor_name(self.depth, self.value("tied") == "tied"))]
+        expect: list[tuple[str, object]] = [("world_size", self.nproc), ("mesh", self.mesh()), ("model.flavor", self.flavor)]
         if shard > 1:  # FSDP over dp_shard x cp, HSDP with replicas
             mesh = {"dp_replicate": d.dp_replicate, "dp_shard_cp": shard} if d.over("dp_replicate") else {"dp_shard_cp": shard}
             expect += [("fsdp.mesh", mesh), ("ddp", None)]
@@ -223,7 +241,23 @@ class Point:
             expect += [("pipeline.schedule", self.schedule), ("pipeline.stages", stages)]
         else:
             expect.append(("pipeline", None))
+        if self.moe:
+            expect += [("moe.ep_mesh", {"ep": self.ep_degree}), ("moe.experts_per_rank", 8 // self.ep_degree)]
+        else:
+            expect.append(("moe", None))
         return tuple(expect + [e for f, v in self.variants for e in _FACTOR[f].expect.get(v, ())])
+
+    def mesh(self) -> dict[str, int]:
+        """The world mesh the setup record shows: under expert parallelism dp_shard is split in two."""
+        mesh = self.degrees.mesh()
+        if not self.moe:
+            return mesh
+        d = self.degrees
+        in_ep = self.ep_degree // (d.cp * d.tp)
+        split = {"dp_shard_mod_ep": d.dp_shard // in_ep, "dp_shard_in_ep": in_ep}
+        order = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+        sizes = {**{k: v for k, v in mesh.items() if k != "dp_shard"}, **split}
+        return {k: sizes[k] for k in order if k in sizes}
 
     def layout(self) -> Layout:
         return Layout(self.name, self.nproc, self.overrides(), self.expect(), self.shared())
@@ -271,7 +305,7 @@ NAMED_GOALS = (
 
 def _witness_degrees(*factors: Factor, dim: str | None = None) -> dict[str, int]:
     """The smallest degrees on which every one of `factors` applies (and `dim` > 1)."""
-    needs = {"schedule": "pp", "sp": "tp", "zero1": "dp_replicate"}
+    needs = {"schedule": "pp", "sp": "tp", "zero1": "dp_replicate", "moe": "dp_shard"}
     return {d: 2 for d in {dim, *(needs.get(f.name) for f in factors)} if d}
 
 
@@ -297,7 +331,8 @@ def cost(point: Point) -> float:
     activation checkpointing and deeper (multi-stage) models a little."""
     v = point.value
     per_rank = (1 + 4 * (v("compile") == "on") + 0.5 * (v("accum") == "2") + 0.5 * (v("ac") != "none")
-                + 0.3 * (point.depth > 2) + 0.1 * (v("tied") == "tied") + 0.1 * (v("zero1") == "on"))
+                + 0.3 * (point.depth > 2) + 0.1 * (v("tied") == "tied") + 0.1 * (v("zero1") == "on")
+                + 0.3 * (v("moe") == "ep"))
     return point.nproc * per_rank
 
 

@@ -8,6 +8,10 @@ blocks (2, 4, 8 or 16; a pipeline of s stages needs s blocks), `L<n>_tied` ties 
 output. Width 128 with 16 query and 8 key/value heads keeps grouped-query attention and lets
 tensor parallelism go to 8 (heads, KV heads, the 512-wide feed-forward and the 2,256-token
 vocabulary all divide by 8).
+
+`qwen3_moe_matrix` is the mixture-of-experts twin for the matrix's expert-parallel variant: Qwen3
+blocks of the same width whose feed-forwards are 8 experts (top-2, 128 wide each), so expert
+parallelism can go to 8; flavors `M<n>` and `M<n>_tied`.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from __future__ import annotations
 import dataclasses
 
 from torchtitan.models.llama import llama3_configs
+from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.train_spec import get_train_spec, register_train_spec, registered_names
 
 MODEL_NAME = "llama3_matrix"
+MOE_MODEL_NAME = "qwen3_moe_matrix"
 DEPTHS = (2, 4, 8, 16)
 
 
-def flavor_name(depth: int, tied: bool) -> str:
-    return f"L{depth}{'_tied' if tied else ''}"
+def flavor_name(depth: int, tied: bool, moe: bool = False) -> str:
+    return f"{'M' if moe else 'L'}{depth}{'_tied' if tied else ''}"
 
 
 def _flavors() -> dict:
@@ -33,5 +39,14 @@ def _flavors() -> dict:
             for depth in DEPTHS for is_tied in (False, True)}
 
 
+def _moe_flavors() -> dict:
+    base = dataclasses.replace(qwen3_configs["debugmodel_moe"], dim=128, n_heads=16, n_kv_heads=8, head_dim=8,
+                               moe_hidden_dim=128)
+    return {flavor_name(depth, is_tied, moe=True): dataclasses.replace(base, n_layers=depth, tie_word_embeddings=is_tied)
+            for depth in DEPTHS for is_tied in (False, True)}
+
+
 if MODEL_NAME not in registered_names():  # importing twice (a warm process) registers once
     register_train_spec(dataclasses.replace(get_train_spec("llama3"), name=MODEL_NAME, config=_flavors()))
+if MOE_MODEL_NAME not in registered_names():
+    register_train_spec(dataclasses.replace(get_train_spec("qwen3"), name=MOE_MODEL_NAME, config=_moe_flavors()))

@@ -100,6 +100,8 @@ def L(name: str, nproc: int, overrides: str, expect: dict[str, Any] | None = Non
 # loss) moves a little; float8 itself moves the loss by about 2.5e-3 against fp32 here.
 FLOAT8 = "--float8.enable_float8_linear --float8.emulate"
 FLOAT8_TOLERANCE = 1e-3
+QWEN3_MOE = "--model.name qwen3 --model.flavor debugmodel_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
+QWEN3_DENSE = "--model.name qwen3 --model.flavor debugmodel"
 POSITIVE = Check("a count above 0", lambda n: n > 0)
 
 
@@ -126,6 +128,27 @@ SUITES: dict[str, list[Layout]] = {
         L("pp2_csv_1f1b", 2, "--experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_schedule_csv bundled:train_configs/pipeline_schedules/1f1b_pp2_2microbatches.csv",
           {"pipeline.schedule": "CSV", "pipeline.microbatches": 2, "pipeline.stages": 2}),
+    ],
+    # Qwen3 (the second family, registered like any user model): mixture of experts with expert
+    # parallelism composed with every other dimension, against one process of the same MoE model
+    # (auxiliary loss and auxiliary-loss-free bias both on), and the dense model under 2-D layouts.
+    "moe": [
+        L("moe_ep2", 2, "--training.expert_parallel_degree 2",
+          {"mesh": {"dp_shard_mod_ep": 1, "dp_shard_in_ep": 2}, "moe.ep_mesh": {"ep": 2}}, shared=QWEN3_MOE),
+        L("moe_ep4", 4, "--training.expert_parallel_degree 4",
+          {"moe.ep_mesh": {"ep": 4}}, shared=QWEN3_MOE),
+        L("moe_ep2_fsdp4", 4, "--training.expert_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "moe.expert_fsdp_mesh": {"efsdp": 2}, "fsdp.mesh": {"dp_shard_cp": 4}},
+          shared=QWEN3_MOE),
+        L("moe_ep2_tp2", 4, "--training.expert_parallel_degree 2 --training.tensor_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_MOE),
+        L("moe_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "pipeline.stages": 2}, shared=QWEN3_MOE),
+        L("moe_ep2_cp2", 4, "--training.expert_parallel_degree 2 --experimental.context_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "cp.mesh": {"cp": 2}}, shared=QWEN3_MOE),
+        L("qwen3_fsdp2_tp2", 4, "--training.tensor_parallel_degree 2",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_DENSE),
+        L("qwen3_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=QWEN3_DENSE),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [

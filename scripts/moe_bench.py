@@ -1,0 +1,206 @@
+"""MoE benchmarks: the grouped expert matmul (`torch._grouped_mm`) against the per-expert loop.
+
+    .venv/bin/python scripts/moe_bench.py [--devices cpu cuda] [--tokens N] [--reps 3] [--warmup 0]
+
+Section "grouped_mm": forward + backward (input and weight gradients) of one layer's stacked SwiGLU
+experts (`torchtitan.models.moe.GroupedExperts`, three grouped matmuls) on tokens already sorted by
+expert, once with `torch._grouped_mm` and once with the exact fallback (one matmul per expert), for:
+
+- debugmodel_moe: dim 256, expert hidden 256, 8 experts, top-2, 4096 tokens (8k token-choices);
+- 30B-A3B-like: dim 2048, expert hidden 768, 128 experts, top-8; 4096 tokens on CUDA, 512 on CPU by
+  default (--tokens sets both). Its weights and their gradients take 4.5 GiB in fp32, and a pass
+  about 2 s of an idle 2-core CPU at 512 tokens (the weights' memory traffic dominates there).
+
+fp32 on CPU (the CPU grouped kernel's dtype), bf16 on CUDA (grouped from compute capability 9.0).
+Each expert's share of the tokens comes from the top-k of random router scores (about balanced,
+as a trained router aims for). Reported: median milliseconds of --reps passes after an untimed one
+(and --warmup more), the speed-up of grouped over the loop, and the largest difference between the
+two paths' outputs and gradients (0 in fp32 on CPU, where both compute the same products).
+
+The default run takes about 65 CPU-seconds (about half a minute of an idle 2-core CPU; on a
+shared machine the figures move with the other processes' load). Each section is one function taking
+the parsed arguments and printing its table (`SECTIONS`); further sections plug in there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from torchtitan.models.moe import GroupedExperts, grouped_mm_supported
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    name: str
+    dim: int
+    hidden: int
+    experts: int
+    top_k: int
+    tokens: int
+
+    @property
+    def choices(self) -> int:
+        return self.tokens * self.top_k
+
+
+DEBUGMODEL_MOE = ExpertShape("debugmodel_moe", dim=256, hidden=256, experts=8, top_k=2, tokens=4096)
+QWEN3_30B_A3B = ExpertShape("30B-A3B-like", dim=2048, hidden=768, experts=128, top_k=8, tokens=4096)
+DEFAULT_SHAPES = {
+    "cpu": (DEBUGMODEL_MOE, replace(QWEN3_30B_A3B, tokens=512)),
+    "cuda": (DEBUGMODEL_MOE, QWEN3_30B_A3B),
+}
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Section "grouped_mm"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fns: dict, device: torch.device, reps: int, warmup: int) -> dict:
+    """Median milliseconds of each function over `reps` rounds, after `warmup` untimed ones. The
+    functions take turns within a round, so that load from other processes (a shared machine)
+    falls on them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_grouped_mm(shapes, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                     reps: int = 3, warmup: int = 0, seed: int = 0) -> list[dict]:
+    """Times forward + backward of each shape's experts, grouped and looped; one dict per shape.
+
+    Each path first makes one untimed pass (then `warmup` more) whose results are compared:
+    `max_diff` is the largest difference between the two paths' outputs, input gradients and the
+    first two experts' weight gradients. `grouped_ms` is None where `torch._grouped_mm` cannot
+    run these operands (`grouped_mm_supported`)."""
+    device = torch.device(device)
+    dtype = dtype or DTYPES[device.type]
+    return [_bench_shape(shape, device, dtype, reps, warmup, seed) for shape in shapes]
+
+
+def _bench_shape(shape: ExpertShape, device: torch.device, dtype: torch.dtype, reps: int, warmup: int,
+                 seed: int) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    experts = GroupedExperts(shape.dim, shape.hidden, shape.experts)
+    with torch.no_grad():
+        for w in (experts.w1, experts.w2, experts.w3):
+            w.normal_(0.0, w.shape[-1] ** -0.5, generator=gen)
+    experts = experts.to(device=device, dtype=dtype)
+    chosen = torch.topk(torch.randn(shape.tokens, shape.experts, generator=gen), shape.top_k).indices
+    counts = torch.bincount(chosen.flatten(), minlength=shape.experts).to(device)
+    x = torch.randn(shape.choices, shape.dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(shape.choices, shape.dim, generator=gen).to(device=device, dtype=dtype)
+
+    def run(use_grouped_mm: bool | None) -> torch.Tensor:
+        experts.use_grouped_mm = use_grouped_mm
+        experts.zero_grad(set_to_none=True)  # as an optimizer step leaves them
+        x.grad = None
+        out = experts(x, counts)
+        out.backward(grad)
+        return out
+
+    def check(use_grouped_mm: bool | None) -> list[torch.Tensor]:
+        out = run(use_grouped_mm)
+        # Not every weight gradient: a second copy would double the 30B-A3B layer's memory.
+        return [t.detach().float().clone() for t in
+                (out, x.grad, experts.w1.grad[:2], experts.w2.grad[:2], experts.w3.grad[:2])]
+
+    looped = check(False)
+    fns = {"loop": lambda: run(False)}
+    max_diff = None
+    if grouped_mm_supported(x, experts.w1, experts.w2, experts.w3):
+        max_diff = max((a - b).abs().max().item() for a, b in zip(check(None), looped))
+        fns["grouped"] = lambda: run(None)
+    del looped
+    ms = _time_ms(fns, device, reps, warmup)
+    loop_ms, grouped_ms = ms["loop"], ms.get("grouped")
+    return {
+        "shape": shape, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        "loop_ms": loop_ms, "grouped_ms": grouped_ms, "max_diff": max_diff,
+        "speedup": loop_ms / grouped_ms if grouped_ms else None,
+    }
+
+
+def format_grouped_mm_table(rows: list[dict]) -> str:
+    lines = ["| shape | device | dtype | dim | hidden | experts | top-k | tokens | token-choices "
+             "| loop ms | grouped ms | speed-up | max diff |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        s = r["shape"]
+        grouped = f"{r['grouped_ms']:.1f}" if r["grouped_ms"] is not None else "n/a"
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "n/a"
+        diff = f"{r['max_diff']:.1e}" if r["max_diff"] is not None else "n/a"
+        lines.append(f"| {s.name} | {r['device']} | {r['dtype']} | {s.dim} | {s.hidden} | {s.experts} | {s.top_k} "
+                     f"| {s.tokens} | {s.choices} | {r['loop_ms']:.1f} | {grouped} | {speedup} | {diff} |")
+    return "\n".join(lines)
+
+
+def grouped_mm_section(args: argparse.Namespace) -> None:
+    print("## Grouped expert matmul vs per-expert loop (forward + backward of one layer's experts)")
+    print()
+    rows = []
+    for device in args.devices:
+        shapes = DEFAULT_SHAPES[device]
+        if args.tokens:
+            shapes = tuple(replace(s, tokens=args.tokens) for s in shapes)
+        rows += bench_grouped_mm(shapes, device, reps=args.reps, warmup=args.warmup)
+    print(format_grouped_mm_table(rows))
+    print(f"\n(torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+          + (f", {torch.cuda.get_device_name()}" if "cuda" in args.devices else "") + ")")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections, in the order they run. A section takes the parsed arguments and prints its table; one
+# for training throughput of debugmodel_moe at each expert-parallel degree (and the share of step
+# time in all-to-all) belongs here next to "grouped_mm", with any options it needs in `main`.
+
+SECTIONS = {
+    "grouped_mm": grouped_mm_section,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    default_devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=default_devices,
+                        help=f"where to run the grouped_mm section (default: {' '.join(default_devices)})")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="tokens per layer for every shape (default: each device's, see above)")
+    parser.add_argument("--reps", type=int, default=3, help="timed passes; the median is reported")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed passes before the timed ones, after the one whose results are compared")
+    args = parser.parse_args()
+    if "cuda" in args.devices and not torch.cuda.is_available():
+        parser.error("--devices cuda: no CUDA device here")
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    for i, name in enumerate(args.sections):
+        if i:
+            print()
+        SECTIONS[name](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Mixture-of-experts feed-forward: a token-choice top-k router and stacked SwiGLU experts.
+
+Shared by the model families that have MoE variants (Qwen3-MoE here). Like the rest of the model
+code it knows nothing about parallelism; parallelism reaches it through a few attributes that
+default to "one device" and that torchtitan/parallelisms/expert_parallel.py sets:
+
+- `MoE.experts` computes tokens already sorted by expert. Expert parallelism wraps that module so
+  the sorted tokens travel to the ranks owning their experts and back (all-to-all), and shards the
+  stacked weights by expert; `GroupedExperts` then sees only its rank's experts.
+- `MoE.sum_over_sequence_group` adds up per-sequence expert counts over the ranks that hold other
+  tokens of the same sequences (context and tensor parallelism), so the load-balancing loss of a
+  sequence is the same however its tokens are spread; `sequence_group_size` is that many ranks,
+  `aux_loss_rank_weight` how many of them the trainer averages losses over (context parallel).
+- `MoE.sequences_per_step` is how many sequences this rank trains on per optimizer step (batch x
+  gradient accumulation), so the loss is a mean per sequence over the step whatever the number of
+  forwards (accumulation, pipeline microbatches).
+
+Routing (as Qwen3-MoE): softmax over the experts' scores in fp32, the top k chosen (plus a
+per-expert bias when auxiliary-loss-free balancing is on; the bias steers the choice only), the
+chosen probabilities renormalised to sum to one when `norm_topk_prob`. Dropless: every token
+reaches all of its k experts, however unbalanced the routing.
+
+Load balancing, either or both:
+- an auxiliary loss per layer, DeepSeek-V3's sequence-wise form of the standard one:
+  coef x sum_e f_e P_e per sequence (f_e: the share of the sequence's k x S choices that went to
+  expert e, times E; P_e: its mean router probability), averaged over the step's sequences. Its
+  gradient enters backward through `AuxLossGrad`, so the model's output and the trainer's loss stay
+  the language-modelling loss; the value is logged.
+- DeepSeek-V3's auxiliary-loss-free bias: after each optimizer step, each expert's bias moves by
+  `bias_update_rate` towards balance (up when it got fewer tokens than the mean, down when more).
+  The trainer does the update (`update_expert_bias`) from counts summed over every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.common import trunc_normal
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a weight that expert or tensor parallelism made a DTensor (duck-typed,
+    so this file needs no torch.distributed); the weight itself on one device. Gradients flow back
+    into the DTensor."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
+
+
+def _in_backward() -> bool:
+    """True while autograd runs backward: activation checkpointing then re-runs forwards, which
+    must not count their tokens a second time."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped expert matmul
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs these operands on their device: CUDA from compute
+    capability 9.0 (bf16), CPU in fp32 outside torch.compile (its bf16 backward fails on CPU);
+    every feature dim a multiple of 8 (16-byte rows in bf16)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(d % 8 for w in weights for d in w.shape[1:]) or x.shape[-1] % 8:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    # Under torch.compile the operator's shape function accepts bf16 only (PyTorch 2.13).
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_grouped: bool) -> torch.Tensor:
+    """Rows of x (N, in), grouped by expert in order (`counts[e]` rows for expert e), each times its
+    expert's weight.T (weight: (E, out, in), the nn.Linear layout) -> (N, out).
+
+    `use_grouped`: one `torch._grouped_mm` call; otherwise a loop of one matmul per expert (the
+    exact fallback: the same products, one group at a time)."""
+    if use_grouped:
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    # split / unbind / cat, not `weight[e]` and writes into a buffer: their backward gathers the
+    # groups' gradients once, where each `weight[e]` (and each slice) would materialise a zero
+    # gradient the size of the whole stacked weight, E of them per backward.
+    groups = zip(x.split(counts.tolist()), weight.unbind(0))
+    return torch.cat([xe @ we.T for xe, we in groups])
+
+
+@torch.compiler.disable
+def _run_experts(experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The experts run eagerly, also inside a compiled block: the sizes of their groups are data
+    (and so are those of expert parallelism's all-to-alls, which wrap this module's call)."""
+    return experts(tokens, counts)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden).
+
+    Stacked rather than E separate modules so that one grouped matmul computes every expert, and
+    so that expert parallelism can shard them by expert (dim 0) as one tensor, with names that do
+    not depend on the layout (`moe.experts.w1`, whatever rank holds which experts)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # None: torch._grouped_mm where grouped_mm_supported says so; False: always the loop.
+        self.use_grouped_mm: bool | None = None
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal(self.w1, 0.02)
+        trunc_normal(self.w2, init_std)
+        trunc_normal(self.w3, init_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim)."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        grouped = self.use_grouped_mm is not False and grouped_mm_supported(x, w1, w2, w3)
+        h = F.silu(grouped_mm(x, w1, counts, grouped)) * grouped_mm(x, w3, counts, grouped)
+        return grouped_mm(h, w2, counts, grouped)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router and the MoE layer
+
+
+class TokenChoiceRouter(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> probabilities (T, E) fp32, chosen experts (T, k) and their weights (T, k)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        choose_by = probs if bias is None else probs + bias
+        experts = torch.topk(choose_by, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, experts, weights
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Returns `x` unchanged; in backward gives `aux` the gradient 1 (as if it were added to the
+    loss) and passes x's gradient through. Lets a layer add a loss term without changing what the
+    model returns, on every pipeline stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
+                 aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {num_experts}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_loss_coef, self.bias_update_rate = aux_loss_coef, bias_update_rate
+        self.router = TokenChoiceRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        # Auxiliary-loss-free balancing state: saved in checkpoints, updated by the trainer.
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        # This step's routed tokens per expert and auxiliary loss (this rank's share), for the
+        # bias update and the metrics; reset by `take_step_stats`.
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        # Parallelism and training seams (module docstring); these defaults are one device.
+        self.sum_over_sequence_group: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.sequence_group_size = 1
+        self.aux_loss_rank_weight = 1
+        self.sequences_per_step: int | None = None
+        self.count_step_stats = True
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        trunc_normal(self.router.gate.weight, 0.02)
+        self.experts.init_weights(init_std)
+        device = buffer_device or self.expert_bias.device
+        self.expert_bias = torch.zeros(self.num_experts, device=device)
+        self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
+        self.aux_loss = torch.zeros((), device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        bias = self.expert_bias if self.bias_update_rate > 0 else None
+        probs, experts, weights = self.router(tokens, bias)
+        flat_experts = experts.flatten()  # (T*k,), token t's choices at t*k ... t*k+k-1
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.
+        order = torch.argsort(flat_experts, stable=True)
+        routed = tokens[order // self.top_k]
+        out = _run_experts(self.experts, routed, counts)
+        # Unsort, then add each token's k outputs, in a fixed order: deterministic on every device,
+        # unlike a scatter-add.
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        combined = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        # Statistics count each forward once: not again when activation checkpointing re-runs it
+        # in backward, nor in forwards a runtime flags off (a pipeline's shape-probing pass).
+        # The same ops run either way (adding zero when not counting): op-level activation
+        # checkpointing matches the ops of the re-run to those of the forward.
+        counting = float(self.count_step_stats and not _in_backward())
+        with torch.no_grad():
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype) * counting
+        if self.aux_loss_coef > 0 and self.training:
+            aux = self._sequence_balance_loss(probs.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
+            with torch.no_grad():  # (a where, not a product: a flagged-off forward may see garbage, even NaN)
+                self.aux_loss += torch.where(torch.tensor(counting > 0), aux.detach(), 0.0)
+            combined = AuxLossGrad.apply(combined, aux)
+        return combined.view(bsz, seqlen, dim)
+
+    def _sequence_balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This rank's share of coef x mean over the step's sequences of sum_e f_e P_e (module
+        docstring), for probs (B, S_local, E) and chosen experts (B, S_local, k)."""
+        bsz, seqlen_local, n_experts = probs.shape
+        seqlen = seqlen_local * self.sequence_group_size  # each sequence's full length
+        with torch.no_grad():
+            counts = torch.zeros(bsz, n_experts, device=probs.device)
+            counts.scatter_add_(1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=counts.dtype))
+            counts = self.sum_over_sequence_group(counts)  # the whole sequence's choices
+            f = counts * n_experts / (self.top_k * seqlen)
+        partial_p = probs.sum(dim=1) / seqlen  # this rank's tokens' share of each sequence's mean probability
+        per_sequence = (f * partial_p).sum(dim=-1)
+        sequences = self.sequences_per_step or bsz
+        return self.aux_loss_coef * self.aux_loss_rank_weight * per_sequence.sum() / sequences
+
+    def take_step_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens per expert, auxiliary loss) accumulated since the last call, then reset."""
+        stats = (self.tokens_per_expert.clone(), self.aux_loss.clone())
+        self.tokens_per_expert.zero_()
+        self.aux_loss.zero_()
+        return stats
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free step: `tokens_per_expert` summed over every rank."""
+        if self.bias_update_rate <= 0:
+            return
+        mean = tokens_per_expert.float().mean()
+        self.expert_bias += self.bias_update_rate * torch.sign(mean - tokens_per_expert.float())

@@ -1,0 +1,149 @@
+"""parallelize_qwen3: applies parallelisms to a Qwen3 model (dense or MoE) or one pipeline stage.
+
+The order is Llama's (float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP), with expert
+parallelism after TP, and the MoE layers' own FSDP units wrapped before their blocks
+(torchtitan/parallelisms/expert_parallel.py). `validate_qwen3` checks before any process group
+exists that the shapes allow the layout.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig
+from torchtitan.models.qwen3.model import Qwen3ModelArgs
+from torchtitan.models.qwen3.pipeline_qwen3 import stage_starts_for
+from torchtitan.parallelisms.activation_checkpoint import apply_ac
+from torchtitan.parallelisms.context_parallel import apply_cp
+from torchtitan.parallelisms.data_parallel import apply_data_parallel
+from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, configure_moe, moe_fsdp_units, moe_tp_plan
+from torchtitan.parallelisms.float8 import apply_float8
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan
+from torchtitan.parallelisms.tensor_parallel import apply_async_tp, apply_compile, apply_root_tp
+
+
+def validate_qwen3(args: Qwen3ModelArgs, parallel_dims: ParallelDims, plan: PipelinePlan | None,
+                   job_config: JobConfig) -> None:
+    """Shape requirements of the layout (the TrainSpec's ValidateFn), on every rank before start-up."""
+    flavor = f"model {job_config.model.name} {job_config.model.flavor}"
+    if plan is not None:
+        stage_starts_for(args, job_config, plan)  # raises when the stages cannot be cut
+    ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
+    if ep > 1 and not args.is_moe:
+        raise ConfigError(f"training.expert_parallel_degree {ep} needs a mixture-of-experts model; {flavor} is dense "
+                          "(use a *_moe or -A*B flavor, or leave it at 1)")
+    if ep > 1 and args.num_experts % ep:
+        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {args.num_experts} experts of {flavor}")
+    if args.is_moe and (ep > 1 or tp > 1):
+        # The MoE layers then have FSDP units of their own inside each block (expert_parallel.py).
+        ac = job_config.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            raise ConfigError("activation_checkpoint.selective_ac_option 'op' cannot checkpoint MoE layers that expert or "
+                              "tensor parallelism shards on their own (their FSDP gathers run inside the checkpointed "
+                              "region and differ in the recompute); use activation_checkpoint.mode full, or selective "
+                              "with a block interval")
+    if args.is_moe and tp > 1 and plan is not None and plan.split_backward:
+        raise ConfigError(f"experimental.pipeline_parallel_schedule {plan.schedule} computes weight gradients in a "
+                          "second backward pass, which cannot reach the MoE layers' parameters under "
+                          "training.tensor_parallel_degree > 1 (PyTorch 2.13); use a schedule without zero bubble "
+                          "(1F1B, Interleaved1F1B, ...)")
+    if args.is_moe and tp > 1:
+        if parallel_dims.ddp_enabled:
+            raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} shards its MoE layers over the tp "
+                              "ranks with FSDP, which DDP replicas (training.data_parallel_replicate_degree "
+                              f"{parallel_dims.dp_replicate} with training.data_parallel_shard_degree 1) cannot hold; "
+                              "shard instead (training.data_parallel_shard_degree > 1)")
+        local = job_config.training.seq_len // cp
+        if local % tp:
+            raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
+                              f"the sequence: training.seq_len {job_config.training.seq_len} / "
+                              f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
+    if tp == 1:
+        return
+    for what, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
+                        ("feed-forward hidden size", args.hidden_dim if not args.is_moe else tp)):
+        if value % tp:
+            raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the {what} ({value}) of {flavor}")
+    vocab = args.vocab_size + args.vocab_padding
+    if vocab % tp:
+        raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the vocabulary ({vocab} tokens); set "
+                          f"model.vocab_size_divisible_by to {tp} (or a multiple of it) to pad it")
+
+
+def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    t = job_config.training
+    ac = job_config.activation_checkpoint
+    moe_layers = [block.moe for block in model.layers.values() if block.moe is not None]
+    configure_moe(moe_layers, parallel_dims, job_config)
+    if job_config.float8.enable_float8_linear:
+        apply_float8(model, job_config)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
+                 sequence_parallel=not t.disable_sequence_parallel)
+        if job_config.experimental.enable_async_tensor_parallel:
+            apply_async_tp(parallel_dims.tp_mesh)
+    if parallel_dims.ep > 1:
+        apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.cp_mesh, t.seq_len)
+    # As in parallelize_llama: under TP, block-level checkpointing wraps the compiled block.
+    op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
+    checkpoint_compiled = t.compile and parallel_dims.tp_enabled and not op_level
+    if ac.mode != "none" and not checkpoint_compiled:
+        apply_ac(model, ac.mode, ac.selective_ac_option)
+    if t.compile:
+        # Routing is data-dependent (tokens per expert, all-to-all sizes): MoE blocks compile in pieces.
+        apply_compile(model, fullgraph=not moe_layers)
+        if parallel_dims.tp_enabled and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
+    if ac.mode != "none" and checkpoint_compiled:
+        apply_ac(model, ac.mode, ac.selective_ac_option)
+    apply_data_parallel(model, parallel_dims, t, units=moe_fsdp_units(moe_layers, parallel_dims))
+    return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """Llama's Megatron-style plan for attention and dense feed-forwards (see parallelize_llama),
+    plus the per-head q/k norms, which see a slice of the heads (their weights stay whole and
+    get the sum of the slices' gradients), and MoE layers, which take their rank's slice of the
+    sequence (expert_parallel.moe_tp_plan)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    apply_root_tp(model, tp_mesh, loss_parallel, sequence_parallel)
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            # q and k are (batch, seq, local heads, head_dim): sharded on dim 2.
+            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        }
+        if block.moe is not None:
+            plan["moe"] = moe_tp_plan(sequence_parallel)
+        else:
+            plan.update({
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            })
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            })
+            if block.moe is None:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, tp_mesh, plan)

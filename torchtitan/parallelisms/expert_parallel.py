@@ -1,0 +1,197 @@
+"""Parallelism for mixture-of-experts layers (torchtitan/models/moe.py), for any model family.
+
+Expert parallelism (EP): each of the `ep` ranks of `ParallelDims.ep_mesh` owns E / ep experts. The
+MoE layer hands its experts the tokens sorted by expert; `apply_expert_parallel` wraps the experts
+module so that those tokens travel to the ranks owning their experts and back, by two all-to-alls
+(PyTorch's autograd-aware functional collective, on gloo and NCCL alike), and shards the stacked
+weights by expert (DTensor `Shard(0)`, so checkpoints keep whole-model names and shapes and load
+under any ep). The MoE layer's arithmetic is unchanged: each token meets the same experts with
+the same weights, only on another rank.
+
+Tensor parallelism (`moe_tp_plan`): an MoE layer takes the tokens of its own rank's sequence
+slice (sequence-parallel layout) and routes them itself, so MoE parameters are data-parallel over
+tp as well as dp x cp: their FSDP units (`moe_fsdp_units`) shard over meshes that include tp and
+divide gradients by the data-parallel size alone. Expert weights are not split by TP.
+
+`configure_moe` sets the layer's seams: the per-sequence count sum over cp x tp ranks, and the
+number of sequences per step, which keep the load-balancing loss the same under every layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+from torchtitan.job_config import JobConfig
+from torchtitan.parallelisms.data_parallel import FSDPUnit
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token dispatch
+
+
+class _Dispatch:
+    """What the combine needs from the dispatch of one forward (kept on the experts module
+    between its pre- and post-forward hooks)."""
+
+    def __init__(self, send_splits: list[int], recv_splits: list[int], order: torch.Tensor):
+        self.send_splits, self.recv_splits, self.order = send_splits, recv_splits, order
+
+
+def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sends each token (sorted by global expert) to the rank owning its expert; returns the
+    tokens this rank's experts compute, sorted by local expert, and their counts."""
+    tokens, counts = inputs
+    ep = mesh.size()
+    group = mesh.get_group()
+    local_experts = counts.numel() // ep
+    send_counts = counts.view(ep, local_experts)  # row r: tokens for rank r's experts
+    # recv_counts[s, e]: tokens rank s sends to this rank's expert e.
+    recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(ep, local_experts)
+    send_splits = send_counts.sum(dim=1).tolist()
+    recv_splits = recv_counts.sum(dim=1).tolist()
+    received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+    received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
+    # Received tokens come grouped by source rank, then expert; the experts want them by expert.
+    segment = torch.repeat_interleave(torch.arange(ep * local_experts, device=tokens.device), recv_counts.flatten())
+    by_expert = (segment % local_experts) * ep + segment // local_experts
+    order = torch.argsort(by_expert, stable=True)
+    module._ep_dispatch = _Dispatch(send_splits, recv_splits, order)
+    return received[order], recv_counts.sum(dim=0)
+
+
+def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Returns each computed token to the rank (and position) it came from."""
+    d: _Dispatch = module._ep_dispatch
+    module._ep_dispatch = None
+    unsorted = torch.empty_like(output)
+    unsorted[d.order] = output
+    back = funcol.all_to_all_single_autograd(unsorted, d.send_splits, d.recv_splits, mesh.get_group())
+    return funcol.wait_tensor(back) if isinstance(back, funcol.AsyncCollectiveTensor) else back
+
+
+def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> None:
+    """Shards the experts of `layers` (MoE layers, torchtitan/models/moe.py) over `ep_mesh` and
+    routes tokens to them (module docstring)."""
+
+    def shard_by_expert(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    for layer in layers:
+        distribute_module(layer.experts, ep_mesh, shard_by_expert,
+                          input_fn=lambda mod, inputs, mesh: _dispatch(mod, inputs, mesh),
+                          output_fn=lambda mod, output, mesh: _combine(mod, output, mesh))
+    if layers:
+        n = layers[0].num_experts
+        logger.info(f"applied expert parallelism over mesh {{'ep': {ep_mesh.size()}}}: {n // ep_mesh.size()} of {n} "
+                    f"experts per rank in each of {len(layers)} MoE layers, tokens exchanged by all-to-all")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism and FSDP units
+
+
+def moe_tp_plan(sequence_parallel: bool) -> PrepareModuleInputOutput:
+    """The TP style of an MoE layer: it computes its rank's slice of the sequence (already the
+    layout under sequence parallelism; sliced from the replicated input, then gathered, without)."""
+    outside = Shard(1) if sequence_parallel else Replicate()
+    return PrepareModuleInputOutput(input_layouts=(outside,), desired_input_layouts=(Shard(1),), use_local_input=True,
+                                    output_layouts=(Shard(1),), desired_output_layouts=(outside,),
+                                    use_local_output=True)
+
+
+def moe_fsdp_units(layers: Sequence[nn.Module], parallel_dims: ParallelDims) -> list[FSDPUnit]:
+    """The MoE parts whose parameters are shared by other ranks than the block's: the experts
+    under EP (held by the ranks with the same experts, `expert_fsdp_mesh`), and under TP the whole
+    layer (router, and experts without EP; data-parallel over dp x cp x tp, `moe_fsdp_mesh`)."""
+    units = []
+    factor = parallel_dims.moe_gradient_divide_factor
+    for layer in layers:
+        if parallel_dims.ep > 1:
+            units.append(FSDPUnit(layer.experts, parallel_dims.expert_fsdp_mesh, factor))
+        if parallel_dims.tp > 1:
+            units.append(FSDPUnit(layer, parallel_dims.moe_fsdp_mesh, factor))
+    return units
+
+
+# ---------------------------------------------------------------------------------------------
+# Seams
+
+
+def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """Sets the seams of MoE `layers` (torchtitan/models/moe.py) for this layout and batch."""
+    t = job_config.training
+    group = parallel_dims.sequence_mesh if parallel_dims.tp * parallel_dims.cp > 1 else None
+
+    def sum_over_sequence_group(counts: torch.Tensor) -> torch.Tensor:
+        reduced = funcol.all_reduce(counts, "sum", group)
+        return funcol.wait_tensor(reduced) if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
+
+    for layer in layers:
+        if group is not None:
+            layer.sum_over_sequence_group = sum_over_sequence_group
+        layer.sequence_group_size = parallel_dims.cp * parallel_dims.tp
+        layer.aux_loss_rank_weight = parallel_dims.cp
+        layer.sequences_per_step = t.batch_size * t.gradient_accumulation_steps
+        layer.experts.use_grouped_mm = None if job_config.moe.grouped_mm else False
+
+
+# ---------------------------------------------------------------------------------------------
+# After each optimizer step
+
+
+def _layer_index(name: str) -> int:
+    """The block index in an MoE layer's module name (`layers.3.moe`, under any wrapper)."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
+                   log: bool) -> tuple[dict[str, float], str] | None:
+    """A TrainSpec AfterStepFn for MoE models: sums the step's routed-token counts and auxiliary
+    losses over the pipeline stage's ranks (one all-reduce for every layer), moves the experts'
+    routing biases (auxiliary-loss-free balancing), and on logging steps reports, per layer, the
+    most and the mean tokens per expert and, summed over layers, the auxiliary loss (a
+    StepReport-shaped (values, summary) pair; gathered over pipeline stages)."""
+    layers = sorted(((_layer_index(name), m) for part in model_parts for name, m in part.named_modules()
+                     if hasattr(m, "take_step_stats")), key=lambda item: item[0])
+    if not layers and not parallel_dims.pp_enabled:
+        return None
+    stats = [m.take_step_stats() for _, m in layers]
+    per_layer = torch.stack([torch.cat([counts, aux.view(1)]) for counts, aux in stats]) if stats else None
+    stage = parallel_dims.stage_mesh
+    if per_layer is not None and stage is not None:
+        per_layer = funcol.all_reduce(per_layer, "sum", stage)
+        per_layer = funcol.wait_tensor(per_layer) if isinstance(per_layer, funcol.AsyncCollectiveTensor) else per_layer
+    for (_, layer), row in zip(layers, per_layer if per_layer is not None else []):
+        layer.update_expert_bias(row[:-1])
+    if not log:
+        return None
+    # Each rank's auxiliary loss is its share of a mean over the dp x cp ranks (tp ranks hold disjoint parts).
+    n_dp = parallel_dims.moe_gradient_divide_factor
+    mine = {i: (row[:-1].max().item(), row[:-1].mean().item(), row[-1].item() / n_dp)
+            for (i, _), row in zip(layers, per_layer if per_layer is not None else [])}
+    if parallel_dims.pp_enabled:
+        gathered: list[dict] = [None] * parallel_dims.pp
+        torch.distributed.all_gather_object(gathered, mine, group=parallel_dims.pp_mesh.get_group())
+        mine = {i: v for d in gathered for i, v in d.items()}
+    if not mine:
+        return None
+    values = {"moe_aux_loss": sum(aux for _, _, aux in mine.values())}
+    for i, (most, mean, _) in sorted(mine.items()):
+        values[f"moe_max_tokens_per_expert/layer{i}"] = most
+        values[f"moe_mean_tokens_per_expert/layer{i}"] = mean
+    worst = max(mine, key=lambda i: mine[i][0] / max(mine[i][1], 1e-9))
+    ratio = mine[worst][0] / max(mine[worst][1], 1e-9)
+    return values, f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} (layer {worst})"
