@@ -86,14 +86,15 @@ def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, unint
 
 
 def test_a_3d_job_resumes_exactly(tmp_path):
-    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-10 checkpoint of a 20-step
-    run logs the same steps 11-20. (The crash itself is exercised above; here the first 10 steps
+    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-5 checkpoint of a 10-step
+    run logs the same steps 6-10. (The crash itself is exercised above; here the first 5 steps
     are the uninterrupted job's own, which saves on 8 ranks an extra job.)"""
-    run_train(job(tmp_path / "full", FSDP2_TP2_PP2), nproc=8, timeout=600)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", tmp_path / "split" / "checkpoint" / "step-10")
-    resumed(tmp_path / "split", FSDP2_TP2_PP2, 8)
-    assert resumed_after(tmp_path / "split") == 10
+    steps = ("--training.steps", "10")
+    run_train(job(tmp_path / "full", FSDP2_TP2_PP2, *steps), nproc=8, timeout=600)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-5", tmp_path / "split" / "checkpoint" / "step-5")
+    resumed(tmp_path / "split", FSDP2_TP2_PP2, 8, *steps)
+    assert resumed_after(tmp_path / "split") == 5
     full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")}
     split = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split")}
-    assert sorted(split) == list(range(11, STEPS + 1))
+    assert sorted(split) == list(range(6, 11))
     assert split == {step: full[step] for step in split}

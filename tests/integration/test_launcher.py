@@ -29,6 +29,28 @@ def test_two_rank_fsdp_run_through_launcher(tmp_path):
     assert "[rank0]:" in result.stdout and "[rank1]:" not in result.stdout
 
 
+def test_moe_expert_parallel_run_through_launcher(tmp_path):
+    """Qwen3-MoE from its shipped config under EP 2: the experts split over the two ranks, every
+    step's row carries the auxiliary loss and each layer's tokens per expert, the console line the
+    summary."""
+    result = _launch(["--training.steps", "3", "--training.seq_len", "64", "--metrics.log_freq", "1",
+                      "--training.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path)],
+                     NGPU="2", CONFIG_FILE="train_configs/qwen3_moe_debug.toml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    setup = read_setup(tmp_path)
+    assert setup["model"]["name"] == "qwen3" and setup["model"]["flavor"] == "debugmodel_moe"
+    assert setup["moe"]["ep_mesh"] == {"ep": 2} and setup["moe"]["experts_per_rank"] == 4
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["moe_aux_loss"] > 0
+        for layer in range(setup["moe"]["layers"]):
+            # Summed over both ranks: 2 x 8 sequences x 64 tokens x top-2 choices over 8 experts = 256 each on average.
+            assert r[f"moe_mean_tokens_per_expert/layer{layer}"] == 256
+            assert r[f"moe_max_tokens_per_expert/layer{layer}"] >= 256
+    assert re.search(r"aux: \d\.\d{4}  experts max/mean: \d+\.\d\d \(layer \d\)", result.stdout)
+
+
 def test_launcher_rejects_bad_option_before_starting_ranks():
     result = _launch(["--training.stepz", "3"], NGPU="2")
     assert result.returncode == 2

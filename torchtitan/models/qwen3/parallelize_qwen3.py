@@ -8,6 +8,8 @@ exists that the shapes allow the layout.
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -31,6 +33,8 @@ from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import apply_async_tp, apply_compile, apply_root_tp
+
+logger = logging.getLogger(__name__)
 
 
 def validate_qwen3(args: Qwen3ModelArgs, parallel_dims: ParallelDims, plan: PipelinePlan | None,
@@ -103,14 +107,25 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if ac.mode != "none" and not checkpoint_compiled:
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
-        # Routing is data-dependent (tokens per expert, all-to-all sizes): MoE blocks compile in pieces.
-        apply_compile(model, fullgraph=not moe_layers)
+        if moe_layers:
+            apply_compile_attention(model)
+        else:
+            apply_compile(model)
         if parallel_dims.tp_enabled and model.tok_embeddings is not None:
             model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
     if ac.mode != "none" and checkpoint_compiled:
         apply_ac(model, ac.mode, ac.selective_ac_option)
     apply_data_parallel(model, parallel_dims, t, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
+
+
+def apply_compile_attention(model: nn.Module) -> None:
+    """MoE blocks compile their attention only: routing is data-dependent (tokens per expert,
+    all-to-all sizes), so a compiled MoE layer would break into several graphs that cost more to
+    compile than they save, and its expert matmuls are large already."""
+    for block in model.layers.values():
+        block.attention.compile(fullgraph=True)
+    logger.info(f"compiled the attention of {len(model.layers)} MoE blocks with torch.compile")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
