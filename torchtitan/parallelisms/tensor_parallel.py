@@ -62,6 +62,17 @@ def apply_async_tp(tp_mesh: DeviceMesh) -> None:
     logger.info("enabled async tensor parallelism (micro-pipelined collectives)")
 
 
+def bypass_autograd_cache_for_collectives() -> None:
+    """Compiled TP code holds collectives that name their process group (`'7'`). PyTorch 2.13's
+    AOTAutograd cache reuses such a graph from an earlier run whose layout numbered its groups
+    differently, and the run then fails with "Could not resolve the process group registered under
+    the name 7" (seen with FSDP 2 x TP 2 after a TP 2 x PP 2 run on the same machine). The cache is
+    bypassed for TP runs; inductor's own FX graph cache stays on."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.enable_autograd_cache = False
+
+
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compiles each transformer block on its own (in place, so parameter names do not change).
 

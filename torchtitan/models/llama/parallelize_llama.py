@@ -31,7 +31,12 @@ from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.float8 import apply_float8, float8_tp_styles, is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
-from torchtitan.parallelisms.tensor_parallel import apply_async_tp, apply_compile, apply_root_tp
+from torchtitan.parallelisms.tensor_parallel import (
+    apply_async_tp,
+    apply_compile,
+    apply_root_tp,
+    bypass_autograd_cache_for_collectives,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if ac.mode != "none" and not checkpoint_compiled:
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
+        if parallel_dims.tp_enabled:
+            bypass_autograd_cache_for_collectives()
         apply_compile(model)
         if parallel_dims.tp_enabled and model.tok_embeddings is not None:
             # PyTorch 2.13: when a compiled block's input is the view that DTensor.to_local() returned

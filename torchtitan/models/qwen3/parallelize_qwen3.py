@@ -32,7 +32,12 @@ from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, confi
 from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
-from torchtitan.parallelisms.tensor_parallel import apply_async_tp, apply_compile, apply_root_tp
+from torchtitan.parallelisms.tensor_parallel import (
+    apply_async_tp,
+    apply_compile,
+    apply_root_tp,
+    bypass_autograd_cache_for_collectives,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,8 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if ac.mode != "none" and not checkpoint_compiled:
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if t.compile:
+        if parallel_dims.tp_enabled:
+            bypass_autograd_cache_for_collectives()
         if moe_layers:
             apply_compile_attention(model)
         else:
