@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
+from torchtitan.errors import CheckpointError
+
 if TYPE_CHECKING:
     import torch
 
@@ -106,3 +108,25 @@ def rope_rows_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def rope_rows_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The inverse of `rope_rows_to_hf`: HF's rotate_half rows back to interleaved pairs."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+# Readers of config.json fields shared by the families' hf_format modules; refusals name the field.
+
+
+def positive_int(raw: dict[str, Any], key: str, default: int | None = None, where: str = "") -> int:
+    """raw[key] as a positive int; `default` (transformers' default for it) when absent or null.
+    `where` prefixes the field's name in the refusal (e.g. "rope_parameters ")."""
+    value = raw.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"{where}{key} {value!r} is not a positive integer")
+    return value
+
+
+def positive_number(raw: dict[str, Any], key: str, default: float | None = None, where: str = "") -> float:
+    """raw[key] as a positive float, like `positive_int`."""
+    value = raw.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointError(f"{where}{key} {value!r} is not a positive number")
+    return float(value)

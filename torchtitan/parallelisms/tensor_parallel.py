@@ -9,6 +9,7 @@ The root plan assumes the decoder layout both families use: `tok_embeddings`, `l
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,7 +17,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from torchtitan.errors import ConfigError
+from torchtitan.parallelisms.activation_checkpoint import apply_ac
+
 logger = logging.getLogger(__name__)
+
+
+def check_tp_shapes(tp: int, flavor: str, sizes: tuple[tuple[str, int], ...], vocab: int) -> None:
+    """The sizes tensor parallelism splits (`sizes`: (what, value) pairs such as heads and the
+    feed-forward width) and the vocabulary must divide by tp; one line naming the first that does not."""
+    for what, value in sizes:
+        if value % tp:
+            raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the {what} ({value}) of {flavor}")
+    if vocab % tp:
+        raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the vocabulary ({vocab} tokens); set "
+                          f"model.vocab_size_divisible_by to {tp} (or a multiple of it) to pad it")
 
 
 def apply_root_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
@@ -83,3 +98,29 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     for block in model.layers.values():
         block.compile(fullgraph=fullgraph)
     logger.info(f"compiled {len(model.layers)} transformer blocks with torch.compile")
+
+
+def apply_ac_and_compile(model: nn.Module, tp_enabled: bool, ac_mode: str, selective_ac_option: str, compile: bool,
+                         compile_fn: Callable[[nn.Module], None] = apply_compile) -> None:
+    """Activation checkpointing and torch.compile of the blocks, in the order TP allows.
+
+    PyTorch 2.13 cannot compile a block-level checkpoint around DTensor (TP) code: AOT autograd tries
+    to save the DTensor's mesh for backward. Under TP such blocks are compiled first and checkpointed
+    around the compiled code (op-level AC keeps its policy inside the graph and compiles as usual).
+    `compile_fn` compiles the model's blocks (or parts of them)."""
+    op_level = ac_mode == "selective" and selective_ac_option == "op"
+    checkpoint_compiled = compile and tp_enabled and not op_level
+    if ac_mode != "none" and not checkpoint_compiled:
+        apply_ac(model, ac_mode, selective_ac_option)
+    if compile:
+        if tp_enabled:
+            bypass_autograd_cache_for_collectives()
+        compile_fn(model)
+        if tp_enabled and model.tok_embeddings is not None:
+            # PyTorch 2.13: when a compiled block's input is the view that DTensor.to_local() returned
+            # (the embedding's output), its input gradient skips the to_local's backward, and the
+            # embedding's redistribute then receives a plain tensor. A copy breaks the alias.
+            model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
+    if ac_mode != "none" and checkpoint_compiled:
+        apply_ac(model, ac_mode, selective_ac_option)
+

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from torchtitan.errors import CheckpointError
-from torchtitan.models.hf_adapter import rope_rows_from_hf, rope_rows_to_hf
+from torchtitan.models.hf_adapter import positive_int, positive_number, rope_rows_from_hf, rope_rows_to_hf
 from torchtitan.models.llama.flavors import llama2_configs, llama3_configs
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, ffn_hidden_dim
 
@@ -201,26 +201,26 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     if not isinstance(cfg, dict):
         raise CheckpointError("config.json does not hold a JSON object")
     _check_supported(cfg)
-    dim, n_heads = _positive_int(cfg, "hidden_size"), _positive_int(cfg, "num_attention_heads")
-    n_kv_heads = _positive_int(cfg, "num_key_value_heads", n_heads)
-    max_positions = _positive_int(cfg, "max_position_embeddings", 2048)
+    dim, n_heads = positive_int(cfg, "hidden_size"), positive_int(cfg, "num_attention_heads")
+    n_kv_heads = positive_int(cfg, "num_key_value_heads", n_heads)
+    max_positions = positive_int(cfg, "max_position_embeddings", 2048)
     rope_theta, rope_scaling = _rope_from_hf(cfg, max_positions)
     tie = cfg.get("tie_word_embeddings")
     if tie is not None and not isinstance(tie, bool):
         raise CheckpointError(f"tie_word_embeddings {tie!r} is not true or false")
     args = ModelArgs(
         dim=dim,
-        n_layers=_positive_int(cfg, "num_hidden_layers"),
+        n_layers=positive_int(cfg, "num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
-        vocab_size=_positive_int(cfg, "vocab_size"),
-        norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6),
+        vocab_size=positive_int(cfg, "vocab_size"),
+        norm_eps=positive_number(cfg, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_seq_len=max_positions,
         tie_word_embeddings=bool(tie),
     )
-    return with_ffn_hidden_dim(args, _positive_int(cfg, "intermediate_size"))
+    return with_ffn_hidden_dim(args, positive_int(cfg, "intermediate_size"))
 
 
 def _check_supported(cfg: dict[str, Any]) -> None:
@@ -236,9 +236,9 @@ def _check_supported(cfg: dict[str, Any]) -> None:
             raise CheckpointError(f"{key} {value!r} is not supported (this Llama computes with {accepted[0]!r})")
     if cfg.get("quantization_config") is not None:
         raise CheckpointError("quantization_config is not supported: the weights must be stored unquantized")
-    heads = _positive_int(cfg, "num_attention_heads")
-    kv_heads = _positive_int(cfg, "num_key_value_heads", heads)
-    hidden = _positive_int(cfg, "hidden_size")
+    heads = positive_int(cfg, "num_attention_heads")
+    kv_heads = positive_int(cfg, "num_key_value_heads", heads)
+    hidden = positive_int(cfg, "hidden_size")
     if hidden % heads or heads % kv_heads:
         raise CheckpointError(f"num_attention_heads {heads} does not divide hidden_size {hidden} or is not a multiple of "
                               f"num_key_value_heads {kv_heads}")
@@ -246,25 +246,6 @@ def _check_supported(cfg: dict[str, Any]) -> None:
     if head_dim is not None and head_dim != hidden // heads:
         raise CheckpointError(f"head_dim {head_dim!r} is not hidden_size / num_attention_heads ({hidden // heads}), "
                               "which this Llama requires")
-
-
-def _positive_int(raw: dict[str, Any], key: str, default: int | None = None, where: str = "") -> int:
-    """raw[key] as a positive int; `default` (transformers' default for it) when absent or null.
-    `where` prefixes the field's name in the refusal (e.g. "rope_parameters ")."""
-    value = raw.get(key)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"{where}{key} {value!r} is not a positive integer")
-    return value
-
-
-def _positive_number(raw: dict[str, Any], key: str, default: float | None = None, where: str = "") -> float:
-    """raw[key] as a positive float, like `_positive_int`."""
-    value = raw.get(key)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise CheckpointError(f"{where}{key} {value!r} is not a positive number")
-    return float(value)
 
 
 def _rope_from_hf(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
@@ -314,15 +295,15 @@ def _read_rope_dict(name: str, raw: Any, top_theta: Any, max_positions: int) -> 
     if "rope_theta" in raw and top_theta is not None and raw["rope_theta"] != top_theta:
         raise CheckpointError(f"{name} rope_theta {raw['rope_theta']!r} and the top-level rope_theta {top_theta!r} disagree")
     default_theta = _HF_DEFAULT_ROPE_THETA if top_theta is None else top_theta  # as transformers 5 fills it in
-    theta = _positive_number(raw, "rope_theta", default_theta, where=f"{name} " if "rope_theta" in raw else "")
+    theta = positive_number(raw, "rope_theta", default_theta, where=f"{name} " if "rope_theta" in raw else "")
     if kind == "default":
         return theta, None
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if raw.get(key) is None]
     if missing:
         raise CheckpointError(f"{name} lacks {missing[0]}, which llama3 RoPE scaling needs")
-    fields = {key: _positive_number(raw, key, where=f"{name} ") for key in ("factor", "low_freq_factor", "high_freq_factor")}
+    fields = {key: positive_number(raw, key, where=f"{name} ") for key in ("factor", "low_freq_factor", "high_freq_factor")}
     # Like transformers, the original context defaults to max_position_embeddings.
-    original = _positive_int(raw, "original_max_position_embeddings", max_positions, where=f"{name} ")
+    original = positive_int(raw, "original_max_position_embeddings", max_positions, where=f"{name} ")
     return theta, RopeScaling(**fields, original_max_position_embeddings=original)
 
 

@@ -21,21 +21,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
 from torchtitan.models.llama.pipeline_split import split_points_for
-from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.float8 import apply_float8, float8_tp_styles, is_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import (
+    apply_ac_and_compile,
     apply_async_tp,
-    apply_compile,
     apply_root_tp,
-    bypass_autograd_cache_for_collectives,
+    check_tp_shapes,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,13 +50,8 @@ def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, plan: PipelineP
         return
     flavor = f"model {job_config.model.name} {job_config.model.flavor}"
     n_kv_heads = args.n_kv_heads or args.n_heads
-    for what, value in (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads), ("feed-forward hidden size", ffn_hidden_dim(args))):
-        if value % tp:
-            raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the {what} ({value}) of {flavor}")
-    vocab = args.vocab_size + args.vocab_padding
-    if vocab % tp:
-        raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the vocabulary ({vocab} tokens); set "
-                          f"model.vocab_size_divisible_by to {tp} (or a multiple of it) to pad it")
+    check_tp_shapes(tp, flavor, (("n_heads", args.n_heads), ("n_kv_heads", n_kv_heads),
+                                 ("feed-forward hidden size", ffn_hidden_dim(args))), args.vocab_size + args.vocab_padding)
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -74,24 +67,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh, t.seq_len)  # before AC wraps the blocks
-    # PyTorch 2.13 cannot compile a block-level checkpoint around DTensor (TP) code: AOT autograd tries
-    # to save the DTensor's mesh for backward. Under TP such blocks are compiled first and checkpointed
-    # around the compiled code (op-level AC keeps its policy inside the graph and compiles as usual).
-    op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
-    checkpoint_compiled = t.compile and parallel_dims.tp_enabled and not op_level
-    if ac.mode != "none" and not checkpoint_compiled:
-        apply_ac(model, ac.mode, ac.selective_ac_option)
-    if t.compile:
-        if parallel_dims.tp_enabled:
-            bypass_autograd_cache_for_collectives()
-        apply_compile(model)
-        if parallel_dims.tp_enabled and model.tok_embeddings is not None:
-            # PyTorch 2.13: when a compiled block's input is the view that DTensor.to_local() returned
-            # (the embedding's output), its input gradient skips the to_local's backward, and the
-            # embedding's redistribute then receives a plain tensor. A copy breaks the alias.
-            model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
-    if ac.mode != "none" and checkpoint_compiled:
-        apply_ac(model, ac.mode, ac.selective_ac_option)
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, t.compile)
 
     apply_data_parallel(model, parallel_dims, t)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
     return model

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torchtitan.errors import CheckpointError
-from torchtitan.models.hf_adapter import rope_rows_from_hf, rope_rows_to_hf
+from torchtitan.models.hf_adapter import positive_int, positive_number, rope_rows_from_hf, rope_rows_to_hf
 from torchtitan.models.qwen3.model import Qwen3ModelArgs
 
 # Our FQN suffix within a block -> HF suffix within `model.layers.{i}`, one to one.
@@ -303,29 +303,29 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> Qwen3ModelArgs:
     if not isinstance(cfg, dict):
         raise CheckpointError("config.json does not hold a JSON object")
     moe = _check_supported(cfg)
-    dim, n_heads = _positive_int(cfg, "hidden_size"), _positive_int(cfg, "num_attention_heads")
+    dim, n_heads = positive_int(cfg, "hidden_size"), positive_int(cfg, "num_attention_heads")
     n_kv_heads = cfg.get("num_key_value_heads", _HF_DEFAULT_KV_HEADS[moe])
     if n_kv_heads is None and not moe:  # Qwen3Config: null means one key/value head per attention head
         n_kv_heads = n_heads
-    n_kv_heads = _positive_int({"num_key_value_heads": n_kv_heads}, "num_key_value_heads")
+    n_kv_heads = positive_int({"num_key_value_heads": n_kv_heads}, "num_key_value_heads")
     if n_heads % n_kv_heads:
         raise CheckpointError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}")
     # Qwen3MoeConfig has no head_dim field of its own: transformers then uses hidden / heads.
-    head_dim = _positive_int(cfg, "head_dim", dim // n_heads if moe else 128)
+    head_dim = positive_int(cfg, "head_dim", dim // n_heads if moe else 128)
     tie = cfg.get("tie_word_embeddings")
     if tie is not None and not isinstance(tie, bool):
         raise CheckpointError(f"tie_word_embeddings {tie!r} is not true or false")
     common = dict(
-        dim=dim, n_layers=_positive_int(cfg, "num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv_heads,
-        head_dim=head_dim, vocab_size=_positive_int(cfg, "vocab_size"),
-        norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6), rope_theta=_rope_theta(cfg),
-        max_seq_len=_positive_int(cfg, "max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS),
+        dim=dim, n_layers=positive_int(cfg, "num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        head_dim=head_dim, vocab_size=positive_int(cfg, "vocab_size"),
+        norm_eps=positive_number(cfg, "rms_norm_eps", 1e-6), rope_theta=_rope_theta(cfg),
+        max_seq_len=positive_int(cfg, "max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS),
         tie_word_embeddings=bool(tie),
     )
     if not moe:
-        return Qwen3ModelArgs(**common, hidden_dim=_positive_int(cfg, "intermediate_size"))
+        return Qwen3ModelArgs(**common, hidden_dim=positive_int(cfg, "intermediate_size"))
     n_experts = _num_experts(cfg)
-    top_k = _positive_int(cfg, "num_experts_per_tok", _HF_DEFAULT_MOE["num_experts_per_tok"])
+    top_k = positive_int(cfg, "num_experts_per_tok", _HF_DEFAULT_MOE["num_experts_per_tok"])
     if top_k > n_experts:
         raise CheckpointError(f"num_experts_per_tok {top_k} is more than the {n_experts} experts")
     norm_topk = cfg.get("norm_topk_prob")
@@ -333,8 +333,8 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> Qwen3ModelArgs:
     if not isinstance(norm_topk, bool):
         raise CheckpointError(f"norm_topk_prob {norm_topk!r} is not true or false")
     # intermediate_size sizes only the dense blocks an MoE has none of; kept for the way back.
-    return Qwen3ModelArgs(**common, hidden_dim=_positive_int(cfg, "intermediate_size", _HF_DEFAULT_MOE["intermediate_size"]),
-                          num_experts=n_experts, top_k=top_k, moe_hidden_dim=_positive_int(cfg, "moe_intermediate_size"),
+    return Qwen3ModelArgs(**common, hidden_dim=positive_int(cfg, "intermediate_size", _HF_DEFAULT_MOE["intermediate_size"]),
+                          num_experts=n_experts, top_k=top_k, moe_hidden_dim=positive_int(cfg, "moe_intermediate_size"),
                           norm_topk_prob=norm_topk)
 
 
@@ -371,26 +371,7 @@ def _num_experts(cfg: dict[str, Any]) -> int:
         raise CheckpointError(f"num_experts {given['num_experts']!r} and num_local_experts "
                               f"{given['num_local_experts']!r} disagree")
     key = next(iter(given), "num_experts")
-    return _positive_int({key: given.get(key, _HF_DEFAULT_MOE["num_experts"])}, key)
-
-
-def _positive_int(raw: dict[str, Any], key: str, default: int | None = None, where: str = "") -> int:
-    """raw[key] as a positive int; `default` (transformers' default for it) when absent or null.
-    `where` prefixes the field's name in the refusal (e.g. "rope_parameters ")."""
-    value = raw.get(key)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"{where}{key} {value!r} is not a positive integer")
-    return value
-
-
-def _positive_number(raw: dict[str, Any], key: str, default: float | None = None, where: str = "") -> float:
-    """raw[key] as a positive float, like `_positive_int`."""
-    value = raw.get(key)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise CheckpointError(f"{where}{key} {value!r} is not a positive number")
-    return float(value)
+    return positive_int({key: given.get(key, _HF_DEFAULT_MOE["num_experts"])}, key)
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -399,7 +380,7 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     names a theta must name the same one: transformers 4 and 5 read different places."""
     thetas: dict[str, float] = {}
     if cfg.get("rope_theta") is not None:
-        thetas["rope_theta"] = _positive_number(cfg, "rope_theta")
+        thetas["rope_theta"] = positive_number(cfg, "rope_theta")
     for key in ("rope_parameters", "rope_scaling"):
         raw = cfg.get(key)
         if raw is None:
@@ -419,7 +400,7 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
             raise CheckpointError(f"{key} partial_rotary_factor {partial!r} is not supported (this Qwen3 rotates "
                                   "whole heads)")
         if raw.get("rope_theta") is not None:
-            thetas[f"{key} rope_theta"] = _positive_number(raw, "rope_theta", where=f"{key} ")
+            thetas[f"{key} rope_theta"] = positive_number(raw, "rope_theta", where=f"{key} ")
     (first, theta), *others = [*thetas.items()] or [("", _HF_DEFAULT_ROPE_THETA)]
     for name, other in others:
         if other != theta:

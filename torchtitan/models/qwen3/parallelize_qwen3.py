@@ -25,7 +25,6 @@ from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 from torchtitan.models.qwen3.model import Qwen3ModelArgs
 from torchtitan.models.qwen3.pipeline_qwen3 import stage_starts_for
-from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, configure_moe, moe_fsdp_units, moe_tp_plan
@@ -33,10 +32,11 @@ from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import (
+    apply_ac_and_compile,
     apply_async_tp,
     apply_compile,
     apply_root_tp,
-    bypass_autograd_cache_for_collectives,
+    check_tp_shapes,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,10 @@ def validate_qwen3(args: Qwen3ModelArgs, parallel_dims: ParallelDims, plan: Pipe
                               f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
     if tp == 1:
         return
-    for what, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
-                        ("feed-forward hidden size", args.hidden_dim if not args.is_moe else tp)):
-        if value % tp:
-            raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the {what} ({value}) of {flavor}")
-    vocab = args.vocab_size + args.vocab_padding
-    if vocab % tp:
-        raise ConfigError(f"training.tensor_parallel_degree {tp} must divide the vocabulary ({vocab} tokens); set "
-                          f"model.vocab_size_divisible_by to {tp} (or a multiple of it) to pad it")
+    sizes = (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads))
+    if not args.is_moe:  # MoE layers are not split by TP
+        sizes += (("feed-forward hidden size", args.hidden_dim),)
+    check_tp_shapes(tp, flavor, sizes, args.vocab_size + args.vocab_padding)
 
 
 def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -106,22 +102,9 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh, t.seq_len)
-    # As in parallelize_llama: under TP, block-level checkpointing wraps the compiled block.
-    op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
-    checkpoint_compiled = t.compile and parallel_dims.tp_enabled and not op_level
-    if ac.mode != "none" and not checkpoint_compiled:
-        apply_ac(model, ac.mode, ac.selective_ac_option)
-    if t.compile:
-        if parallel_dims.tp_enabled:
-            bypass_autograd_cache_for_collectives()
-        if moe_layers:
-            apply_compile_attention(model)
-        else:
-            apply_compile(model)
-        if parallel_dims.tp_enabled and model.tok_embeddings is not None:
-            model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
-    if ac.mode != "none" and checkpoint_compiled:
-        apply_ac(model, ac.mode, ac.selective_ac_option)
+    # MoE blocks compile their attention only (apply_compile_attention).
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, t.compile,
+                         apply_compile_attention if moe_layers else apply_compile)
     apply_data_parallel(model, parallel_dims, t, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 
