@@ -97,7 +97,7 @@ class ParallelDims:
             named = " x ".join(f"{n} {getattr(self, n)}" for n in ("dp_shard", "cp", "tp") if n == "dp_shard" or getattr(self, n) > 1)
             raise ConfigError(
                 f"training.expert_parallel_degree {self.ep} must divide the ranks it is taken from ({named} = "
-                f"{borrowed}) and be a multiple of context x tensor parallel ({self.cp * self.tp}); e.g. "
+                f"{borrowed}) and be a multiple of context x tensor parallel ({self.cp * self.tp}); "
                 f"{_ep_choices(self.dp_shard, self.cp * self.tp)}"
             )
 
@@ -393,7 +393,7 @@ def _ep_choices(dp_shard: int, unit: int) -> str:
     valid = [ep for ep in range(unit, dp_shard * unit + 1, unit) if (dp_shard * unit) % ep == 0 and ep > 1]
     if not valid:
         return "this layout has no ranks to take it from (raise training.data_parallel_shard_degree)"
-    return f"{' or '.join(map(str, valid))} here"
+    return f"e.g. {' or '.join(map(str, valid))} here"
 
 
 def _join(world: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
