@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Launches training on this machine with torchrun.
+# Launches training with torchrun: on this machine, or on one node of several (docs/operations.md).
 #
 #   ./run_llama_train.sh [--section.key value ...]     extra arguments override the config
 #
 # Env:
-#   NGPU         processes to start (default: number of visible GPUs, else 2 CPU processes)
-#   CONFIG_FILE  TOML config (default: train_configs/debug_model.toml)
-#   LOG_RANK     ranks whose output is shown, comma-separated (default: 0)
-#
-# Exit codes: 0 done, 1 bug, 2 user error, 3 non-finite loss, 4 checkpoint save failed,
-# 130 stopped by Ctrl-C, 143 stopped by SIGTERM (README "Exit codes").
+#   NGPU          processes to start on this node (default: number of visible GPUs, else 2 CPU processes)
+#   CONFIG_FILE   TOML config (default: train_configs/debug_model.toml)
+#   LOG_RANK      local ranks whose output is shown on this node, comma-separated (default: 0)
 #   OMP_NUM_THREADS  CPU threads per process (default: cores / NGPU, at least 1)
+#   NNODES        nodes in the job (default 1); above 1 every node runs this script, and the nodes
+#                 meet at RDZV_ENDPOINT (torchrun's c10d rendezvous) instead of --standalone
+#   NODE_RANK     this node's index, 0..NNODES-1; node 0 hosts the rendezvous at RDZV_ENDPOINT
+#   RDZV_ENDPOINT host:port of node 0 that every node can reach (required when NNODES > 1)
+#   RDZV_ID       the job's name at the rendezvous, the same on every node (default: torchtitan)
+#   LOCAL_ADDR    this node's address as the others reach it (default: its host name resolved)
+#   MAX_RESTARTS  times torchrun restarts every rank after a failure (default 0); each restart
+#                 resumes from the newest complete checkpoint (checkpoint.enable_checkpoint)
+#
+# Exit codes: 0 done, 1 bug, 2 user error, 3 non-finite loss, 4 checkpoint save failed, 5 a rank
+# hung, 75 preempted with a checkpoint (launch again to resume), 130 stopped by Ctrl-C, 138/143
+# stopped by SIGUSR1/SIGTERM without a checkpoint (README "Exit codes").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -31,18 +40,36 @@ fi
 for r in ${LOG_RANK//,/ }; do
   (( 10#$r < NGPU )) || fail "LOG_RANK $r is not a rank of this job (NGPU=$NGPU: ranks 0..$(( NGPU - 1 )))"
 done
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES must be a positive number of nodes, got '$NNODES'"
+[[ "$NODE_RANK" =~ ^[0-9]+$ ]] && (( 10#$NODE_RANK < NNODES )) \
+  || fail "NODE_RANK must be this node's index, 0..$(( NNODES - 1 )) (NNODES=$NNODES), got '$NODE_RANK'"
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS must be a number of restarts (0 or more), got '$MAX_RESTARTS'"
+if (( NNODES > 1 )); then
+  [[ "${RDZV_ENDPOINT:-}" =~ ^[^:[:space:]]+:[0-9]+$ ]] \
+    || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got '${RDZV_ENDPOINT:-}'"
+  # c10d rendezvous: node 0 hosts the store at the endpoint (said outright, because a host name
+  # that does not resolve to an address of this node would make every node a client).
+  nodes=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-torchtitan}"
+         --rdzv-conf="is_host=$(( 10#$NODE_RANK == 0 ? 1 : 0 ))")
+  if [[ -n "${LOCAL_ADDR:-}" ]]; then nodes+=(--local-addr="$LOCAL_ADDR"); fi
+else
+  nodes=(--standalone)
+fi
 if [[ -n "${OMP_NUM_THREADS:-}" ]]; then
   [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || fail "OMP_NUM_THREADS must be a positive number, got '$OMP_NUM_THREADS'"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 
 # Check the config once, before any process starts: a bad option gets one line and exit code 2.
-WORLD_SIZE="$NGPU" "$py" -m torchtitan.config_manager --job.config_file "$CONFIG_FILE" "$@"
+WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.config_manager --job.config_file "$CONFIG_FILE" "$@"
 for arg in "$@"; do
   if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exit 0; fi
 done
 
 # torchtitan.launch is torchrun that ends with one line: the root cause, from whichever rank.
-exec "$py" -m torchtitan.launch --standalone --nproc_per_node="$NGPU" \
+exec "$py" -m torchtitan.launch "${nodes[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -8,8 +8,12 @@ Exit codes (README "Exit codes"):
          load, sizes that cannot fit, running out of memory): one `error:` line
     3    training diverged: a non-finite loss or gradient norm (one `error:` line)
     4    a checkpoint could not be saved (disk full, I/O error): one `error:` line
+    5    a rank stopped making progress (a hang): one `error:` line naming the stuck rank(s)
+    75   preempted: SIGTERM or SIGUSR1 stopped every rank after the same step, with a checkpoint
+         saved at it; relaunching resumes from it (75 is sysexits' EX_TEMPFAIL, "try again")
     130  stopped by SIGINT (Ctrl-C) at a step boundary: one `stopped:` line
-    143  stopped by SIGTERM at a step boundary: one `stopped:` line
+    138  stopped by SIGUSR1, 143 by SIGTERM, without a checkpoint (during start-up, a second
+         signal, or checkpointing off): one `stopped:` line
 
 A single process prints its own line. Under a launcher (`run_llama_train.sh` through
 `torchtitan.launch`, or the test suite's forking one) every rank instead writes how it ended into
@@ -26,12 +30,14 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 EXIT_BUG = 1
 EXIT_USER = 2
 EXIT_DIVERGED = 3
 EXIT_SAVE_FAILED = 4
+EXIT_HANG = 5
+EXIT_PREEMPTED = 75
 REPORT_DIR_ENV = "TORCHTITAN_REPORT_DIR"
 
 
@@ -81,8 +87,14 @@ class TrainingDiverged(RunEnded):
     exit_code = EXIT_DIVERGED
 
 
+class Hang(RunEnded):
+    """A rank stopped making progress; the message names it and what the others waited in."""
+
+    exit_code = EXIT_HANG
+
+
 class Stopped(RunEnded):
-    """SIGINT or SIGTERM asked the run to stop; every rank stopped after the same step."""
+    """SIGINT, SIGTERM or SIGUSR1 asked the run to stop; every rank stopped after the same step."""
 
     prefix = "stopped"
 
@@ -102,6 +114,23 @@ class Stopped(RunEnded):
         newest = f"; {self.checkpoint}" if self.checkpoint else ""
         when = "during start-up, before the first step" if self.step is None else f"after step {self.step}"
         return f"{name} received; stopped {when}{newest}"
+
+
+class Preempted(Stopped):
+    """SIGTERM or SIGUSR1 (a scheduler's preemption or time limit) stopped every rank after the same
+    step and a checkpoint of that step was saved: the job can be launched again to resume."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __str__(self) -> str:
+        saved = self.checkpoint.removeprefix("newest checkpoint: ")
+        return (f"{signal.Signals(self.signum).name} received; stopped after step {self.step} and saved its checkpoint: "
+                f"{saved}; launch the job again to resume from it")
+
+
+# The signals that ask for a checkpoint before stopping: what schedulers send before ending a job
+# (SLURM: SIGTERM at preemption and cancellation, SIGUSR1 ahead of the time limit with --signal).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 _CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
@@ -130,19 +159,27 @@ class Report:
     kind: str  # "error" (one line), "bug" (a traceback), "stopped", "aborted" (collateral of a stop)
     traceback: str = ""
     time: float = 0.0
+    attempt: int = 0  # torchrun's restart count (TORCHELASTIC_RESTART_COUNT) when the rank wrote it
+    stuck: list = field(default_factory=list)  # a hang's stuck ranks: {"rank", "host", "pid"}
+
+
+def attempt() -> int:
+    """Which start of the job this process belongs to: 0, then 1 after torchrun's first restart."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def reporting_to_folder() -> bool:
     return bool(os.environ.get(REPORT_DIR_ENV))
 
 
-def write_report(rank: int, code: int, line: str, kind: str, tb: str = "") -> None:
+def write_report(rank: int, code: int, line: str, kind: str, tb: str = "", stuck: list | None = None) -> None:
     """Records how this rank ended in the launcher's report folder (written whole, then renamed,
     so the launcher never reads half a report). A folder that cannot take it (missing, full, gone
     with a launcher that ended first) gets the rank to print its ending itself instead."""
     folder = os.environ[REPORT_DIR_ENV]
-    report = Report(rank, code, line, kind, tb, time.time())
-    path = os.path.join(folder, f"rank-{rank}.json")
+    report = Report(rank, code, line, kind, tb, time.time(), attempt(), stuck or [])
+    suffix = f".attempt-{report.attempt}" if report.attempt else ""
+    path = os.path.join(folder, f"rank-{rank}{suffix}.json")
     try:
         with open(path + ".tmp", "w") as f:
             json.dump(asdict(report), f)
@@ -151,7 +188,23 @@ def write_report(rank: int, code: int, line: str, kind: str, tb: str = "") -> No
         print(tb.rstrip() if kind == "bug" else line, file=sys.stderr, flush=True)
 
 
+def mark_attempt() -> None:
+    """Records in the report folder that this start of the job began (a restart's ranks may all
+    finish without a report, which must not leave the failed attempt's reports as the ending)."""
+    if reporting_to_folder() and attempt():
+        with open(os.path.join(os.environ[REPORT_DIR_ENV], f"attempt-{attempt()}"), "a"):
+            pass
+
+
+def attempts_started(folder: str) -> int:
+    """How many times torchrun restarted the job's ranks, as far as the report folder shows."""
+    names = [n for n in os.listdir(folder) if n.startswith("attempt-")]
+    return max((int(n.removeprefix("attempt-")) for n in names if n.removeprefix("attempt-").isdigit()), default=0)
+
+
 def read_reports(folder: str) -> list[Report]:
+    """The reports of the newest attempt (after torchrun restarts, the earlier attempts' endings
+    were recovered from and no longer explain the job)."""
     reports = []
     for name in sorted(os.listdir(folder)):
         if name.startswith("rank-") and name.endswith(".json"):
@@ -160,12 +213,13 @@ def read_reports(folder: str) -> list[Report]:
                     reports.append(Report(**json.load(f)))
             except (OSError, ValueError, TypeError):
                 continue  # a rank killed while writing; its exit code still counts below
-    return reports
+    newest = max([attempts_started(folder), *(r.attempt for r in reports)])
+    return [r for r in reports if r.attempt == newest]
 
 
 # Which ending explains a job best: a rank's own error or bug over a stop, and a stop over the
 # errors that ranks hit only because a peer had already gone.
-_PRIORITY = {"error": 0, "bug": 0, "stopped": 1, "aborted": 2}
+_PRIORITY = {"error": 0, "bug": 0, "hang": 0, "stopped": 1, "preempted": 1, "aborted": 2}
 
 
 def summarize(reports: list[Report], exit_codes: dict[int, int], signum: int = 0) -> tuple[int, str]:
@@ -195,16 +249,17 @@ def summarize(reports: list[Report], exit_codes: dict[int, int], signum: int = 0
 
 
 class StopRequests:
-    """SIGINT and SIGTERM as requests to stop at the next step boundary.
+    """SIGINT, SIGTERM and SIGUSR1 as requests to stop at the next step boundary.
 
     The first signal is only noted: the training loop agrees on it across ranks once per step and
-    then every rank stops after the same step. A second signal ends this process at once (exit
+    then every rank stops after the same step (SIGTERM and SIGUSR1 with a checkpoint of that step,
+    PREEMPTION_SIGNALS). A second signal ends this process at once (exit
     128 + signal), for a step that will not finish; the launcher then stops the other ranks.
     Installed only once training starts: during start-up SIGTERM ends a rank at once (a rank
     waiting for a peer that already failed must not wait out a timeout) and Ctrl-C interrupts.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, *PREEMPTION_SIGNALS)
 
     def __init__(self, rank: int = 0):
         self.rank = rank
@@ -244,7 +299,7 @@ def say_how_it_ended(rank: int, exc: BaseException, stop_requested: int = 0) -> 
     exit code. A bug is re-raised when no launcher collects reports, so that Python prints its
     one traceback; under a launcher the traceback goes into the report and the launcher prints it."""
     ended = exc if isinstance(exc, RunEnded) else out_of_memory(exc)
-    kind = "stopped" if isinstance(ended, Stopped) else "error"
+    kind = "preempted" if isinstance(ended, Preempted) else "stopped" if isinstance(ended, Stopped) else "error"
     if ended is None and stop_requested:
         # A stop was under way when this failed: a peer that stopped first is gone from a collective.
         name = signal.Signals(stop_requested).name

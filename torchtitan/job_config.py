@@ -250,9 +250,13 @@ class Float8:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "Timeout for process-group initialisation and the first step.")
-    train_timeout_seconds: int = opt(100, "Collective timeout after the first step.")
-    trace_buf_size: int = opt(20000, "NCCL flight-recorder entries (0 disables).")
+    init_timeout_seconds: int = opt(300, "Until the first step is done, a rank making no progress this long ends "
+                                         "the job, naming the stuck rank (start-up, first compile, checkpoint load).")
+    train_timeout_seconds: int = opt(100, "After the first step, a rank making no progress this long ends the job "
+                                          "with exit code 5, naming the stuck rank; raise it above the longest "
+                                          "step or checkpoint save. Collectives time out a margin later.")
+    trace_buf_size: int = opt(20000, "NCCL flight-recorder entries, dumped into job.dump_folder/hang_dumps on a "
+                                     "hang (CUDA; 0 disables).")
 
 
 @dataclass

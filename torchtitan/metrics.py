@@ -277,6 +277,14 @@ class StepMetrics:
     # ends the console line.
     model_values: dict[str, float] = field(default_factory=dict)
     model_summary: str = ""
+    # Straggler report: (slowest rank, its seconds, the median) of the ranks' own time per step
+    # (data loading and optimizer step, train_loop); None on one process.
+    own_seconds: tuple[int, float, float] | None = None
+    steps: int = 1  # steps since the last log line
+
+
+# A straggler is named on the console when its own time exceeds the median by this share of a step.
+STRAGGLER_SHARE = 0.05
 
 
 class MetricsLogger:
@@ -331,6 +339,11 @@ class MetricsLogger:
         values.update(s.model_values)
         bubble = f"  bubble: {100 * s.pp_bubble:.1f}%" if s.pp_bubble is not None else ""
         bubble += f"  {s.model_summary}" if s.model_summary else ""
+        if s.own_seconds is not None:
+            rank, slowest, median = s.own_seconds
+            values.update(slowest_rank=rank, slowest_rank_own_seconds=slowest, median_rank_own_seconds=median)
+            if slowest - median > STRAGGLER_SHARE * s.seconds / s.steps:
+                bubble += f"  slowest: rank {rank} {slowest:.3f}s/step vs median {median:.3f}s (data + optimizer)"
         c = self.colors
         logger.info(
             f"{c.red}step: {s.step:2}  {c.green}loss: {s.loss:7.4f}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "

@@ -35,11 +35,24 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan import watchdog
 from torchtitan.checkpoint import CheckpointManager, TrainState, find_resume_point
 from torchtitan.checkpoint import folders as checkpoint_folders
 from torchtitan.config_manager import help_text, parse_args, validate_world_size
 from torchtitan.datasets.shards import decide_data_shards
-from torchtitan.errors import ConfigError, Stopped, StopRequests, TrainingDiverged, UserError, say_how_it_ended
+from torchtitan.errors import (
+    PREEMPTION_SIGNALS,
+    ConfigError,
+    Preempted,
+    Stopped,
+    StopRequests,
+    TrainingDiverged,
+    UserError,
+    attempt,
+    mark_attempt,
+    reporting_to_folder,
+    say_how_it_ended,
+)
 from torchtitan.job_config import JobConfig
 from torchtitan.logging import init_logger
 from torchtitan.memory_floor import check_step_fits
@@ -143,7 +156,11 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
     device_type = tt_dist.device_type()
-    device = tt_dist.init_distributed(device_type, job_config.comm.init_timeout_seconds)
+    c = job_config.comm
+    device = tt_dist.init_distributed(device_type, watchdog.collective_timeout(c.init_timeout_seconds),
+                                      c.trace_buf_size, job_config.job.dump_folder)
+    # From here on a rank that stops making progress is named within the timeout (watchdog.py).
+    watchdog.start(tt_dist.rank(), tt_dist.world_size(), job_config.job.dump_folder, c.init_timeout_seconds)
     parallel_dims.build_mesh(device_type)
     tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)
     logger.info(f"job: {job_config.job.description}")
@@ -154,6 +171,10 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     # run reads the data in as many shards as its checkpoint's data position refers to.
     dp_rank, dp_degree = parallel_dims.data_parallel_coordinates()
     resume = None if job_config.checkpoint.create_seed_checkpoint else find_resume_point(job_config)
+    if attempt():
+        logger.warning(f"restart {attempt()} of this job (torchrun, MAX_RESTARTS): "
+                       + (f"resuming from {resume.path}" if resume is not None else "starting from step 0 again, as "
+                          "there is no checkpoint to resume from (checkpoint.enable_checkpoint)"))
     resumed_shards = resume.data_shards(t.dataset_shards, dp_degree) if resume is not None else None
     shards = decide_data_shards(t.dataset_shards, dp_rank, dp_degree, resumed_shards)
     dataloader = train_spec.build_dataloader_fn(job_config, tokenizer, shards)
@@ -239,16 +260,23 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     gc.disable()
     gc.collect(1)
     window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
+    # Each rank's own time per step: loading data and the optimizer step, the parts of a step where
+    # ranks do not wait for each other, so a slow rank shows as itself rather than in its peers'
+    # waits; each log line compares the slowest rank's with the median (straggler report).
+    window_own_seconds = 0.0
     step_loss = grad_norm = None
     first_step = train_state.step + 1  # of this run: 1, or the step after a resumed checkpoint's
+    window_first_step = first_step
     logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
                 f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
     if stops is not None:
         stops.install()  # from here on, SIGINT and SIGTERM stop every rank after the same step
     while train_state.step < t.steps:
+        watchdog.enter("data loading", train_state.step + 1)
         data_start = time.perf_counter()
         micro_batches = [next(data_iter, None) for _ in range(accum)]
         window_data_seconds += time.perf_counter() - data_start
+        window_own_seconds += time.perf_counter() - data_start
         if not t.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches)):
             # Every rank stops at the same step, even if only one rank's shards ran out.
             logger.info(f"the data ran out after step {train_state.step}; training ends there "
@@ -260,6 +288,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         if step % t.gc_freq == 0:
             gc.collect(1)
         optimizers.zero_grad()
+        watchdog.enter("forward/backward")
         step_loss = torch.zeros((), device=device)
         for micro, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -280,6 +309,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         if tied is not None:
             tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients
         in_backward = job_config.optimizer.early_step_in_backward
+        watchdog.enter("gradient norm")
         if in_backward:  # the hooks measured, applied and freed every gradient during backward
             grad_norm = optimizers.grad_norm()
         else:
@@ -290,7 +320,9 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         # model and every checkpoint stay good).
         nonfinite = t.on_nonfinite_loss == "stop" and not bool(
             (torch.isfinite(grad_norm) & torch.isfinite(step_loss)).item())
+        watchdog.enter("agreeing to go on")
         stop_signal, diverged = tt_dist.max_across_ranks([stops.requested if stops else 0, nonfinite])
+        stop_signal = int(stop_signal)
         if diverged:
             loss_value = tt_dist.mean_across(tt_dist.sum_across(step_loss, pp_mesh) if pipeline else step_loss,
                                              loss_mesh)
@@ -300,13 +332,17 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                                    f"{grad_norm.item():.4g}); the step {applied}; lower optimizer.lr or raise "
                                    "training.warmup_steps, then resume")
         lr = lr_schedulers.get_last_lr()
+        watchdog.enter("optimizer step")
+        optimizer_start = time.perf_counter()
         optimizers.step()
+        window_own_seconds += time.perf_counter() - optimizer_start
         if job_config.float8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(model_parts)
         lr_schedulers.step()
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
         # The last step before a stop is logged too, so a resumed run's metrics have no gap.
         log_step = step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or bool(stop_signal)
+        watchdog.enter("logging")
         report = None
         if train_spec.after_step_fn is not None:  # e.g. MoE routing biases and statistics
             report = train_spec.after_step_fn(model_parts, parallel_dims, log=log_step)
@@ -324,16 +360,23 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
             # per device, every token counts once per group (so MFU compares with one device's peak).
             tokens = window_tokens / parallel_dims.non_data_parallel_size
+            steps = step - window_first_step + 1
+            stragglers = tt_dist.slowest_and_median(window_own_seconds / steps)
             metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble,
-                                    *(report or ())))
+                                    *(report or ()), own_seconds=stragglers, steps=steps))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
-        checkpoint.save(step, last=step == t.steps, loss=step_loss, grad_norm=grad_norm)
+            window_own_seconds, window_first_step = 0.0, step + 1
+        # SIGTERM or SIGUSR1 (preemption, a time limit coming) saves the step all ranks agreed on.
+        preempted = stop_signal in PREEMPTION_SIGNALS and step < t.steps and checkpoint.enabled
+        watchdog.enter("checkpoint save")
+        checkpoint.save(step, last=step == t.steps, loss=step_loss, grad_norm=grad_norm, force=preempted)
         if profiler is not None:
             profiler.step()
         if stop_signal and step < t.steps:
-            raise Stopped(int(stop_signal), step)
+            raise (Preempted if preempted else Stopped)(stop_signal, step)
         if step == first_step:  # a resumed run too: its first step is its slow one
-            tt_dist.set_timeout(job_config.comm.train_timeout_seconds)
+            watchdog.set_limit(job_config.comm.train_timeout_seconds)
+            tt_dist.set_timeout(watchdog.collective_timeout(job_config.comm.train_timeout_seconds))
             param_bytes, optim_bytes = local_state_bytes(model_parts, optimizers.optimizers)
             logger.info(f"rank {tt_dist.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "
                         f"optimizer state {optim_bytes / 2**20:.3f} MiB")
@@ -356,14 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     init_logger()
-    # Until training starts there is nothing to keep: Ctrl-C interrupts at once, and so does SIGTERM
-    # for a single process. A rank of a larger job keeps SIGTERM's default (end now), because that
-    # is how the launcher tears down ranks waiting for a peer that already failed.
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Until training starts there is nothing to keep: Ctrl-C interrupts at once, and so do SIGTERM
+    # and SIGUSR1 for a single process. A rank of a larger job keeps their default (end now),
+    # because that is how the launcher tears down ranks waiting for a peer that already failed.
+    previous = {sig: signal.getsignal(sig) for sig in StopRequests.SIGNALS}
     signal.signal(signal.SIGINT, _interrupt)
     if tt_dist.world_size() == 1:
-        signal.signal(signal.SIGTERM, _interrupt)
+        for sig in PREEMPTION_SIGNALS:
+            signal.signal(sig, _interrupt)
     tt_dist.die_with_launcher()
+    mark_attempt()
     stops = StopRequests(tt_dist.rank())  # takes over both signals when the training loop starts
     code, clean = 0, False
     try:
@@ -375,7 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         elif isinstance(e, KeyboardInterrupt) and not stops.installed:
             e = Stopped(getattr(e, "signum", signal.SIGINT), None)
         code = say_how_it_ended(tt_dist.rank(), e, stops.requested)
+        if isinstance(e, Preempted) and reporting_to_folder():
+            # The launcher exits 75 from the report; torchrun would take a rank's 75 for a failure
+            # and, with MAX_RESTARTS, start the job again instead of letting it be preempted.
+            code = 0
     finally:
+        watchdog.stop()
         stops.uninstall()
         for sig, handler in previous.items():  # a caller running main() in-process gets its own back
             signal.signal(sig, handler)

@@ -48,7 +48,8 @@ CHECKPOINT_EVERY_STEP = ("--checkpoint.enable_checkpoint", "--checkpoint.interva
 # Inputs of every run that the package ships: the configs and the default tokenizer and corpus.
 REPO_INPUTS = ("torchtitan/assets/train_configs", "torchtitan/assets/stdlib_docs")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "TORCHELASTIC_RUN_ID", "TORCHTITAN_REPORT_DIR", "NGPU", "LOG_RANK", "CONFIG_FILE", "TORCHTITAN_VENV")
+               "TORCHELASTIC_RUN_ID", "TORCHTITAN_REPORT_DIR", "NGPU", "LOG_RANK", "CONFIG_FILE", "TORCHTITAN_VENV",
+               "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "LOCAL_ADDR", "MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
 
 DIR = object()  # in Case.files: an empty folder
 
@@ -205,6 +206,13 @@ CASES: list[Case] = [
     launcher("degrees do not fit NGPU", {"NGPU": "2"}, "training.tensor_parallel_degree", args="--training.tensor_parallel_degree 4"),
     launcher("seed checkpoint with NGPU=2", {"NGPU": "2"}, "checkpoint.create_seed_checkpoint runs on one process",
              args="--checkpoint.create_seed_checkpoint"),
+    launcher("NNODES=0", {"NNODES": "0"}, "NNODES must be a positive number of nodes, got '0'"),
+    launcher("NNODES=2 without RDZV_ENDPOINT", {"NGPU": "2", "NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT=host:port"),
+    launcher("RDZV_ENDPOINT without a port", {"NGPU": "2", "NNODES": "2", "RDZV_ENDPOINT": "node0"},
+             "NNODES=2 needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got 'node0'"),
+    launcher("NODE_RANK out of range", {"NGPU": "2", "NNODES": "2", "NODE_RANK": "2", "RDZV_ENDPOINT": "node0:29500"},
+             "NODE_RANK must be this node's index, 0..1 (NNODES=2), got '2'"),
+    launcher("MAX_RESTARTS=-1", {"NGPU": "2", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number of restarts (0 or more)"),
 
     # --- data ----------------------------------------------------------------------------------------
     case("dataset file missing", "data", "--training.dataset_path {in}/no/such.jsonl", "dataset file not found: {in}/no/such.jsonl"),
@@ -346,7 +354,8 @@ CASES: list[Case] = [
 
     # --- signals: a running job stops after a step and names its newest checkpoint ------------------------
     case("SIGINT one process", "signals", "", "SIGINT received; stopped after step", code=130, runner="signal", trained=True),
-    case("SIGTERM one process", "signals", "", "SIGTERM received; stopped after step", code=143, runner="signal", trained=True),
+    # SIGTERM is a preemption: the step all ranks agreed on is saved, and exit code 75 asks for a relaunch.
+    case("SIGTERM one process", "signals", "", "SIGTERM received; stopped after step", code=75, runner="signal", trained=True),
     case("SIGINT run_llama_train.sh NGPU=2", "signals", "", "SIGINT received; stopped after step", code=130,
          runner="signal", env={"NGPU": "2"}, trained=True),
 ]
@@ -526,12 +535,14 @@ def run_signal_case(c: Case, folders: Folders) -> subprocess.CompletedProcess:
 
 
 def signal_problems(line: str, folders: Folders) -> list[str]:
-    """The stopped line names a step after the signal and the newest checkpoint on disk."""
-    match = re.search(r"stopped after step (\d+); newest checkpoint: (\S+)$", line)
+    """The stopped line names a step after the signal and the newest checkpoint on disk: after a
+    preemption signal (SIGTERM), the one saved at the step the run stopped after."""
+    match = re.search(r"stopped after step (\d+)(?:; newest checkpoint| and saved its checkpoint): (\S+?)(?:;|$)", line)
     if not match:
         return [f"the stopped line names no step and newest checkpoint: {line!r}"]
     step, named = int(match[1]), match[2]
-    newest = folders.out / "checkpoint" / f"step-{step - step % 2}"
+    preempted = "saved its checkpoint" in line
+    newest = folders.out / "checkpoint" / f"step-{step if preempted else step - step % 2}"
     problems = []
     if step < 2:
         problems.append(f"stopped after step {step}, before the step the signal followed")

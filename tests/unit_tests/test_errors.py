@@ -8,16 +8,20 @@ import torch
 
 from torchtitan.config_manager import ConfigError
 from torchtitan.errors import (
+    EXIT_PREEMPTED,
     REPORT_DIR_ENV,
     OutOfMemory,
+    Preempted,
     Report,
     Stopped,
     StopRequests,
     TrainingDiverged,
+    mark_attempt,
     out_of_memory,
     read_reports,
     say_how_it_ended,
     summarize,
+    write_report,
 )
 
 
@@ -120,3 +124,38 @@ def test_report_round_trip(report_dir):
     (report,) = read_reports(str(report_dir))
     assert report == Report(2, 143, "stopped: SIGTERM received; stopped during start-up, before the first step",
                             "stopped", "", report.time)
+
+
+def test_sigusr1_is_a_stop_request_like_sigterm(monkeypatch):
+    monkeypatch.delenv(REPORT_DIR_ENV, raising=False)
+    stops = StopRequests().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning before a time limit (--signal=USR1@...)
+        assert stops.requested == signal.SIGUSR1
+    finally:
+        stops.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_a_preemption_names_the_checkpoint_of_the_step_it_stopped_after(report_dir):
+    preempted = Preempted(signal.SIGUSR1, 12)
+    preempted.add_context("newest checkpoint: out/checkpoint/step-12")
+    assert say_how_it_ended(1, preempted) == EXIT_PREEMPTED == 75
+    say_how_it_ended(0, RuntimeError("gloo: connection closed"), stop_requested=signal.SIGUSR1)
+    code, text = summarize(read_reports(str(report_dir)), {})
+    assert code == 75
+    assert text == ("stopped: SIGUSR1 received; stopped after step 12 and saved its checkpoint: "
+                    "out/checkpoint/step-12; launch the job again to resume from it")
+
+
+def test_after_restarts_only_the_newest_attempt_explains_the_job(report_dir, monkeypatch):
+    # Attempt 0: rank 1 was killed, rank 0 failed in a collective because of it.
+    say_how_it_ended(0, ConfigError("a failure torchrun restarted from"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    mark_attempt()  # attempt 1 began; its ranks finished without a report
+    assert read_reports(str(report_dir)) == []
+    assert summarize(read_reports(str(report_dir)), {}) == (0, "")
+    write_report(1, 5, "error: rank 0 stopped responding", "hang", stuck=[{"rank": 0, "host": "h", "pid": 9}])
+    (hang,) = read_reports(str(report_dir))
+    assert (hang.attempt, hang.kind, hang.stuck) == (1, "hang", [{"rank": 0, "host": "h", "pid": 9}])
+    assert summarize([hang], {1: 5}) == (5, "error: rank 0 stopped responding")

@@ -208,11 +208,12 @@ class CheckpointManager:
     # Saving
 
     def save(self, step: int, *, last: bool = False, loss: torch.Tensor | None = None,
-             grad_norm: torch.Tensor | None = None) -> None:
-        """Saves at every `interval`-th step and at the last one, unless the step's loss or
-        gradient norm is not finite on some rank (such a state never replaces a good one)."""
+             grad_norm: torch.Tensor | None = None, force: bool = False) -> None:
+        """Saves at every `interval`-th step, at the last one and when forced (a preemption), unless
+        the step's loss or gradient norm is not finite on some rank (such a state never replaces a
+        good one)."""
         self._publish_finished_async_save(block=False)
-        if not self.enabled or not (last or step % self.interval == 0):
+        if not self.enabled or not (last or force or step % self.interval == 0):
             return
         if not self._all_finite(loss, grad_norm):
             logger.warning(f"step {step}: the loss or gradient norm is not finite; no checkpoint is saved "

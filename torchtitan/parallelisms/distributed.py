@@ -44,19 +44,29 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def init_distributed(dev_type: str, init_timeout_seconds: int) -> torch.device:
+def init_distributed(dev_type: str, timeout_seconds: float, trace_buf_size: int = 0,
+                     dump_folder: str = "") -> torch.device:
     """Joins the process group (when launched with more than one rank) and picks this rank's device.
 
-    On CUDA, NCCL carries GPU tensors and gloo any CPU tensors; on CPU everything uses gloo.
+    On CUDA, NCCL carries GPU tensors and gloo any CPU tensors; on CPU everything uses gloo. On
+    CUDA, NCCL's flight recorder keeps the last `trace_buf_size` collectives of each rank and
+    dumps them into <dump_folder>/hang_dumps/ when a collective times out (variables set by the
+    user win).
     """
     if dev_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        if trace_buf_size > 0:
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            folder = os.path.join(os.path.abspath(dump_folder or "."), "hang_dumps")
+            os.makedirs(folder, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, "nccl-timeout-trace-rank-"))
     else:
         device = torch.device("cpu")
     if world_size() > 1 and not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
     return device
 
 
@@ -75,7 +85,7 @@ def die_with_launcher() -> None:
         os._exit(128 + int(signal.SIGKILL))
 
 
-def set_timeout(seconds: int) -> None:
+def set_timeout(seconds: float) -> None:
     """Shortens the collective timeout once start-up (first compiles, checkpoint loads) is over,
     so a hung rank is reported in seconds rather than after the generous start-up timeout."""
     if dist.is_initialized():
@@ -141,6 +151,21 @@ def max_across_ranks(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def slowest_and_median(seconds: float) -> tuple[int, float, float] | None:
+    """(slowest rank, its seconds, the median over ranks) of a per-rank time; None on one process.
+    Host-side, over gloo, like max_across_ranks."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    times = [torch.zeros((), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(times, torch.tensor(seconds, dtype=torch.float64))
+    values = [t.item() for t in times]
+    slowest = max(range(len(values)), key=values.__getitem__)
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return slowest, values[slowest], median
 
 
 def any_rank(flag: bool) -> bool:
