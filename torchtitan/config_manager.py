@@ -259,6 +259,9 @@ def validate(config: JobConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    if config.comm.trace_buf_size < 0:
+        raise ConfigError(f"comm.trace_buf_size must be >= 0 (0 turns NCCL's flight recorder off), got "
+                          f"{config.comm.trace_buf_size}")
     if t.data_parallel_shard_degree == 0 or t.data_parallel_shard_degree < -1:
         raise ConfigError(f"training.data_parallel_shard_degree must be >= 1 or -1, got {t.data_parallel_shard_degree}")
     if t.dataset_shards == 0 or t.dataset_shards < -1:

@@ -231,7 +231,13 @@ def summarize(reports: list[Report], exit_codes: dict[int, int], signum: int = 0
         first = min(reports, key=lambda r: (_PRIORITY.get(r.kind, 0), r.time, r.rank))
         if first.kind == "bug":
             return first.code, f"rank {first.rank} failed with an unexpected error (a bug):\n{first.traceback.rstrip()}"
-        return first.code, first.line
+        reported = {r.rank for r in reports}
+        if first.kind != "aborted" or signum or not any(c and r not in reported for r, c in exit_codes.items()):
+            return first.code, first.line
+        # Only collateral endings were reported, and no signal reached the launcher: the cause is
+        # a rank that ended without a word (killed from outside), which torchrun's tear-down or
+        # its lost connections made the others report.
+        exit_codes = {r: c for r, c in exit_codes.items() if r not in reported}
     if signum:
         return 128 + signum, (f"stopped: {signal.Signals(signum).name} received; the ranks were ended before they "
                               "reached a step boundary (during start-up, or by a second signal)")
@@ -253,17 +259,22 @@ class StopRequests:
 
     The first signal is only noted: the training loop agrees on it across ranks once per step and
     then every rank stops after the same step (SIGTERM and SIGUSR1 with a checkpoint of that step,
-    PREEMPTION_SIGNALS). A second signal ends this process at once (exit
+    PREEMPTION_SIGNALS). A second signal, from 2 s after the first on, ends this process at once (exit
     128 + signal), for a step that will not finish; the launcher then stops the other ranks.
     Installed only once training starts: during start-up SIGTERM ends a rank at once (a rank
     waiting for a peer that already failed must not wait out a timeout) and Ctrl-C interrupts.
     """
 
     SIGNALS = (signal.SIGINT, *PREEMPTION_SIGNALS)
+    # A repeat within this many seconds is the first request delivered twice, not an insistence:
+    # SLURM signals every process of a job step, ranks included, and the launcher passes the same
+    # signal on to them a moment later.
+    REPEAT_WINDOW_SECONDS = 2.0
 
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.requested = 0  # the first signal received, 0 if none
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopRequests:
@@ -283,6 +294,8 @@ class StopRequests:
         return bool(self._previous)
 
     def _handle(self, signum: int, frame) -> None:
+        if self.requested and time.monotonic() - self._first_at < self.REPEAT_WINDOW_SECONDS:
+            return
         if self.requested:
             line = (f"stopped: {signal.Signals(signum).name} received again; ended at once, during a step "
                     "(the newest checkpoint stays)")
@@ -291,7 +304,16 @@ class StopRequests:
             else:
                 print(line, file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        self.requested = signum
+        self.requested, self._first_at = signum, time.monotonic()
+
+
+# What gloo and NCCL say when a peer of a collective is gone (killed, crashed, its node lost).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    return any(m in str(exc) for m in _PEER_LOST)
 
 
 def say_how_it_ended(rank: int, exc: BaseException, stop_requested: int = 0) -> int:
@@ -300,7 +322,13 @@ def say_how_it_ended(rank: int, exc: BaseException, stop_requested: int = 0) -> 
     one traceback; under a launcher the traceback goes into the report and the launcher prints it."""
     ended = exc if isinstance(exc, RunEnded) else out_of_memory(exc)
     kind = "preempted" if isinstance(ended, Preempted) else "stopped" if isinstance(ended, Stopped) else "error"
-    if ended is None and stop_requested:
+    if ended is None and not stop_requested and lost_peer(exc):
+        # Another rank is gone (on another node, its launcher reports why): not this rank's bug.
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        line = (f"error: rank {rank} lost a peer in a collective ({first}); the rank that failed first is reported by "
+                "the launcher of its node")
+        kind, code = "aborted", EXIT_BUG
+    elif ended is None and stop_requested:
         # A stop was under way when this failed: a peer that stopped first is gone from a collective.
         name = signal.Signals(stop_requested).name
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]

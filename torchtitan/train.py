@@ -420,9 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         elif isinstance(e, KeyboardInterrupt) and not stops.installed:
             e = Stopped(getattr(e, "signum", signal.SIGINT), None)
         code = say_how_it_ended(tt_dist.rank(), e, stops.requested)
-        if isinstance(e, Preempted) and reporting_to_folder():
-            # The launcher exits 75 from the report; torchrun would take a rank's 75 for a failure
-            # and, with MAX_RESTARTS, start the job again instead of letting it be preempted.
+        if isinstance(e, Stopped) and e.step is not None and reporting_to_folder():
+            # Every rank agreed to stop after this step. The launcher exits with the report's code
+            # (75, 130, ...); torchrun would take a rank's non-zero code for a failure and, with
+            # MAX_RESTARTS, start the job again instead of letting it stop.
             code = 0
     finally:
         watchdog.stop()

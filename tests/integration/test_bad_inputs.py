@@ -351,6 +351,10 @@ CASES: list[Case] = [
     config("weight decay negative", "--optimizer.weight_decay -0.1", "optimizer.weight_decay", category="numbers"),
     config("max_norm nan", "--training.max_norm nan", "training.max_norm", category="numbers"),
     config("beta2 of 1", "--optimizer.beta2 1", "optimizer.beta1 and beta2 must lie in [0, 1)", category="numbers"),
+    config("negative flight recorder size", "--comm.trace_buf_size -1", "comm.trace_buf_size must be >= 0",
+           category="numbers"),
+    config("watchdog timeout of 0", "--comm.train_timeout_seconds 0", "comm.train_timeout_seconds must be >= 1, got 0",
+           category="numbers"),
 
     # --- signals: a running job stops after a step and names its newest checkpoint ------------------------
     case("SIGINT one process", "signals", "", "SIGINT received; stopped after step", code=130, runner="signal", trained=True),

@@ -102,6 +102,9 @@ def test_first_signal_asks_second_would_end(monkeypatch, capsys):
         assert stops.requested == signal.SIGTERM  # noted; the process goes on to the step boundary
         exits = []
         monkeypatch.setattr(os, "_exit", exits.append)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request again at once (SLURM, then the launcher)
+        assert exits == [] and stops.requested == signal.SIGTERM
+        stops._first_at -= StopRequests.REPEAT_WINDOW_SECONDS  # an insisting signal comes later
         os.kill(os.getpid(), signal.SIGINT)
         assert exits == [128 + signal.SIGINT]
         assert capsys.readouterr().err == ("stopped: SIGINT received again; ended at once, during a step (the newest "
@@ -159,3 +162,22 @@ def test_after_restarts_only_the_newest_attempt_explains_the_job(report_dir, mon
     (hang,) = read_reports(str(report_dir))
     assert (hang.attempt, hang.kind, hang.stuck) == (1, "hang", [{"rank": 0, "host": "h", "pid": 9}])
     assert summarize([hang], {1: 5}) == (5, "error: rank 0 stopped responding")
+
+
+def test_a_rank_killed_from_outside_is_the_cause_not_the_peers_it_left(report_dir):
+    """Rank 1 is SIGKILLed (out of host memory, say): rank 0 fails in a collective, or is torn
+    down by torchrun's SIGTERM first; either way the job's line names rank 1."""
+    lost = RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:3470. This is typically caused by...")
+    assert say_how_it_ended(0, lost) == 1
+    (report,) = read_reports(str(report_dir))
+    assert report.kind == "aborted" and report.line.startswith("error: rank 0 lost a peer in a collective ([pair.cc")
+    code, text = summarize([report], {0: 1, 1: -9})
+    assert code == 137 and text.startswith("error: rank 1 ended with signal SIGKILL without saying why")
+    # On another node, the killed rank is not among this launcher's ranks: the peer loss is the line.
+    assert summarize([report], {0: 1}) == (1, report.line)
+    # Torn down by torchrun first: the stop it noted was not the user's.
+    say_how_it_ended(2, lost, stop_requested=signal.SIGTERM)
+    assert summarize(read_reports(str(report_dir)), {0: 1, 1: -9, 2: 143})[1].startswith("error: rank 1 ended with signal SIGKILL")
+    # A signal that did reach the launcher (passed on to every rank) stays the explanation.
+    stopped = [r for r in read_reports(str(report_dir)) if r.rank == 2]
+    assert summarize(stopped, {1: -9}, signum=signal.SIGTERM) == (143, stopped[0].line)
