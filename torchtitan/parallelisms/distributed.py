@@ -66,8 +66,29 @@ def init_distributed(dev_type: str, timeout_seconds: float, trace_buf_size: int 
         device = torch.device("cpu")
     if world_size() > 1 and not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        store = _store_of_this_attempt(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank(), world_size=world_size(), timeout=timeout)
     return device
+
+
+def _store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the rendezvous store of its agent, in a namespace of this attempt's own.
+
+    The agent's store outlives a restart (MAX_RESTARTS), and with it the keys the failed attempt's
+    ranks wrote, gloo's listening addresses among them: the restarted ranks would read those at
+    once and connect to ports of dead processes (refused, or worse, taken by another socket, which
+    hangs the connect). Each attempt therefore keys its process group under its restart count.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"/torchtitan/attempt_{attempt}", agent)
 
 
 def die_with_launcher() -> None:

@@ -1,0 +1,235 @@
+"""Automatic restart, measured: kill a rank at a random step and check the job finishes by itself
+with bitwise the losses of a run that was never interrupted.
+
+    .venv/bin/python scripts/restart_trials.py                 # 10 trials, 2 ranks on this machine
+    .venv/bin/python scripts/restart_trials.py --hosts 2       # 2 simulated hosts x 2 ranks (root, iproute2)
+
+One uninterrupted reference run first (the tiny debug model, a checkpoint every 2 steps, every step
+logged). Then, per trial, the same job through run_llama_train.sh with MAX_RESTARTS: once rank 0
+has logged a randomly drawn step, one random rank is killed with SIGKILL (with --hosts 2, every
+rank of one random host). torchrun restarts every rank, which resumes from the newest complete
+checkpoint. A trial passes when the job exits 0 on its own and its per-step losses (metrics.jsonl,
+one row per step) equal the reference's exactly. Prints a table; exits 1 if any trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from torchtitan.tools.netns import TwoHosts, unavailable  # noqa: E402
+from torchtitan.tools.runs import TINY_RUN, read_metrics  # noqa: E402
+
+RESTARTS_NOTE = re.compile(r"torchrun restarted the ranks (\d+) times?")
+RDZV_PORT = 29731
+
+
+@dataclass
+class Trial:
+    kill_step: int
+    killed: list[int]  # global ranks
+    restarts: int | None  # from the launcher's note; None if it printed none
+    seconds: float
+    finished: bool  # exit code 0 without outside help
+    bitwise_equal: bool
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.finished and self.bitwise_equal and bool(self.restarts)
+
+
+def job_args(folder: Path, steps: int) -> list[str]:
+    return [*TINY_RUN, "--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", "2", "--job.dump_folder", str(folder)]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHTITAN_REPORT_DIR", "TORCHELASTIC_RESTART_COUNT")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+class Job:
+    """One job: the launcher on this machine, or one launcher per simulated host."""
+
+    def __init__(self, folder: Path, steps: int, nproc: int, hosts: TwoHosts | None, max_restarts: int):
+        cmd = ["./run_llama_train.sh", *job_args(folder, steps)]
+        common = {"MAX_RESTARTS": str(max_restarts)}
+        kw = dict(cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if hosts is None:
+            self.procs = [subprocess.Popen(cmd, env=_clean_env(NGPU=str(nproc), **common), **kw)]
+        else:
+            self.procs = [hosts.popen(h, cmd, hosts.node_env(h, nproc // 2, RDZV_PORT, _clean_env(**common)), **kw)
+                          for h in (0, 1)]
+        self.folder = folder
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def wait(self, timeout: float) -> list[tuple[int, str]]:
+        """[(exit code, stderr)] per launcher; kills everything left after `timeout`."""
+        deadline = time.monotonic() + timeout
+        ended = []
+        for p in self.procs:
+            try:
+                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                _, err = p.communicate()
+                err += f"\n(killed by restart_trials after {timeout:.0f} s)"
+            ended.append((p.returncode, err))
+        return ended
+
+
+def rank_pids(folder: Path) -> dict[int, tuple[int, int]]:
+    """{global rank: (pid, node)} of the trainer processes writing to `folder`."""
+    found = subprocess.run(["pgrep", "-f", f"torchtitan.train.*{folder}"], capture_output=True, text=True).stdout
+    ranks = {}
+    for pid in found.split():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = (int(pid), int(env.get(b"GROUP_RANK", b"0")))
+    return ranks
+
+
+def logged_step(folder: Path) -> int:
+    try:
+        return max((r["step"] for r in read_metrics(folder)), default=0)
+    except (OSError, ValueError):
+        return 0  # not written yet, or being rewritten by a resuming rank 0
+
+
+def run_reference(workdir: Path, steps: int, nproc: int, hosts: TwoHosts | None, timeout: float) -> list[float]:
+    folder = workdir / "reference"
+    shutil.rmtree(folder, ignore_errors=True)
+    job = Job(folder, steps, nproc, hosts, max_restarts=0)
+    for code, err in job.wait(timeout):
+        if code != 0:
+            raise RuntimeError(f"the reference run failed ({code}): {err[-2000:]}")
+    return [r["loss"] for r in read_metrics(folder)]
+
+
+def run_trial(workdir: Path, index: int, reference: list[float], rng: random.Random, steps: int, nproc: int,
+              hosts: TwoHosts | None, max_restarts: int, timeout: float) -> Trial:
+    folder = workdir / f"trial-{index}"
+    shutil.rmtree(folder, ignore_errors=True)
+    kill_step = rng.randint(1, steps - 2)
+    start = time.monotonic()
+    job = Job(folder, steps, nproc, hosts, max_restarts)
+    killed: list[int] = []
+    while job.alive() and time.monotonic() - start < timeout:
+        if logged_step(folder) >= kill_step:
+            ranks = rank_pids(folder)
+            if hosts is None:
+                victims = [rng.choice(sorted(ranks))]
+            else:  # every rank of one host: a node lost
+                node = rng.choice(sorted({n for _, n in ranks.values()}))
+                victims = sorted(r for r, (_, n) in ranks.items() if n == node)
+            for rank in victims:
+                os.kill(ranks[rank][0], signal.SIGKILL)
+            killed = victims
+            break
+        time.sleep(0.05)
+    ended = job.wait(max(1.0, timeout - (time.monotonic() - start)))
+    seconds = time.monotonic() - start
+    notes = [RESTARTS_NOTE.search(err) for _, err in ended]
+    restarts = max((int(m[1]) for m in notes if m), default=None)
+    finished = bool(killed) and all(code == 0 for code, _ in ended)
+    losses = [r["loss"] for r in read_metrics(folder)] if (folder / "metrics.jsonl").exists() else []
+    equal = losses == reference  # exact: float equality of every step's loss
+    detail = "" if finished else f"exit codes {[c for c, _ in ended]}: {ended[0][1].strip()[-300:]}"
+    if finished and not equal:
+        diffs = [abs(a - b) for a, b in zip(losses, reference)]
+        detail = f"{len(losses)} steps logged, max |diff| {max(diffs, default=float('nan')):.3g}"
+    return Trial(kill_step, killed, restarts, seconds, finished, equal, detail)
+
+
+def run_trials(workdir: Path, trials: int = 10, seed: int = 0, steps: int = 10, hosts: int = 1, nproc: int = 2,
+               max_restarts: int = 3, timeout: float = 600, log=print,
+               reference: list[float] | None = None) -> list[Trial]:
+    """Runs the reference (unless its losses are given: `job_args` on `nproc` ranks, uninterrupted)
+    and `trials` kill trials under `workdir`; returns one Trial per trial."""
+    if steps < 3:
+        raise ValueError("--steps must be at least 3 (a kill step in 1 .. steps-2)")
+    rng = random.Random(seed)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if hosts == 1:
+        return _trials(workdir, trials, rng, steps, nproc, None, max_restarts, timeout, log, reference)
+    if hosts != 2 or nproc % 2:
+        raise ValueError("--hosts is 1 or 2, and with 2 hosts --nproc must be even (ranks per host = nproc / 2)")
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(f"two simulated hosts cannot be built: {reason}")
+    with TwoHosts() as two:
+        return _trials(workdir, trials, rng, steps, nproc, two, max_restarts, timeout, log, reference)
+
+
+def _trials(workdir, trials, rng, steps, nproc, hosts, max_restarts, timeout, log, reference) -> list[Trial]:
+    if reference is None:
+        start = time.monotonic()
+        reference = run_reference(workdir, steps, nproc, hosts, timeout)
+        log(f"reference: {steps} steps uninterrupted in {time.monotonic() - start:.1f} s")
+    rows = []
+    for i in range(trials):
+        rows.append(run_trial(workdir, i, reference, rng, steps, nproc, hosts, max_restarts, timeout))
+        log(format_row(i + 1, rows[-1]))
+    return rows
+
+
+HEADER = "| trial | kill step | killed rank(s) | restarts | wall s | finished by itself | bitwise equal |"
+
+
+def format_row(index: int, t: Trial) -> str:
+    restarts = "none noted" if t.restarts is None else str(t.restarts)
+    row = (f"| {index} | {t.kill_step} | {', '.join(map(str, t.killed)) or '-'} | {restarts} | {t.seconds:.1f} | "
+           f"{'yes' if t.finished else 'no'} | {'yes' if t.bitwise_equal else 'no'} |")
+    return row + (f" {t.detail}" if t.detail else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0, help="draws the kill steps and ranks")
+    p.add_argument("--steps", type=int, default=10, help="steps per job (a checkpoint every 2)")
+    p.add_argument("--hosts", type=int, default=1, choices=(1, 2), help="2: two network namespaces, ranks split evenly")
+    p.add_argument("--nproc", type=int, default=2, help="ranks in the whole job")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job before it counts as hung")
+    p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    args = p.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="restart-trials-"))
+    print(f"runs in {workdir}; {args.trials} trials, {args.nproc} ranks on {args.hosts} host(s), MAX_RESTARTS "
+          f"{args.max_restarts}, seed {args.seed}\n{HEADER}\n| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    try:
+        rows = run_trials(workdir, args.trials, args.seed, args.steps, args.hosts, args.nproc, args.max_restarts,
+                          args.timeout, log=lambda line: print(line, flush=True) if line.startswith("|") else None)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    passed = sum(t.passed for t in rows)
+    print(f"{passed} of {len(rows)} trials finished by themselves with bitwise-equal losses")
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

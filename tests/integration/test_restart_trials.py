@@ -1,0 +1,44 @@
+"""Automatic restart (MAX_RESTARTS) through run_llama_train.sh: a rank killed with SIGKILL at a
+random step, or every rank of one of two simulated hosts, and the job finishes by itself with
+bitwise the losses of an uninterrupted run (scripts/restart_trials.py; CI runs one trial of each)."""
+
+import importlib.util
+import random
+import sys
+
+import pytest
+
+from tests.helpers import losses, run_train
+from tests.machinery.warm_launcher import REPO_ROOT
+from torchtitan.tools.netns import unavailable
+
+
+def _trials_module():
+    spec = importlib.util.spec_from_file_location("restart_trials", REPO_ROOT / "scripts" / "restart_trials.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("hosts", [1, 2], ids=["one host, a random rank", "two hosts, one host's ranks"])
+def test_a_killed_job_restarts_by_itself_and_logs_the_uninterrupted_losses(tmp_path, hosts):
+    reason = unavailable() if hosts == 2 else None
+    if reason:
+        pytest.skip(f"two simulated hosts cannot be built here: {reason}")
+    trials = _trials_module()
+    steps, nproc = 8, 2 * hosts
+    # The uninterrupted reference on one machine, forked from the warm launcher (the same layout
+    # and arguments: its losses must be bitwise those of the launched job, on one host or two).
+    run_train(trials.job_args(tmp_path / "reference", steps), nproc=nproc)
+    seed = random.randrange(1000)  # a new kill step and victim every run; the seed is in the failure
+    rows = trials.run_trials(tmp_path, trials=1, seed=seed, steps=steps, hosts=hosts, nproc=nproc, timeout=300,
+                             reference=losses(tmp_path / "reference"))
+    (trial,) = rows
+    print(f"seed {seed}: {trials.format_row(1, trial)}")
+    assert trial.killed, f"seed {seed}: nothing was killed"
+    assert trial.finished, f"seed {seed}: {trial.detail}"
+    assert trial.restarts and trial.restarts >= 1, f"seed {seed}: no restart noted"
+    assert trial.bitwise_equal, f"seed {seed}: {trial.detail}"
+    if hosts == 2:
+        assert len(trial.killed) == 2 and trial.killed in ([0, 1], [2, 3])
