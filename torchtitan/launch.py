@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 
-from torchtitan.errors import REPORT_DIR_ENV, attempts_started, read_reports, summarize
+from torchtitan.errors import EXIT_USER, REPORT_DIR_ENV, attempts_started, read_reports, summarize
 
 STOP_GRACE_SECONDS = 300  # TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides it
 
@@ -64,9 +64,19 @@ def _kill_hung_ranks(folder: str, done: threading.Event) -> None:
                         pass
 
 
+def _rendezvous_failure(args, e: BaseException) -> str:
+    cause = e.__cause__ or e.__context__
+    detail = (str(cause).splitlines() or [""])[0] if cause is not None else ""
+    detail = detail or (str(e).splitlines() or [type(e).__name__])[0]
+    return (f"the {args.nnodes} nodes did not meet at the rendezvous RDZV_ENDPOINT={args.rdzv_endpoint} "
+            f"({type(e).__name__}: {detail[:300]}); check that node 0 (NODE_RANK=0) runs there, that its port is free "
+            "and reachable from every node, and that every node has the same NNODES and RDZV_ID")
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
@@ -94,6 +104,11 @@ def main(argv: list[str]) -> int:
             exit_codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
         except SignalException as e:
             signum = int(e.sigval)  # the agent has passed it on and waited for the ranks to stop
+        except RendezvousError as e:  # the nodes never met: an endpoint, port or node that is wrong
+            if own_logs:
+                shutil.rmtree(args.log_dir, ignore_errors=True)
+            print(f"error: {_rendezvous_failure(args, e)}", file=sys.stderr, flush=True)
+            return EXIT_USER
         finally:
             done.set()
             killer.join()

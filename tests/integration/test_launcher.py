@@ -115,3 +115,20 @@ def test_ctrl_c_stops_every_rank_after_one_step(tmp_path):
     assert not [p for p in (tmp_path / "checkpoint").iterdir() if ".partial" in p.name]
     ranks = subprocess.run(["pgrep", "-f", f"torchtitan.train.*{tmp_path}"], capture_output=True, text=True)
     assert ranks.stdout == "", "a rank outlived the launcher"
+
+
+def test_a_rendezvous_port_in_use_is_one_line_and_exit_two():
+    """Node 0 cannot host the rendezvous (its port is taken): one `error:` line naming the
+    endpoint, exit code 2, no torchrun traceback."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        endpoint = f"127.0.0.1:{busy.getsockname()[1]}"
+        result = _launch(["--training.steps", "2"], NGPU="1", NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=endpoint)
+    assert result.returncode == 2, result.stderr[-3000:]
+    ours = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(ours) == 1 and ours[0].startswith(f"error: the 2 nodes did not meet at the rendezvous RDZV_ENDPOINT={endpoint} "
+                                                 "(RendezvousConnectionError: "), result.stderr[-3000:]
+    assert "address already in use" in ours[0] and "Traceback" not in result.stderr
