@@ -40,9 +40,11 @@ if step := os.environ.get("TT_KILL_AFTER_STEP"):
 
     def save_then_die(self, step_done, **kwargs):
         _save(self, step_done, **kwargs)
-        if step_done == int(step) and _rank0():
-            self._publish_finished_async_save(block=True)  # an async save may still be writing
-            _die()
+        if step_done == int(step):
+            # An async save may still be writing; publishing it is collective, so every rank waits.
+            self._publish_finished_async_save(block=True)
+            if _rank0():
+                _die()
 
     manager.CheckpointManager.save = save_then_die
 

@@ -1,5 +1,6 @@
 import pytest
 
+from tests.helpers import TINY_RUN, losses
 from tests.machinery.warm_launcher import run_warm
 from torchtitan.tools.layout_matrix import MatrixRunner
 from torchtitan.tools.parity import ParityHarness
@@ -18,3 +19,17 @@ def matrix(tmp_path_factory) -> MatrixRunner:
     """The layout matrix's runner, shared by the matrix and memory tests: each point runs once,
     each model's seed checkpoint and baseline once."""
     return MatrixRunner(tmp_path_factory.mktemp("matrix"), runner=run_warm)
+
+
+UNINTERRUPTED_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    """Per-step losses of the tiny 2-rank FSDP job of 8 steps (a checkpoint every 2), never
+    interrupted: what the preemption and restart tests must reproduce bit for bit (saving a
+    checkpoint does not change what a job computes, so their own intervals may differ)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run_warm([*TINY_RUN, "--training.steps", str(UNINTERRUPTED_STEPS), "--metrics.log_freq", "1",
+              "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--job.dump_folder", str(folder)], nproc=2)
+    return losses(folder)

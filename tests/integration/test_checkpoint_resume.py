@@ -11,14 +11,14 @@ import pytest
 from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
 from torchtitan.checkpoint import folders
 
-STEPS = 20
+STEPS = 12
 FSDP2 = ["--training.data_parallel_shard_degree", "2"]
 FSDP2_TP2_PP2 = ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2",
                  "--experimental.pipeline_parallel_degree", "2"]
 
 
 def job(folder, layout, *extra):
-    return [*TINY_RUN, "--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", "5",
+    return [*TINY_RUN, "--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4",
             "--experimental.custom_import", "tests.checkpoint_faults", "--job.dump_folder", str(folder), *layout, *extra]
 
 
@@ -59,44 +59,44 @@ def losses(folder):
 # a random step, torchrun's automatic restart, bitwise the losses of an uninterrupted run.
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
-    """Killed after step 13 (checkpoints at 5 and 10), then started again: steps 11-20 are
-    trained again from the step-10 checkpoint, data position and RNG included."""
+    """Killed after step 9 (checkpoints at 4 and 8), then started again: steps 9-12 are
+    trained again from the step-8 checkpoint, data position and RNG included."""
     mode_args = ["--checkpoint.async_mode", mode]
-    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "13"}, *mode_args)
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "9"}, *mode_args)
     resumed(tmp_path, FSDP2, 2, *mode_args)
-    assert resumed_after(tmp_path) == 10
+    assert resumed_after(tmp_path) == 8
     assert losses(tmp_path) == uninterrupted
     # The last save, still being written when training ended, was awaited and published before exit.
-    assert folders.problem_with(str(tmp_path / "checkpoint" / "step-20")) is None
+    assert folders.problem_with(str(tmp_path / "checkpoint" / "step-12")) is None
 
 
 def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
-    # Killed while DCP writes step 10: step-5 stays the newest checkpoint.
-    killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "10:write"})
-    assert sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-5"]
-    assert not (tmp_path / "checkpoint" / "step-10").exists()  # only the unfinished step-10.partial-* folder
-    # The next job resumes from step 5, and is killed after writing step 15's manifest, before publishing it.
-    result = killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "15:publish"})
+    # Killed while DCP writes step 8: step-4 stays the newest checkpoint.
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "8:write"})
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-8"]
+    assert not (tmp_path / "checkpoint" / "step-8").exists()  # only the unfinished step-8.partial-* folder
+    # The next job resumes from step 4, and is killed after writing the last step's manifest, before publishing it.
+    result = killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "12:publish"})
     assert "ignoring" in result.stdout and "a save that never finished" in result.stdout
-    assert resumed_after(tmp_path) == 5
-    # The third job finds step-10 as the newest complete checkpoint, and finishes.
+    assert resumed_after(tmp_path) == 4
+    # The third job finds step-8 as the newest complete checkpoint, and finishes.
     result = resumed(tmp_path, FSDP2, 2)
-    assert resumed_after(tmp_path) == 10
+    assert resumed_after(tmp_path) == 8
     assert "removing" in result.stdout  # the unfinished saves of the killed jobs are cleaned up
     assert losses(tmp_path) == uninterrupted
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-12", "step-4", "step-8"]
 
 
 def test_a_3d_job_resumes_exactly(tmp_path):
-    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-5 checkpoint of a 10-step
-    run logs the same steps 6-10. (The crash itself is exercised above; here the first 5 steps
+    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-4 checkpoint of an 8-step
+    run logs the same steps 5-8. (The crash itself is exercised above; here the first 4 steps
     are the uninterrupted job's own, which saves on 8 ranks an extra job.)"""
-    steps = ("--training.steps", "10")
+    steps = ("--training.steps", "8")
     run_train(job(tmp_path / "full", FSDP2_TP2_PP2, *steps), nproc=8, timeout=600)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-5", tmp_path / "split" / "checkpoint" / "step-5")
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", tmp_path / "split" / "checkpoint" / "step-4")
     resumed(tmp_path / "split", FSDP2_TP2_PP2, 8, *steps)
-    assert resumed_after(tmp_path / "split") == 5
+    assert resumed_after(tmp_path / "split") == 4
     full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")}
     split = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split")}
-    assert sorted(split) == list(range(6, 11))
+    assert sorted(split) == list(range(5, 9))
     assert split == {step: full[step] for step in split}
