@@ -14,11 +14,16 @@ def parity(tmp_path_factory) -> ParityHarness:
     return ParityHarness(tmp_path_factory.mktemp("parity"), runner=run_warm)
 
 
+# The CI part of the matrix trains 6 steps per point (scripts/loss_compare.py --suite matrix: 10),
+# which keeps every point and comparison at two thirds of the time.
+MATRIX_CI_STEPS = 6
+
+
 @pytest.fixture(scope="session")
 def matrix(tmp_path_factory) -> MatrixRunner:
     """The layout matrix's runner, shared by the matrix and memory tests: each point runs once,
     each model's seed checkpoint and baseline once."""
-    return MatrixRunner(tmp_path_factory.mktemp("matrix"), runner=run_warm)
+    return MatrixRunner(tmp_path_factory.mktemp("matrix"), steps=MATRIX_CI_STEPS, runner=run_warm)
 
 
 UNINTERRUPTED_STEPS = 8
