@@ -318,6 +318,7 @@ def validate(config: JobConfig) -> None:
         if getattr(f8, key) == "delayed":
             raise ConfigError(f"float8.{key} 'delayed' is not supported: torchao (0.18) removed delayed scaling; use 'dynamic'")
     _validate_metrics(m)
+    _validate_validation(config)
     for rule in OPTION_RULES:
         rule(config)
     for (section, key), active in _NOT_YET.items():
@@ -337,6 +338,24 @@ def _validate_metrics(m: Metrics) -> None:
     # Checked here, before torchrun starts any rank, rather than at the first log line.
     if m.enable_wandb and not _module_available("wandb"):
         raise ConfigError("metrics.enable_wandb needs the wandb package (pip install wandb)")
+
+
+def _validate_validation(config: JobConfig) -> None:
+    v = config.validation
+    if v.freq < 1:
+        raise ConfigError(f"validation.freq must be >= 1, got {v.freq}")
+    if v.steps == 0 or v.steps < -1:
+        raise ConfigError(f"validation.steps must be >= 1 or -1 (the whole validation data), got {v.steps}")
+    if v.batch_size == 0 or v.batch_size < -1:
+        raise ConfigError(f"validation.batch_size must be >= 1 or -1 (training.batch_size), got {v.batch_size}")
+    if not 0 < v.held_out_fraction < 1:
+        raise ConfigError(f"validation.held_out_fraction must lie strictly between 0 and 1, got {v.held_out_fraction}")
+    if not v.enabled:
+        return
+    if config.experimental.pipeline_parallel_degree > 1 and v.batch_size > 0 and v.batch_size % config.training.batch_size:
+        # The schedule's stages exchange microbatches of the shape the training step set up.
+        raise ConfigError(f"validation.batch_size {v.batch_size} must be a multiple of training.batch_size "
+                          f"{config.training.batch_size} under pipeline parallelism (or -1)")
 
 
 def validate_world_size(config: JobConfig, world_size: int) -> ParallelDims:

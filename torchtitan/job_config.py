@@ -260,6 +260,24 @@ class Comm:
 
 
 @dataclass
+class Validation:
+    enabled: bool = opt(False, "Measure the loss on held-out data every validation.freq steps and at the last step "
+                               "(loss and perplexity on the console, TensorBoard and metrics.jsonl; docs/validation.md).")
+    dataset: str = opt("", "Registered text source to validate on; empty (with dataset_path empty too) = a held-out "
+                           "split of the training data, which training then never reads.")
+    dataset_path: str = opt("", "Local validation data (.jsonl, .txt, .parquet; a file, folder or glob), overriding "
+                                "validation.dataset.")
+    held_out_fraction: float = opt(
+        0.01, "Share of the training source's documents held out for validation when no validation dataset is "
+        "given (chosen by a hash of each document's position, so the split is the same in every run and layout).")
+    freq: int = opt(100, "Steps between validation runs (the last step is always validated).")
+    steps: int = opt(20, "Batches per validation run (each run reads the same batches from the start of the "
+                         "validation data); -1 = the whole validation data. Fewer when the data runs out first.")
+    batch_size: int = opt(-1, "Sequences per data-parallel rank and validation batch, of training.seq_len tokens; "
+                              "-1 = those of one optimizer step (training.batch_size x gradient_accumulation_steps).")
+
+
+@dataclass
 class MemoryEstimation:
     enabled: bool = opt(False, "Estimate peak memory with fake tensors before training.")
     disable_fake_mode: bool = opt(False, "Estimate with real tensors.")
@@ -279,6 +297,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

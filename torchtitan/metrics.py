@@ -200,7 +200,8 @@ def _open_jsonl(path: str, resumed_step: int):
     A resumed run continues the file, keeping the rows up to its checkpoint's step and dropping
     later ones, which an interrupted job logged but will now train again, so that every step
     appears once; an earlier run's setup record (setup_record.py) stays while a step it trained
-    stays, i.e. when its `first_step` is at most the checkpoint's step. A fresh run must neither
+    stays, i.e. when its `first_step` is at most the checkpoint's step, and an earlier run's summary
+    while its `last_step` is (validation rows are kept by step). A fresh run must neither
     mix its steps into an earlier run's file nor destroy it: an existing file is renamed to
     metrics.<n>.jsonl (the first free n) and a new one started.
     """
@@ -224,7 +225,8 @@ def _open_jsonl(path: str, resumed_step: int):
                     continue
                 if not isinstance(row, dict):
                     continue
-                step = row.get("first_step", 0) if row.get("record") == "setup" else row.get("step", 0)
+                kind = row.get("record")  # setup and summary rows span steps: see setup_record.py, progress.py
+                step = row.get({"setup": "first_step", "summary": "last_step"}.get(kind, "step"), 0)
                 if step <= resumed_step:
                     kept.append(line.rstrip("\n") + "\n")
     # Rewritten through a temporary file, so a crash here cannot leave the file truncated.
@@ -232,6 +234,23 @@ def _open_jsonl(path: str, resumed_step: int):
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     return open(path, "a")
+
+
+def _kept_validations(jsonl) -> dict[int, float]:
+    """The validation losses an earlier run of this job left in metrics.jsonl (the rows a resumed
+    run keeps: _open_jsonl), by step; empty for a fresh run or without the file."""
+    if jsonl is None or jsonl.tell() == 0:
+        return {}
+    found = {}
+    with open(jsonl.name) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("record") == "validation":
+                found[int(row["step"])] = float(row["loss"])
+    return found
 
 
 class _WandbSink:
@@ -281,6 +300,8 @@ class StepMetrics:
     # (data loading and optimizer step, train_loop); None on one process.
     own_seconds: tuple[int, float, float] | None = None
     steps: int = 1  # steps since the last log line
+    total_steps: int = 0  # training.steps, for `step: 10/100`; 0 leaves it out
+    progress: str = ""  # elapsed and estimated time left (progress.py), ending the console line
 
 
 # A straggler is named on the console when its own time exceeds the median by this share of a step.
@@ -315,6 +336,11 @@ class MetricsLogger:
             logger.info(f"TensorBoard scalars go to {folder}")
         logger.info(f"peak FLOP/s per device for MFU: {self.peak_flops / 1e12:.3f} T ({device.type}, {compute_dtype}; "
                     f"{peak_source})")
+        # This run's totals over its logged windows (every step belongs to one), for the summary.
+        self.run_tokens, self.run_seconds = 0.0, 0.0
+        # Validation losses by step: an earlier run's rows kept in metrics.jsonl (a resumed job's),
+        # then this run's.
+        self.validations: dict[int, float] = _kept_validations(self.jsonl)
 
     def log(self, s: StepMetrics) -> dict[str, float]:
         tps = s.tokens / s.seconds
@@ -346,11 +372,14 @@ class MetricsLogger:
                 bubble += f"  slowest: rank {rank} {slowest:.3f}s/step vs median {median:.3f}s (data + optimizer)"
         c = self.colors
         logger.info(
-            f"{c.red}step: {s.step:2}  {c.green}loss: {s.loss:7.4f}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
+            f"{c.red}step: {s.step:2}{f'/{s.total_steps}' if s.total_steps else ''}  {c.green}loss: {s.loss:7.4f}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
             f"lr: {s.lr:.2e}  {c.yellow}memory: {peak_mem:5.2f}GiB peak  "
             f"{c.blue}tps: {tps:,.0f}  {c.cyan}tflops: {tflops:,.3f}  {c.magenta}mfu: {mfu:.2f}%  "
             f"{c.reset}data: {values['data_loading_percent']:.1f}%{bubble}"
+            + (f"  {s.progress}" if s.progress else "")
         )
+        self.run_tokens += s.tokens
+        self.run_seconds += s.seconds
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(f"train/{name}", value, s.step)
@@ -360,6 +389,33 @@ class MetricsLogger:
             self.jsonl.write(json.dumps({"step": s.step, **values}) + "\n")
             self.jsonl.flush()
         return values
+
+    def log_validation(self, step: int, loss: float, perplexity: float, batches: int, tokens: int,
+                       seconds: float) -> None:
+        """One validation run: a console line, TensorBoard / W&B scalars under validation/, and a
+        {"record": "validation", ...} row in metrics.jsonl."""
+        best_step = min(self.validations, key=self.validations.get, default=None)
+        self.validations[step] = loss
+        best = "" if best_step is None or loss <= self.validations[best_step] else \
+            f"  (best {self.validations[best_step]:.4f} at step {best_step})"
+        c = self.colors
+        logger.info(f"{c.red}validation at step {step}: {c.green}loss: {loss:7.4f}  {c.reset}perplexity: "
+                    f"{perplexity:,.2f}  {batches} batches, {tokens:,} tokens in {seconds:.1f}s{best}")
+        values = {"loss": loss, "perplexity": perplexity}
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(f"validation/{name}", value, step)
+        if self.wandb is not None:
+            self.wandb.run.log({f"validation/{name}": value for name, value in values.items()}, step=step)
+        self.log_record({"record": "validation", "step": step, **values, "batches": batches, "tokens": tokens,
+                         "seconds": seconds})
+
+    def mean_throughput(self) -> tuple[float, float]:
+        """(tokens/s per device, MFU %) over every step this run logged."""
+        if self.run_seconds <= 0:
+            return 0.0, 0.0
+        tps = self.run_tokens / self.run_seconds
+        return tps, 100 * self.flops_per_token * tps / self.peak_flops
 
     def log_record(self, record: dict) -> None:
         """Appends a record that is not a step's row to metrics.jsonl; its "record" key names its

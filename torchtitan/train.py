@@ -66,7 +66,9 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan, plan_pipeline
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_profiling
+from torchtitan.progress import Progress, summary
 from torchtitan.setup_record import SetupRecord
+from torchtitan.validation import Validator
 
 logger = logging.getLogger("torchtitan")
 
@@ -137,6 +139,9 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
         raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
                           "must stay 1")
     plan = plan_pipeline(job_config) if parallel_dims.pp_enabled else None
+    if job_config.validation.enabled and train_spec.build_validation_dataloader_fn is None:
+        raise ConfigError(f"model {train_spec.name!r} has no build_validation_dataloader_fn, so validation.enabled "
+                          "must stay false")
     if train_spec.validate_fn is not None:
         train_spec.validate_fn(model_args, parallel_dims, plan, job_config)
     device_type = tt_dist.device_type()
@@ -152,6 +157,7 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
 
 
 def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
+    started = time.perf_counter()
     t = job_config.training
     # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
@@ -221,20 +227,50 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
                      if parallel_dims.fsdp_enabled else torch.float32)
     metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype,
                             resumed_step=train_state.step)
+    validator = None
+    if job_config.validation.enabled:
+        loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+        validator = Validator(job_config, train_spec.build_validation_dataloader_fn, tokenizer, parallel_dims,
+                              model_parts, train_spec.loss_fn, loss_context, pipeline, device, shards)
+    progress = Progress(t.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=started)
+    tokens_before = train_state.tokens_seen
     try:
         with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
             train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                        iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline,
-                       stops, setup)
+                       stops, setup, validator, progress)
+        checkpoint.close()  # waits for a save still being written in the background
+        log_summary(job_config, metrics, progress, train_state, tokens_before)
     except (Stopped, TrainingDiverged) as e:
         # Every rank ends here after the same step, so the save still in flight can finish: the
         # newest good checkpoint is kept and named in the run's last line.
         checkpoint.close()
+        if isinstance(e, Stopped) and e.step is not None:
+            log_summary(job_config, metrics, progress, train_state, tokens_before, ended="stopped")
         e.add_context(newest_checkpoint(job_config))
         raise
     finally:
         metrics.close()
-    checkpoint.close()  # waits for a save still being written in the background
+
+
+def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progress, train_state: TrainState,
+                tokens_before: int, ended: str = "done") -> None:
+    """The run's closing lines on the console and its summary row in metrics.jsonl."""
+    if train_state.step < progress.first_step:  # no step ran (the data ran out at once)
+        return
+    dump, m = job_config.job.dump_folder, job_config.metrics
+    outputs = {}
+    if job_config.checkpoint.enable_checkpoint:
+        outputs["checkpoints"] = newest_checkpoint(job_config).removeprefix("newest checkpoint: ")
+    if m.save_jsonl:
+        outputs["metrics"] = os.path.join(dump, "metrics.jsonl")
+    if m.enable_tensorboard:
+        outputs["TensorBoard"] = os.path.join(dump, m.save_tb_folder)
+    lines, record = summary(progress, train_state.step, train_state.tokens_seen - tokens_before,
+                            *metrics.mean_throughput(), metrics.validations, outputs, ended)
+    for line in lines:
+        logger.info(line)
+    metrics.log_record(record)
 
 
 def newest_checkpoint(job_config: JobConfig) -> str:
@@ -249,7 +285,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                data_iter: Iterator, train_state: TrainState, checkpoint: CheckpointManager,
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
                pipeline: Pipeline | None = None, stops: StopRequests | None = None,
-               setup: SetupRecord | None = None) -> None:
+               setup: SetupRecord | None = None, validator: Validator | None = None,
+               progress: Progress | None = None) -> None:
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -363,7 +400,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             steps = step - window_first_step + 1
             stragglers = tt_dist.slowest_and_median(window_own_seconds / steps)
             metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble,
-                                    *(report or ()), own_seconds=stragglers, steps=steps))
+                                    *(report or ()), own_seconds=stragglers, steps=steps, total_steps=t.steps,
+                                    progress=progress.text(step) if progress is not None else ""))
             window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
             window_own_seconds, window_first_step = 0.0, step + 1
         # SIGTERM or SIGUSR1 (preemption, a time limit coming) saves the step all ranks agreed on.
@@ -374,13 +412,21 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             profiler.step()
         if stop_signal and step < t.steps:
             raise (Preempted if preempted else Stopped)(stop_signal, step)
+        if validator is not None and validator.due(step):
+            result = validator.run(step)
+            metrics.log_validation(result.step, result.loss, result.perplexity, result.batches, result.tokens,
+                                   result.seconds)
+            window_start += result.seconds  # kept out of the training throughput of the next log line
+            if progress is not None:
+                progress.validation_done(result.seconds)
+        if progress is not None:
+            progress.step_done(step)
         if step == first_step:  # a resumed run too: its first step is its slow one
             watchdog.set_limit(job_config.comm.train_timeout_seconds)
             tt_dist.set_timeout(watchdog.collective_timeout(job_config.comm.train_timeout_seconds))
             param_bytes, optim_bytes = local_state_bytes(model_parts, optimizers.optimizers)
             logger.info(f"rank {tt_dist.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "
                         f"optimizer state {optim_bytes / 2**20:.3f} MiB")
-    logger.info("training done")
 
 
 class _StartUpInterrupted(KeyboardInterrupt):

@@ -503,7 +503,7 @@ def run_case(c: Case, folders: Folders) -> subprocess.CompletedProcess:
     return run_train(trainer_args, nproc=nproc, check=False, timeout=180, extra_env=dict(c.env))
 
 
-STEP_LINE = re.compile(r"step: +2 ")
+STEP_LINE = re.compile(r"step: +2[ /]")
 
 
 def run_signal_case(c: Case, folders: Folders) -> subprocess.CompletedProcess:

@@ -373,3 +373,25 @@ def test_late_2024_spellings_are_accepted(tmp_path):
     assert not parallel_dims_from_config(config, 2).loss_parallel_enabled
     config.training.enable_loss_parallel = True
     assert parallel_dims_from_config(config, 2).loss_parallel_enabled
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--validation.freq", "0"], "validation.freq must be >= 1, got 0"),
+    (["--validation.steps", "0"], "validation.steps must be >= 1 or -1 (the whole validation data), got 0"),
+    (["--validation.batch_size", "-2"], "validation.batch_size must be >= 1 or -1 (training.batch_size), got -2"),
+    (["--validation.held_out_fraction", "1"], "validation.held_out_fraction must lie strictly between 0 and 1, got 1.0"),
+    (["--validation.held_out_fraction", "0"], "validation.held_out_fraction must lie strictly between 0 and 1, got 0.0"),
+    (["--validation.enabled", "--validation.batch_size", "12", "--training.batch_size", "8",
+      "--experimental.pipeline_parallel_degree", "2"],
+     "validation.batch_size 12 must be a multiple of training.batch_size 8 under pipeline parallelism (or -1)"),
+])
+def test_validation_options_are_checked(args, message):
+    with pytest.raises(ConfigError) as raised:
+        parse_args(args)
+    assert str(raised.value) == message
+
+
+def test_validation_defaults_are_off_and_sensible():
+    v = parse_args([]).validation
+    assert not v.enabled and v.freq >= 1 and v.steps >= 1 and 0 < v.held_out_fraction < 1 and v.batch_size == -1
+    assert parse_args(["--validation.enabled", "--validation.steps", "-1"]).validation.steps == -1

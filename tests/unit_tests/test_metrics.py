@@ -257,3 +257,47 @@ def test_wandb_logs_the_same_scalars_on_rank_0(fake_wandb, tmp_path, monkeypatch
     # Other ranks open no run.
     MetricsLogger(config, torch.device("cpu"), 10**6, rank=1).close()
     assert len(fake_wandb) == 1
+
+
+# ----------------------------------------------------------------------------- validation and summary rows
+
+
+def run_with_validation(tmp_path, steps, validations, resumed_step=0) -> MetricsLogger:
+    """A run logging `steps`, with a validation loss of validations[n] after step n where given."""
+    logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0), torch.device("cpu"), 10**6, rank=0,
+                           resumed_step=resumed_step)
+    for n in steps:
+        logger.log(step(n))
+        if n in validations:
+            logger.log_validation(n, validations[n], 2.0, 1, 64, 0.1)
+    return logger
+
+
+def test_validation_rows_and_best_loss_survive_a_resume(tmp_path):
+    dump = tmp_path / "dump"
+    run_with_validation(tmp_path, [1, 2, 3, 4], {2: 3.0, 4: 2.0}).close()
+    # Resumed after step 3: the validation of step 2 stays (and is the history), that of step 4 goes.
+    logger = run_with_validation(tmp_path, [4, 5, 6], {6: 2.5}, resumed_step=3)
+    assert logger.validations == {2: 3.0, 6: 2.5}
+    logger.close()
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows if r.get("record") == "validation"] == [(2, 3.0), (6, 2.5)]
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2, 3, 4, 5, 6]  # step rows unchanged
+
+
+def test_a_summary_row_goes_with_the_steps_it_summed(tmp_path):
+    dump = tmp_path / "dump"
+    logger = run_with_validation(tmp_path, [1, 2, 3, 4], {})
+    logger.log_record({"record": "summary", "first_step": 1, "last_step": 4})
+    logger.close()
+    run_with_validation(tmp_path, [3], {}, resumed_step=2).close()  # steps 3, 4 trained again: the summary goes
+    kinds = [json.loads(line).get("record", "step") for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["step"] * 3
+
+
+def test_mean_throughput_covers_every_logged_window(tmp_path):
+    logger = run_with_validation(tmp_path, [1, 2, 3], {})
+    tps, mfu = logger.mean_throughput()
+    assert tps == pytest.approx(3000 / 1.5)  # each window: 1000 tokens in 0.5 s
+    assert mfu == pytest.approx(100 * 10**6 * tps / 1e12)
+    logger.close()

@@ -145,3 +145,54 @@ def test_a_shard_smaller_than_its_share_of_one_batch_is_refused(tmp_path, infini
     # One token fewer per window fits: the same data trains.
     fits = PackedTextDataset(path, CharTokenizer(), tokens - 1, batch_size=1, shards=[0], num_shards=1, infinite=infinite)
     assert next(iter(fits))[0].shape == (1, tokens - 1)
+
+
+# ----------------------------------------------------------------------------- validation's held-out split
+
+
+def test_held_out_documents_are_disjoint_from_training_and_cover_the_source():
+    from torchtitan.datasets.text_dataset import Split
+
+    train, held = Split(0.1, validation=False), Split(0.1, validation=True)
+    indices = range(1, 20001)
+    held_out = [i for i in indices if held.reads(i)]
+    assert all(train.reads(i) != held.reads(i) for i in indices)
+    assert abs(len(held_out) / 20000 - 0.1) < 0.01
+    # Spread over the source: every tenth of it holds a share near the fraction, and so does each of
+    # 4 document shards (document i is in shard (i - 1) % 4).
+    for part in range(10):
+        share = sum(1 for i in held_out if part * 2000 < i <= (part + 1) * 2000) / 2000
+        assert abs(share - 0.1) < 0.03
+    for shard in range(4):
+        assert abs(sum(1 for i in held_out if (i - 1) % 4 == shard) / 5000 - 0.1) < 0.02
+
+
+def test_validation_batches_are_the_held_out_documents_read_once(tmp_path):
+    from torchtitan.datasets.text_dataset import Split
+
+    docs = [f"document number {i} " * 3 for i in range(200)]
+    path = _corpus(tmp_path, docs)
+    held = Split(0.2, validation=True)
+    expected = [t for i, d in enumerate(docs, start=1) if held.reads(i) for t in CharTokenizer().encode(d, True, True)]
+    ds = PackedTextDataset(path, CharTokenizer(), 16, batch_size=1, shards=[0], num_shards=1, infinite=False,
+                           split=held)
+    batches = list(ds)  # finite: no second epoch
+    assert len(batches) == (len(expected) - 1) // 16
+    assert [t for inputs, _ in batches for t in inputs[0].tolist()] == expected[: 16 * len(batches)]
+    # Training reads the other documents (its inputs, joined, are its token stream), none of these.
+    train_text = "".join(CharTokenizer().decode(inputs[0].tolist()) for inputs, _ in
+                         PackedTextDataset(path, CharTokenizer(), 16, 1, [0], 1, False, split=Split(0.2, False)))
+    assert "document number 0 " in train_text or held.reads(1)
+    assert not any(f"document number {i - 1} " in train_text for i in range(1, 201) if held.reads(i))
+
+
+def test_an_empty_held_out_split_is_one_clear_line(tmp_path):
+    from torchtitan.datasets.text_dataset import Split
+
+    path = _corpus(tmp_path, ["only one document"])
+    held = Split(0.01, validation=True)
+    assert not held.reads(1)
+    ds = PackedTextDataset(path, CharTokenizer(), 8, batch_size=1, shards=[0], num_shards=1, infinite=False, split=held)
+    with pytest.raises(DatasetError, match=r"validation: the held-out split of .* \(validation.held_out_fraction "
+                                           r"0.01\) has no documents for data-parallel rank 0 of 1; give more"):
+        list(ds)

@@ -60,17 +60,18 @@ class BadLineCounter:
             logger.warning(f"skipped {self.skipped} bad line(s) so far; latest {where}: {why}")
 
 
-def resolve_source(name: str, dataset_path: str) -> list[Path] | HFSource:
-    """The files (sorted) or hub dataset that training.dataset / training.dataset_path name."""
+def resolve_source(name: str, dataset_path: str, option: str = "training") -> list[Path] | HFSource:
+    """The files (sorted) or hub dataset that <option>.dataset / <option>.dataset_path name
+    (`option` is the config section: training, or validation for its own data)."""
     if not dataset_path:
         if name not in DATASETS:
-            raise DatasetError(f"unknown training.dataset {name!r}; known: {', '.join(sorted(DATASETS))} "
-                               "(or set training.dataset_path to local files)")
+            raise DatasetError(f"unknown {option}.dataset {name!r}; known: {', '.join(sorted(DATASETS))} "
+                               f"(or set {option}.dataset_path to local files)")
         source = DATASETS[name]
         if isinstance(source, HFSource):
             return source
-        return _local_files(resolve_path(source, f"training.dataset {name!r}", DatasetError))
-    return _local_files(resolve_path(dataset_path, "training.dataset_path", DatasetError))
+        return _local_files(resolve_path(source, f"{option}.dataset {name!r}", DatasetError))
+    return _local_files(resolve_path(dataset_path, f"{option}.dataset_path", DatasetError))
 
 
 def _local_files(dataset_path: str) -> list[Path]:

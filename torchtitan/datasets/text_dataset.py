@@ -10,6 +10,7 @@ an equal slice of every shard it owns. Hence the global batch of a step depends 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,9 +36,10 @@ class _ShardPacker:
     """
 
     def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, shard: int, num_shards: int,
-                 infinite: bool = True, counter: BadLineCounter | None = None):
+                 infinite: bool = True, counter: BadLineCounter | None = None, split: Split | None = None):
         self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
         self.shard, self.num_shards, self.infinite = shard, num_shards, infinite
+        self.split = split
         self.counter = counter or BadLineCounter()
         self.docs_done = 0  # documents of this shard consumed in the current epoch
         self.epoch = 0
@@ -55,12 +57,19 @@ class _ShardPacker:
             if self._docs is None:
                 # Reading continues right after this shard's last document (a resumed run seeks there).
                 self._docs = ((d, p) for d, p in read_from(self.source, self.counter, self.position)
-                              if (p.index - 1) % self.num_shards == self.shard)
+                              if (p.index - 1) % self.num_shards == self.shard
+                              and (self.split is None or self.split.reads(p.index)))
             doc, position = next(self._docs, (None, None))
             if doc is not None:
                 self.docs_done, self.position = self.docs_done + 1, position
                 return doc
             if self.docs_done == 0:
+                if self.split is not None and self.split.validation:
+                    data = (f"{_describe(self.source)}" if self.split.fraction >= 1 else
+                            f"the held-out split of {_describe(self.source)} (validation.held_out_fraction "
+                            f"{self.split.fraction:g})")
+                    raise DatasetError(f"validation: {data} has no documents for data-parallel rank {self.shard} of "
+                                       f"{self.num_shards}; give more validation data")
                 files = self.source if isinstance(self.source, list) else []
                 only_txt = 0 < len(files) < self.num_shards and all(Path(f).suffix == ".txt" for f in files)
                 why = (f"each .txt file is one document, and {len(files)} cannot feed {self.num_shards} data shards: give "
@@ -103,22 +112,44 @@ class _ShardPacker:
         self._epoch_tokens, self._whole_epoch = 0, self.docs_done == 0
 
 
+@dataclass(frozen=True)
+class Split:
+    """Which documents of a source one reader takes when validation holds some of them out.
+
+    Document i (its 1-based position in the source's stream) is held out when a multiplicative
+    hash of i falls below `fraction` of the hash range: the split depends only on the document's
+    position, so it is the same in every run, layout and data-parallel degree, and held-out
+    documents are spread evenly over the source instead of clustering in one shard or file.
+    Training reads the rest (`validation` False), validation the held-out ones.
+    """
+
+    fraction: float
+    validation: bool
+
+    def reads(self, index: int) -> bool:
+        held_out = (index * 0x9E3779B1) % 2**32 < self.fraction * 2**32
+        return held_out == self.validation
+
+
 class PackedTextDataset(IterableDataset, Stateful):
     """Yields (inputs, labels) batches of shape (batch_size, seq_len): forever when infinite (each
     shard starts a new epoch at its end), else until a shard cannot fill its part of a batch."""
 
     def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
-                 num_shards: int, infinite: bool = True, skip_bad_lines: bool = False):
+                 num_shards: int, infinite: bool = True, skip_bad_lines: bool = False, split: Split | None = None):
         if batch_size % len(shards):
+            option = "validation.batch_size" if split is not None and split.validation else "training.batch_size"
             raise DatasetError(
-                f"training.batch_size {batch_size} must be divisible by the {len(shards)} data shards each rank reads "
+                f"{option} {batch_size} must be divisible by the {len(shards)} data shards each rank reads "
                 "(training.dataset_shards / data-parallel degree)"
             )
         self.rows_per_shard = batch_size // len(shards)
         counter = BadLineCounter(skip_bad_lines)
-        self.packers = [_ShardPacker(source, tokenizer, seq_len, s, num_shards, infinite, counter) for s in shards]
-        for packer in self.packers:
-            packer.min_epoch_tokens = self.rows_per_shard * seq_len + 1
+        self.packers = [_ShardPacker(source, tokenizer, seq_len, s, num_shards, infinite, counter, split)
+                        for s in shards]
+        if split is None or not split.validation:  # validation reads its data once, as far as it goes
+            for packer in self.packers:
+                packer.min_epoch_tokens = self.rows_per_shard * seq_len + 1
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -137,12 +168,45 @@ class PackedTextDataset(IterableDataset, Stateful):
             p.load_state_dict(state_dict[f"shard_{p.shard}"])
 
 
+def held_out_split(job_config: JobConfig, validation: bool) -> Split | None:
+    """The split of the training source between training and validation: None (training reads
+    everything) unless validation is on and has no dataset of its own."""
+    v = job_config.validation
+    if not v.enabled or v.dataset or v.dataset_path:
+        return None
+    return Split(v.held_out_fraction, validation)
+
+
 def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
     t = job_config.training
     source = resolve_source(t.dataset, t.dataset_path)
     dataset = PackedTextDataset(source, tokenizer, t.seq_len, t.batch_size, shards.owned, shards.count,
-                                infinite=t.dataset_infinite, skip_bad_lines=t.dataset_skip_bad_lines)
+                                infinite=t.dataset_infinite, skip_bad_lines=t.dataset_skip_bad_lines,
+                                split=held_out_split(job_config, validation=False))
     # batch_size=None: the dataset yields whole batches (each assembled from its shards).
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def validation_batch_size(job_config: JobConfig) -> int:
+    """Rows per data-parallel rank of a validation batch: validation.batch_size, by default the rows
+    of one optimizer step (all its micro-batches), so a layout's validation batch, like its training
+    step, depends only on the global batch."""
+    t, v = job_config.training, job_config.validation
+    return v.batch_size if v.batch_size > 0 else t.batch_size * t.gradient_accumulation_steps
+
+
+def build_validation_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
+    """Batches of the validation data (validation.dataset or dataset_path, else the training
+    source's held-out split), read once from its start: finite, one shard per data-parallel rank."""
+    t, v = job_config.training, job_config.validation
+    if v.dataset or v.dataset_path:
+        source = resolve_source(v.dataset, v.dataset_path, option="validation")
+        split = Split(1.0, validation=True)  # all of it
+    else:
+        source = resolve_source(t.dataset, t.dataset_path)
+        split = held_out_split(job_config, validation=True)
+    dataset = PackedTextDataset(source, tokenizer, t.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
+                                infinite=False, skip_bad_lines=t.dataset_skip_bad_lines, split=split)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
 
 

@@ -124,6 +124,9 @@ class TrainSpec:
     hf_adapter: HFAdapter | None = None
     # Per-step work after the optimizer step (MoE load balancing and statistics); None: nothing.
     after_step_fn: AfterStepFn | None = None
+    # The validation data (validation.*): finite batches, read from the start on each call; None:
+    # validation.enabled is refused for this model.
+    build_validation_dataloader_fn: BuildDataloaderFn | None = None
 
 
 # Builders whose signature register_train_spec checks against the Protocol above.
@@ -137,6 +140,7 @@ _BUILDERS: dict[str, type] = {
     "loss_fn": LossFn,
     "validate_fn": ValidateFn,
     "after_step_fn": AfterStepFn,
+    "build_validation_dataloader_fn": BuildDataloaderFn,
 }
 
 

@@ -22,7 +22,7 @@ from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split, stage_ids_for_rank
-from torchtitan.parallelisms.pipeline_runtime import Pipeline, build_schedule, make_stages
+from torchtitan.parallelisms.pipeline_runtime import Pipeline, build_schedule, forward_only_schedule, make_stages
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
 logger = logging.getLogger(__name__)
@@ -109,4 +109,5 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
         tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
                            (by_stage[last_stage], "output") if last_stage in by_stage else None,
                            owners, parallel_dims.world_mesh)
-    return Pipeline(schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied)
+    return Pipeline(schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied,
+                    make_eval_schedule=lambda: forward_only_schedule(plan, stages, microbatch_loss))

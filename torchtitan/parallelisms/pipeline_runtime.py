@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms import distributed as tt_dist
-from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan
+from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan, stage_ids_for_rank
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
 
@@ -41,6 +41,36 @@ def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None):
                           f"{torch.__version__}; pick another") from None
     target = stages if SCHEDULES[plan.schedule].multi_stage else stages[0]
     return cls(target, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def forward_only_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable):
+    """A schedule that runs forwards only (validation), for any placement of stages: each rank runs
+    its stages in stage order, every microbatch of one stage before the next (GPipe's order), so a
+    rank never waits for work that itself waits on this rank. The training schedules' own `eval`
+    cannot serve: the V-shaped and CSV ones run their backward actions regardless."""
+    schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn,
+                                                  scale_grads=False)
+    forward = schedules._ComputationType.FORWARD
+    actions = {rank: [schedules._Action(stage, forward, mb) for stage in stage_ids_for_rank(rank, plan)
+                      for mb in range(plan.microbatches)] for rank in range(plan.pp)}
+    # Lowered here rather than by _prepare_schedule_with_comms, whose check wants every microbatch's
+    # backward: FSDP's unshard/reshard around each stage's run, then the sends and receives.
+    placement = {stage: rank for rank in range(plan.pp) for stage in stage_ids_for_rank(rank, plan)}
+    schedule.stage_index_to_group_rank = placement
+    for stage in stages:
+        stage.stage_index_to_group_rank = placement
+    schedule.pipeline_order = actions
+    lowered = {rank: schedules._add_unshard_reshard(rank_actions) for rank, rank_actions in actions.items()}
+    schedule.pipeline_order_with_comms = schedules._add_send_recv(lowered, stage_to_rank=placement.__getitem__,
+                                                                  num_stages=plan.num_stages)
+    # The stages were set up by the training schedule's first step (validation comes after it).
+    # Setting them up again for forward only would give their receive buffers no gradients, which
+    # the training schedule, unaware of it, would then run its backward through.
+    for flag, value in (("_stages_initialized", True), ("_stages_forward_initialized", True),
+                        ("_stages_backward_initialized", False)):
+        if hasattr(schedule, flag):  # the names differ between PyTorch versions
+            setattr(schedule, flag, value)
+    return schedule
 
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan, group, device: torch.device):
@@ -78,10 +108,11 @@ class BusyTimer:
         return wrapper
 
 
-def _count_statistics_in_chunks_only(schedule) -> None:
+def _count_statistics_in_chunks_only(schedule, counting_on: Callable[[], bool]) -> None:
     """Modules that keep per-step statistics (a `count_step_stats` flag, e.g. MoE routed-token
-    counts) count only in the schedule's microbatch forwards: on its first step a schedule also
-    runs each stage forward once to learn the shapes it exchanges, which must not count."""
+    counts) count only in the schedule's microbatch forwards of training steps (`counting_on()`):
+    on its first step a schedule also runs each stage forward once to learn the shapes it
+    exchanges, and validation runs forwards too; neither must count."""
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
         counters = [m for m in stage.submod.modules() if hasattr(m, "count_step_stats")]
         if not counters:
@@ -92,7 +123,7 @@ def _count_statistics_in_chunks_only(schedule) -> None:
         def counting(fn, counters=counters):
             def wrapper(*args, **kwargs):
                 for m in counters:
-                    m.count_step_stats = True
+                    m.count_step_stats = counting_on()
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -114,11 +145,15 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
     tied: TiedWeights | None = None
+    # Builds the forward-only schedule validation runs (forward_only_schedule); None: no validation.
+    make_eval_schedule: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         self.timer = BusyTimer(self.schedule)
         self.step_seconds = 0.0
-        _count_statistics_in_chunks_only(self.schedule)
+        self._evaluating = False
+        self._eval_schedule = None
+        _count_statistics_in_chunks_only(self.schedule, lambda: not self._evaluating)
 
     def bubble_since_last_call(self, pp_mesh) -> float:
         """The pp ranks' mean share of schedule time spent not computing, since the last call."""
@@ -138,3 +173,24 @@ class Pipeline:
         if not self.has_last_stage:
             return torch.zeros((), device=device)
         return torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]).sum()
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
+                 loss_scale: float) -> torch.Tensor:
+        """Runs one batch forward only (the schedule's `eval`, microbatched like a training step)
+        and returns its mean loss on the last stage, zero elsewhere. `loss_scale` undoes the
+        division the schedule's loss function applies for gradient accumulation."""
+        if self.make_eval_schedule is None:
+            raise NotImplementedError("this pipeline was built without a forward-only schedule (make_eval_schedule)")
+        if self._eval_schedule is None:
+            self._eval_schedule = self.make_eval_schedule()
+        targets, losses = (labels, []) if self.has_last_stage else (None, None)
+        args = (inputs,) if self.has_first_stage else ()
+        self._evaluating, busy = True, self.timer.busy  # validation is no part of the bubble figures
+        try:
+            self._eval_schedule.eval(*args, target=targets, losses=losses, return_outputs=False)
+        finally:
+            self._evaluating, self.timer.busy = False, busy
+        if not self.has_last_stage:
+            return torch.zeros((), device=device)
+        return loss_scale * torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss
+                                         for loss in losses]).sum()

@@ -22,11 +22,14 @@ from typing import Any, Callable
 
 from torchtitan.config_manager import parse_args
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
-from torchtitan.tools.runs import TINY_RUN, Runner, read_metrics, read_setup, run_trainer
+from torchtitan.tools.runs import TINY_RUN, Runner, read_metrics, read_setup, read_validations, run_trainer
 
 # What every run of a comparison shares, on top of TINY_RUN. The baseline uses library defaults
-# for everything else (no AC, no compile), and a layout's overrides come last, so they win.
-COMPARISON_ARGS = ("--training.deterministic", "--activation_checkpoint.mode", "none")
+# for everything else (no AC, no compile), and a layout's overrides come last, so they win. Every
+# run validates too (a held-out batch every 5 steps and at the last), so each layout's validation
+# losses are compared as well, and a layout whose validation disturbs training shows in its losses.
+COMPARISON_ARGS = ("--training.deterministic", "--activation_checkpoint.mode", "none", "--validation.enabled",
+                   "--validation.freq", "5", "--validation.steps", "1", "--validation.held_out_fraction", "0.05")
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ class RunResult:
     stdout: str
     seconds: float
     setup: dict = field(default_factory=dict)  # the run's setup record: what it applied and loaded
+    validations: list[dict] = field(default_factory=list)  # its validation rows
 
     @property
     def losses(self) -> list[float]:
@@ -190,10 +194,12 @@ class Comparison:
     run: RunResult
     loss_diffs: list[float] = field(default_factory=list)
     grad_norm_rel_diff: float = 0.0
+    validation_diffs: list[float] = field(default_factory=list)
 
     @property
     def max_loss_diff(self) -> float:
-        return max(self.loss_diffs)
+        """Over the training and the validation losses."""
+        return max(self.loss_diffs + self.validation_diffs)
 
 
 class ParityError(AssertionError):
@@ -266,7 +272,7 @@ class ParityHarness:
             if failures:
                 raise ParityError(f"{layout.name}: the layout was not applied: {'; '.join(failures)}")
             self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds,
-                                                setup)
+                                                setup, read_validations(folder))
         return self._runs[layout.name]
 
     def baseline(self, shared: tuple[str, ...] = ()) -> RunResult:
@@ -276,9 +282,13 @@ class ParityHarness:
         base, run = self.baseline(layout.shared), self.run(layout)
         if [r["step"] for r in run.records] != [r["step"] for r in base.records]:
             raise ParityError(f"{layout.name}: logged steps {[r['step'] for r in run.records]} differ from the baseline's")
+        if [r["step"] for r in run.validations] != [r["step"] for r in base.validations]:
+            raise ParityError(f"{layout.name}: validated at steps {[r['step'] for r in run.validations]}, the baseline "
+                              f"at {[r['step'] for r in base.validations]}")
         diffs = [abs(a - b) for a, b in zip(base.losses, run.losses)]
+        validation_diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base.validations, run.validations)]
         g0, g1 = base.records[-1]["grad_norm"], run.records[-1]["grad_norm"]
-        return Comparison(layout, run, diffs, abs(g1 - g0) / abs(g0))
+        return Comparison(layout, run, diffs, abs(g1 - g0) / abs(g0), validation_diffs)
 
     def tolerance_for(self, layout: Layout) -> float:
         return self.loss_tolerance if layout.loss_tolerance is None else layout.loss_tolerance
@@ -288,9 +298,12 @@ class ParityHarness:
         c = self.compare(layout)
         tolerance = self.tolerance_for(layout)
         if c.max_loss_diff > tolerance:
-            pairs = [(round(a, 7), round(b, 7)) for a, b in zip(self.baseline(layout.shared).losses, c.run.losses)]
+            base = self.baseline(layout.shared)
+            pairs = [(round(a, 7), round(b, 7)) for a, b in zip(base.losses, c.run.losses)]
+            validation = [(r["step"], round(a["loss"], 7), round(r["loss"], 7)) for a, r in zip(base.validations,
+                                                                                              c.run.validations)]
             raise ParityError(f"{layout.name}: max |loss diff| {c.max_loss_diff:.3e} > {tolerance:g}; "
-                              f"(baseline, layout) per step: {pairs}")
+                              f"(baseline, layout) per step: {pairs}; validation (step, baseline, layout): {validation}")
         if c.grad_norm_rel_diff > self.grad_norm_rtol:
             raise ParityError(f"{layout.name}: final grad norm differs by {c.grad_norm_rel_diff:.3e} (relative) "
                               f"> {self.grad_norm_rtol:g}")

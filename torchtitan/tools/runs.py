@@ -117,6 +117,11 @@ def read_metrics(dump_folder: Path) -> list[dict]:
     return [row for row in _read_jsonl(dump_folder) if "record" not in row]
 
 
+def read_validations(dump_folder: Path) -> list[dict]:
+    """The validation rows (loss and perplexity of each validation run, by step) in metrics.jsonl."""
+    return [row for row in _read_jsonl(dump_folder) if row.get("record") == "validation"]
+
+
 def read_setup(dump_folder: Path) -> dict | None:
     """The newest setup record in dump_folder/metrics.jsonl (the latest run's: what it applied and
     loaded, torchtitan/setup_record.py), or None if no run wrote one."""

@@ -1,6 +1,6 @@
 """Llama 2 and Llama 3: flavors (published shapes) and their TrainSpec registrations."""
 
-from torchtitan.datasets.text_dataset import build_text_dataloader
+from torchtitan.datasets.text_dataset import build_text_dataloader, build_validation_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.llama.flavors import llama2_configs, llama3_configs
 from torchtitan.models.llama.hf_adapter import LlamaHFAdapter
@@ -25,6 +25,7 @@ for _name, _configs in (("llama2", llama2_configs), ("llama3", llama3_configs)):
             build_lr_schedulers_fn=build_lr_schedulers,
             build_tokenizer_fn=build_tokenizer,
             build_dataloader_fn=build_text_dataloader,
+            build_validation_dataloader_fn=build_validation_dataloader,
             loss_fn=cross_entropy_loss,
             validate_fn=validate_llama,
             hf_adapter=LlamaHFAdapter(),

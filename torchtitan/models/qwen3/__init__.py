@@ -5,7 +5,7 @@ folder imports nothing from the Llama family (shared blocks come from torchtitan
 and torchtitan/models/moe.py, shared parallelisms from torchtitan/parallelisms/).
 """
 
-from torchtitan.datasets.text_dataset import build_text_dataloader
+from torchtitan.datasets.text_dataset import build_text_dataloader, build_validation_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.qwen3.flavors import qwen3_configs
@@ -30,6 +30,7 @@ register_train_spec(
         build_lr_schedulers_fn=build_lr_schedulers,
         build_tokenizer_fn=build_tokenizer,
         build_dataloader_fn=build_text_dataloader,
+        build_validation_dataloader_fn=build_validation_dataloader,
         loss_fn=cross_entropy_loss,
         validate_fn=validate_qwen3,
         hf_adapter=Qwen3HFAdapter(),
