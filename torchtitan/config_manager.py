@@ -294,9 +294,10 @@ def validate(config: JobConfig) -> None:
     if c.load_step >= 0 and not c.enable_checkpoint:
         raise ConfigError("checkpoint.load_step needs checkpoint.enable_checkpoint (it picks among this job's "
                           "checkpoints); to start from another folder's weights use checkpoint.initial_load_path")
-    if c.export_dtype != "float32" and not c.model_weights_only:
-        raise ConfigError(f"checkpoint.export_dtype {c.export_dtype} applies to the weights-only final checkpoint; "
-                          "set checkpoint.model_weights_only too (full checkpoints keep the training dtype)")
+    if c.export_dtype != "float32" and not (c.model_weights_only or c.last_save_in_hf):
+        raise ConfigError(f"checkpoint.export_dtype {c.export_dtype} applies to the weights-only final checkpoint and "
+                          "the Hugging Face export; set checkpoint.model_weights_only or checkpoint.last_save_in_hf too "
+                          "(full checkpoints keep the training dtype)")
     if (c.exclude_from_loading or c.allow_partial_load) and not (c.enable_checkpoint or c.initial_load_path):
         option = "exclude_from_loading" if c.exclude_from_loading else "allow_partial_load"
         raise ConfigError(f"checkpoint.{option} applies to a checkpoint being loaded; set checkpoint.enable_checkpoint "

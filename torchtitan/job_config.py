@@ -200,7 +200,8 @@ class Checkpoint:
     model_weights_only: bool = opt(
         False, "The last step's checkpoint holds model weights only (for inference, fine-tuning or conversion), "
         "cast to checkpoint.export_dtype.")
-    export_dtype: str = opt("float32", "Dtype of the weights-only final checkpoint (needs model_weights_only).",
+    export_dtype: str = opt("float32", "Dtype of the weights-only final checkpoint (model_weights_only) and of the "
+                                       "Hugging Face export (last_save_in_hf).",
                             choices=["float32", "bfloat16", "float16"])
     create_seed_checkpoint: bool = opt(False, "Write the freshly initialised model as step 0 and exit (one process).")
     async_mode: str = opt(
@@ -212,9 +213,14 @@ class Checkpoint:
         0, "Keep only the newest k complete checkpoints (0 = keep all); the newest resumable one always stays.")
     load_step: int = opt(-1, "Step to resume from (-1 = the newest complete checkpoint).")
     initial_load_path: str = opt(
-        "", "Checkpoint (e.g. a seed checkpoint's step-0 folder) whose model weights initialise a run that "
-        "has no checkpoint of its own yet; any parallel layout can load it."
+        "", "Checkpoint (e.g. a seed checkpoint's step-0 folder) or Hugging Face folder (config.json + safetensors, "
+        "read directly, each rank its own shards) whose model weights initialise a run that has no checkpoint of "
+        "its own yet; any parallel layout can load it."
     )
+    last_save_in_hf: bool = opt(
+        False, "Also write the final step's weights as a Hugging Face folder, <dump_folder>/<checkpoint.folder>/"
+        "step-N-hf (config.json, safetensors in checkpoint.export_dtype, the tokenizer as tokenizer.model), "
+        "whether or not checkpoint.enable_checkpoint is on. A run stopped before its last step writes none.")
     exclude_from_loading: list[str] = opt(
         [], "What not to load from the checkpoint (comma-separated): state names (optimizer, lr_scheduler, "
         "dataloader, train_state, rng) or parameter-name prefixes (output, layers.7), which leave out those "

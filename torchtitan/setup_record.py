@@ -51,7 +51,8 @@ class SetupRecord:
                       "vocab_padding": getattr(model_args, "vocab_padding", 0)},
             # A seed or exported checkpoint (weights only) starts at step 0; a full one resumes after its step.
             "initial_load": None if resume is None else {"path": str(resume.path), "weights_only": resume.weights_only,
-                                                         "step": resumed_step},
+                                                         "step": resumed_step,
+                                                         **({"format": "huggingface"} if resume.hf else {})},
             "data_shards": data_shards,
         }
 

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan import watchdog
 from torchtitan.checkpoint import CheckpointManager, TrainState, find_resume_point
 from torchtitan.checkpoint import folders as checkpoint_folders
+from torchtitan.checkpoint.hf_training import hf_export_path
 from torchtitan.config_manager import help_text, parse_args, validate_world_size
 from torchtitan.datasets.shards import decide_data_shards
 from torchtitan.errors import (
@@ -139,6 +140,9 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
         raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
                           "must stay 1")
     plan = plan_pipeline(job_config) if parallel_dims.pp_enabled else None
+    if job_config.checkpoint.last_save_in_hf and train_spec.hf_adapter is None:
+        raise ConfigError(f"checkpoint.last_save_in_hf: model {train_spec.name!r} has no Hugging Face conversion "
+                          "(TrainSpec.hf_adapter)")
     if job_config.validation.enabled and train_spec.build_validation_dataloader_fn is None:
         raise ConfigError(f"model {train_spec.name!r} has no build_validation_dataloader_fn, so validation.enabled "
                           "must stay false")
@@ -260,8 +264,12 @@ def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progres
         return
     dump, m = job_config.job.dump_folder, job_config.metrics
     outputs = {}
-    if job_config.checkpoint.enable_checkpoint:
+    c = job_config.checkpoint
+    if c.enable_checkpoint:
         outputs["checkpoints"] = newest_checkpoint(job_config).removeprefix("newest checkpoint: ")
+    hf_export = hf_export_path(os.path.join(dump, c.folder), train_state.step)
+    if c.last_save_in_hf and os.path.isdir(hf_export):
+        outputs["Hugging Face weights"] = hf_export
     if m.save_jsonl:
         outputs["metrics"] = os.path.join(dump, "metrics.jsonl")
     if m.enable_tensorboard:

@@ -15,7 +15,9 @@ import os
 import pickle
 import re
 import shutil
+from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -134,3 +136,17 @@ class SpaceCheckingSavePlanner(DefaultSavePlanner):
         if free is not None and needed > free:
             raise NotEnoughSpace(self.path, needed, free)
         return plans, metadata
+
+
+def gather_from_ranks(obj: Any) -> list[Any]:
+    """`obj` from every rank, in rank order (just `[obj]` in a single process)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def first_error(error: str | None) -> str | None:
+    """The first rank's error, on every rank: a failure seen by one rank stops them all together."""
+    return next((e for e in gather_from_ranks(error) if e is not None), None)

@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.checkpoint import folders
-from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, one_line, save_failure
+from torchtitan.assets import resolve_path
+from torchtitan.checkpoint import folders, hf_training
+from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, first_error, gather_from_ranks, one_line, save_failure
 from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, build_on_meta, checkpoint_record, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, Manifest
 from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
@@ -47,20 +48,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def _layout(parallel_dims: ParallelDims) -> dict[str, int]:
     return {**{name: getattr(parallel_dims, name) for name in MESH_DIM_ORDER}, "ep": parallel_dims.ep,
             "world_size": parallel_dims.world_size}
-
-
-def _gather(obj: Any) -> list[Any]:
-    """`obj` from every rank, in rank order (just `[obj]` in a single process)."""
-    if not dist.is_initialized():
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def _first_error(error: str | None) -> str | None:
-    """The first rank's error, on every rank: a failure seen by one rank stops them all together."""
-    return next((e for e in _gather(error) if e is not None), None)
 
 
 def _all_ranks_done(done: bool) -> bool:
@@ -93,6 +80,7 @@ class CheckpointManager:
         self.weights_only_at_end, self.export_dtype = c.model_weights_only, _DTYPES[c.export_dtype]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.layout = _layout(parallel_dims)
+        self.parallel_dims = parallel_dims
         self.data_shards = data_shards  # the shard count the data position refers to (DataShards.count)
         self.train_state = train_state
         self.model = ModelState(model_parts)
@@ -132,6 +120,9 @@ class CheckpointManager:
         if resume is None:
             return
         c = self.job_config.checkpoint
+        if resume.hf:
+            self._load_hf(resume.path)
+            return
         contents = ["model"] if resume.weights_only else list(resume.manifest.contents)
         try:
             metadata = read_metadata(resume.path)
@@ -171,6 +162,40 @@ class CheckpointManager:
             logger.info(f"{loaded}: resuming after step {self.train_state.step} "
                         f"({self.train_state.tokens_seen:,} tokens seen)")
 
+    def _hf_adapter(self, option: str) -> tuple[Any, Any]:
+        """The model family's HFAdapter and this run's model args; one line for a family without."""
+        name = self.job_config.model.name
+        adapter = get_train_spec(name).hf_adapter
+        if adapter is None:
+            raise CheckpointError(f"{option}: model {name!r} has no Hugging Face conversion (TrainSpec.hf_adapter)")
+        return adapter, getattr(self.model.model_parts[0], "args", None)
+
+    def _load_hf(self, path: str) -> None:
+        """Model weights from a Hugging Face folder, each rank reading its own shards (hf_training.py)."""
+        c = self.job_config.checkpoint
+        adapter, args = self._hf_adapter(f"checkpoint.initial_load_path {path}")
+        whole = build_on_meta(get_train_spec(self.job_config.model.name).model_cls, args)
+        start = time.perf_counter()
+        read = hf_training.load_hf_weights(path, self.model, adapter, args, hf_training.whole_model_shapes(whole),
+                                           list(c.exclude_from_loading), c.allow_partial_load)
+        seconds = time.perf_counter() - start
+        logger.info(f"loaded model weights from the Hugging Face folder {path} in {seconds:.2f}s (this rank read "
+                    f"{read / 2**20:.1f} MiB, one parameter at a time)")
+
+    def _save_hf(self, step: int) -> None:
+        """The final weights as a Hugging Face folder beside the checkpoints (checkpoint.last_save_in_hf)."""
+        adapter, args = self._hf_adapter("checkpoint.last_save_in_hf")
+        job = self.job_config
+        tokenizer = get_train_spec(job.model.name).build_tokenizer_fn(job)
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        if tokenizer.pad_id >= 0:
+            ids["pad_token_id"] = tokenizer.pad_id
+        tokenizer_file = resolve_path(job.model.tokenizer_path, "model.tokenizer_path", CheckpointError)
+        summary = hf_training.write_hf_weights(self.model, adapter, args, self.parallel_dims,
+                                               hf_training.hf_export_path(self.folder, step), self.export_dtype, ids,
+                                               tokenizer_file, self._attempt)
+        logger.info(summary)
+
     def _rng_restorable(self, resume: ResumePoint, metadata: Metadata) -> bool:
         """Generator states are per rank: restored only by the layout that wrote them (all ranks
         decide alike, from the manifest and the metadata every rank reads)."""
@@ -198,7 +223,7 @@ class CheckpointManager:
         separate = any(alias in model_sd and (source not in model_sd or _storage(model_sd[alias]) != _storage(model_sd[source]))
                        for alias, source in (ours.tied or {}).items())
         mine = check.report(expected, separate)
-        plan = check.decide(_gather(check.shareable(mine)), mine)
+        plan = check.decide(gather_from_ranks(check.shareable(mine)), mine)
         if self.rank == 0:
             for warning in plan.warnings:
                 logger.warning(warning)
@@ -213,16 +238,19 @@ class CheckpointManager:
         the step's loss or gradient norm is not finite on some rank (such a state never replaces a
         good one)."""
         self._publish_finished_async_save(block=False)
-        if not self.enabled or not (last or force or step % self.interval == 0):
+        hf_export = last and self.job_config.checkpoint.last_save_in_hf
+        if not (self.enabled or hf_export) or not (last or force or step % self.interval == 0):
             return
         if not self._all_finite(loss, grad_norm):
             logger.warning(f"step {step}: the loss or gradient norm is not finite; no checkpoint is saved "
                            f"(the newest good one stays in {self.folder})")
             return
-        if last and self.weights_only_at_end:
+        if self.enabled and last and self.weights_only_at_end:
             self._write(step, {"model": self.model.exported(self.export_dtype)}, dtype=self.export_dtype)
-        else:
+        elif self.enabled:
             self._write(step, self.states)
+        if hf_export:
+            self._save_hf(step)
 
     def save_seed(self) -> None:
         """The freshly initialised model weights as step 0 (one process; see create_seed_checkpoint)."""
@@ -272,7 +300,7 @@ class CheckpointManager:
                 self._publish(partial, manifest, start)
             except OSError as e:
                 error = save_failure(e, self.folder)
-        error = _first_error(error)
+        error = first_error(error)
         if error is not None:
             self._stop_after_failed_save(manifest.step, partial, error)
         if self.rank == 0:
@@ -326,7 +354,7 @@ class CheckpointManager:
             future.result()
         except (CheckpointException, Exception) as e:  # noqa: BLE001 - DCP's exception is a BaseException
             error = save_failure(e, self.folder)
-        error = _first_error(error)
+        error = first_error(error)
         if error is not None:
             self._stop_after_failed_save(manifest.step, partial, error)
         self._publish_on_rank0(partial, manifest, start)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.failures import one_line
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.hf_training import is_hf_folder
 from torchtitan.checkpoint.safe_load import read_metadata
 from torchtitan.job_config import JobConfig
 
@@ -30,7 +31,8 @@ class ResumePoint:
 
     path: str
     weights_only: bool  # model weights that start a new run at step 0 (seed, export, initial_load_path)
-    manifest: Manifest | None  # None for a DCP folder written by another tool
+    manifest: Manifest | None  # None for a DCP folder written by another tool, or a Hugging Face folder
+    hf: bool = False  # a Hugging Face folder (config.json + safetensors), read by hf_training.py
 
     def data_shards(self, configured: int, dp_degree: int) -> int | None:
         """The shard count the data must be read in to continue from this checkpoint's data
@@ -124,8 +126,10 @@ def _requested_step(found: list[folders.Found], folder: str, step: int) -> Resum
 
 
 def _initial_weights(path: str) -> ResumePoint:
-    """A folder of model weights to start from: one of ours (checked against its manifest) or a
-    plain DCP folder written by another tool."""
+    """A folder of model weights to start from: one of ours (checked against its manifest), a
+    plain DCP folder written by another tool, or a Hugging Face folder."""
+    if is_hf_folder(path):
+        return ResumePoint(path, True, None, hf=True)
     problem = folders.problem_with(path)
     if problem is None:
         return ResumePoint(path, True, Manifest.read(path))

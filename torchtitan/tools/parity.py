@@ -239,7 +239,8 @@ class ParityHarness:
         """Folder suffix of the seed and baseline made with `shared` overrides ('' for none)."""
         return "" if not shared else "-" + "_".join(a.lstrip("-").replace(".", "_") for a in shared)
 
-    def _common(self, shared: tuple[str, ...]) -> list[str]:
+    def common_args(self, shared: tuple[str, ...] = ()) -> list[str]:
+        """The arguments every run of a comparison shares (the seed checkpoint included)."""
         return [*TINY_RUN, "--training.steps", str(self.steps), *COMPARISON_ARGS,
                 "--training.dataset_shards", str(self.dataset_shards),
                 "--checkpoint.initial_load_path", str(self.seed_checkpoint(shared)), *shared]
@@ -256,7 +257,7 @@ class ParityHarness:
         if layout.name not in self._runs:
             folder = self.workdir / layout.name
             batch = local_batch_size(self.global_batch, (*layout.shared, *layout.overrides), layout.nproc)
-            args = [*self._common(layout.shared), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
+            args = [*self.common_args(layout.shared), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
                     *layout.overrides]
             start = time.perf_counter()
             result = self.runner(args, nproc=layout.nproc, timeout=self.timeout)
