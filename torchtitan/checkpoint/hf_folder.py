@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import struct
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -111,16 +111,14 @@ def read_hf_tensors(hf_dir: str, files: list[str]) -> tuple[dict[str, torch.Tens
     return tensors, headers
 
 
-def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,
-               hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar. Each of
-    our tensors is made from every HF tensor the adapter relates to it (one, or an expert's part
-    each, or a fused tensor it shares with another of ours); those HF lacks come from the adapter."""
-    buffers = {k: v for k, v in hf_tensors.items() if k.endswith(_BUFFER_SUFFIX)}
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+def names_by_fqn(names: Iterable[str], args: Any, adapter: HFAdapter, hf_dir: str) -> dict[str, list[str]]:
+    """Our FQN -> the HF tensor names it is made from (one, or an expert's part each, or a fused
+    tensor it shares with another of ours), leaving out derived buffers; refuses, naming the first,
+    tensors that are no parameter of the family."""
+    parts: dict[str, list[str]] = {}
     unknown = []
-    for name, tensor in hf_tensors.items():
-        if name in buffers:
+    for name in names:
+        if name.endswith(_BUFFER_SUFFIX):
             continue
         try:
             fqns = adapter.from_hf_names(name)
@@ -128,10 +126,21 @@ def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapte
             unknown.append(name)
             continue
         for fqn in fqns:
-            parts.setdefault(fqn, {})[name] = tensor
+            parts.setdefault(fqn, []).append(name)
     if unknown:
         raise CheckpointError(f"{hf_dir} holds tensors that are not {adapter.hf_architecture(args)} parameters: "
                               f"{sorted(unknown)[0]}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
+    return parts
+
+
+def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,
+               hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar. Each of
+    our tensors is made from every HF tensor the adapter relates to it; those HF lacks come from
+    the adapter."""
+    buffers = {k: v for k, v in hf_tensors.items() if k.endswith(_BUFFER_SUFFIX)}
+    parts = {fqn: {name: hf_tensors[name] for name in names}
+             for fqn, names in names_by_fqn(hf_tensors, args, adapter, hf_dir).items()}
     try:
         ours = {fqn: adapter.from_hf_tensors(fqn, group, args).contiguous() for fqn, group in parts.items()}
     except CheckpointError as e:  # the adapter names the tensor; the folder is said here

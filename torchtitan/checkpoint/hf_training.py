@@ -104,21 +104,7 @@ class _Folder:
 
 def _parts_by_fqn(folder: _Folder, adapter: Any, args: Any) -> dict[str, list[str]]:
     """Our FQN -> the HF tensors it is made from; refuses tensors that are no parameter of the family."""
-    parts: dict[str, list[str]] = {}
-    unknown = []
-    for name in folder.where:
-        if name.endswith(hf_folder._BUFFER_SUFFIX):  # derived RoPE buffers some exports carry
-            continue
-        try:
-            fqns = adapter.from_hf_names(name)
-        except KeyError:
-            unknown.append(name)
-            continue
-        for fqn in fqns:
-            parts.setdefault(fqn, []).append(name)
-    if unknown:
-        raise CheckpointError(f"{folder.path} holds tensors that are not {adapter.hf_architecture(args)} parameters: "
-                              f"{sorted(unknown)[0]}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
+    parts = hf_folder.names_by_fqn(folder.where, args, adapter, folder.path)
     (output,), (embedding,) = adapter.from_hf_names(hf_folder.HF_OUTPUT), adapter.from_hf_names(hf_folder.HF_EMBEDDING)
     if adapter.ties_embeddings(args) and output not in parts and embedding in parts:
         parts[output] = parts[embedding]  # a tied output projection is stored only as the embedding
