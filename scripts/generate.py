@@ -1,0 +1,264 @@
+#!/usr/bin/env python
+"""Generates text from a trained model: a checkpoint of this project or a Hugging Face folder.
+
+  # the newest checkpoint of a run, greedy, one prompt streamed as it grows
+  python scripts/generate.py --checkpoint outputs/checkpoint --prompt "The os module" --max-new-tokens 40
+
+  # sampling, several prompts (printed when all are done), bfloat16 on a GPU
+  python scripts/generate.py --checkpoint hf/Llama-3.2-1B --prompts-file prompts.txt \\
+      --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1 --dtype bfloat16
+
+  # tensor parallel over 2 ranks (each holds half of every layer's heads)
+  torchrun --standalone --nproc_per_node 2 scripts/generate.py --checkpoint outputs/checkpoint --prompt "def"
+
+`--checkpoint` takes a `step-N` folder (a full training checkpoint or a weights-only one), a run's
+checkpoint folder (its newest complete step), or a Hugging Face folder (config.json and safetensors;
+its tokenizer.model is used unless --tokenizer names another). Generation uses a KV cache
+(torchtitan/generation.py); --no-kv-cache re-runs the whole sequence at every step instead. A
+mistake prints one `error:` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.assets import resolve_path
+from torchtitan.checkpoint import folders, hf_folder
+from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, whole_model_shapes
+from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from torchtitan.checkpoint.states import ModelState
+from torchtitan.config_manager import parse_args
+from torchtitan.datasets.tokenizer import build_tokenizer
+from torchtitan.errors import UserError
+from torchtitan.generation import Sampling, eval_mode, generate
+from torchtitan.models import get_train_spec, registered_names
+from torchtitan.parallelisms import distributed as tt_dist
+
+DEFAULT_TOKENIZER = "bundled:stdlib_docs/tokenizer.model"
+# DCP says so whenever a single process loads, which is how one-process generation works.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class GenerateError(UserError, ValueError):
+    """A mistake in the command line or the inputs: one line, exit status 2."""
+
+
+@dataclasses.dataclass
+class Source:
+    path: str
+    hf: bool
+    model_name: str
+    args: Any
+
+
+def _args_from_record(base: Any, record: dict[str, Any]) -> Any:
+    """The flavor's args with the values a manifest recorded (nested dataclasses come back as dicts)."""
+    updates = {}
+    for f in dataclasses.fields(base):
+        if f.name not in record:
+            continue
+        value, current = record[f.name], getattr(base, f.name)
+        if isinstance(value, dict) and dataclasses.is_dataclass(current):
+            value = type(current)(**value)
+        elif isinstance(value, dict):
+            continue  # a nested value the flavor has none of: keep the flavor's
+        updates[f.name] = value
+    return dataclasses.replace(base, **updates)
+
+
+def find_source(path: str) -> Source:
+    """What `--checkpoint` names, and the model it holds."""
+    if not os.path.exists(path):
+        raise GenerateError(f"--checkpoint {path} does not exist")
+    if is_hf_folder(path):
+        config = hf_folder.read_json(os.path.join(path, "config.json"), "config.json")
+        wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+        for name in registered_names():
+            adapter = get_train_spec(name).hf_adapter
+            if adapter is None:
+                continue
+            try:
+                args = adapter.model_args_from_hf_config(config)
+            except (CheckpointError, KeyError, TypeError, ValueError):
+                continue
+            if adapter.hf_architecture(args) == wanted:
+                return Source(path, True, name, args)
+        raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, folders.MANIFEST)):
+        found, _ = folders.scan(path)
+        complete = [f for f in found if f.problem is None]
+        if not complete:
+            raise GenerateError(f"--checkpoint {path} is neither a checkpoint (step-N) folder, nor a folder of them "
+                                "with a complete one, nor a Hugging Face folder (config.json and safetensors)")
+        path = complete[-1].path
+    problem = folders.problem_with(path)
+    if problem is not None:
+        raise GenerateError(f"--checkpoint {path} {problem}")
+    manifest = Manifest.read(path)
+    name, flavor = manifest.model.get("name"), manifest.model.get("flavor")
+    try:
+        spec = get_train_spec(name)
+        base = spec.config[flavor]
+    except (KeyError, UserError):
+        raise GenerateError(f"--checkpoint {path} holds model {name} {flavor}, which is not registered") from None
+    return Source(path, False, name, _args_from_record(base, manifest.model_args or {}))
+
+
+def build_model(source: Source, total_len: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model on `device`, tensor-parallel over every rank when there are several, with the weights loaded."""
+    spec = get_train_spec(source.model_name)
+    # The RoPE table covers the prompt and the new tokens (it is not stored in checkpoints).
+    args = dataclasses.replace(source.args, max_seq_len=total_len)
+    with torch.device("meta"):
+        model = spec.model_cls.from_model_args(args)
+        whole = whole_model_shapes(model)
+    world = tt_dist.world_size()
+    if world > 1:
+        # Decoding feeds one token at a time, so no sequence parallelism; full logits on every rank.
+        config = parse_args(["--model.name", source.model_name, "--training.tensor_parallel_degree", str(world),
+                             "--training.data_parallel_shard_degree", "1", "--training.disable_sequence_parallel",
+                             "--training.disable_loss_parallel", "--activation_checkpoint.mode", "none"])
+        from torchtitan.config_manager import validate_world_size
+
+        dims = validate_world_size(config, world)
+        if spec.validate_fn is not None:
+            spec.validate_fn(args, dims, None, config)
+        dims.build_mesh(device.type)
+        model = spec.parallelize_fn(model, dims, config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    state = ModelState([model])
+    if source.hf:
+        load_hf_weights(source.path, state, spec.hf_adapter, args, whole, [], False)
+    else:
+        dcp.load({"model": state}, storage_reader=SafeFileSystemReader(source.path), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    return model.to(dtype)
+
+
+def _prompts(ns: argparse.Namespace) -> list[str]:
+    prompts = list(ns.prompt or [])
+    if ns.prompts_file:
+        try:
+            with open(ns.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerateError(f"--prompts-file {ns.prompts_file} cannot be read ({e})") from None
+    if not prompts:
+        raise GenerateError("give at least one --prompt or a --prompts-file")
+    return prompts
+
+
+def run(ns: argparse.Namespace) -> None:
+    sampling = Sampling(ns.temperature, ns.top_k, ns.top_p)
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise GenerateError(f"--{e}") from None
+    if ns.max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
+    prompts = _prompts(ns)
+    device_type = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise GenerateError("--device cuda: no CUDA device is available")
+    device = tt_dist.init_distributed(device_type, timeout_seconds=300)
+    source = find_source(ns.checkpoint)
+    tokenizer_path = ns.tokenizer or (os.path.join(source.path, hf_folder.TOKENIZER_FILE) if source.hf and os.path.isfile(
+        os.path.join(source.path, hf_folder.TOKENIZER_FILE)) else DEFAULT_TOKENIZER)
+    tokenizer = build_tokenizer(parse_args(["--model.tokenizer_path", tokenizer_path]))
+    if tokenizer.n_words > source.args.vocab_size:
+        raise GenerateError(f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens, more than the model's "
+                            f"vocabulary of {source.args.vocab_size}; pass the run's --tokenizer")
+    encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    total = max(len(e) for e in encoded) + ns.max_new_tokens
+    model = build_model(source, total, device, getattr(torch, ns.dtype))
+    rank0 = tt_dist.rank() == 0
+    agree = None
+    if dist.is_initialized():
+        def agree(t: torch.Tensor) -> torch.Tensor:
+            dist.broadcast(t, src=0)  # every rank continues with rank 0's tokens
+            return t
+
+    out: list[list[int]] = [[] for _ in prompts]
+    stream = len(prompts) == 1 and rank0
+    if stream:
+        print(prompts[0], end="", flush=True)
+    shown = ""
+    start = time.perf_counter()
+    with eval_mode(model):
+        for new in generate(model, encoded, ns.max_new_tokens, sampling, tokenizer.eos_id, ns.seed,
+                            kv_cache=not ns.no_kv_cache, agree=agree):
+            for row, token in zip(out, new.tolist()):
+                if not row or row[-1] != tokenizer.eos_id:
+                    row.append(token)
+            if stream:
+                # Decoding the whole continuation each time keeps characters split over tokens whole.
+                text = tokenizer.decode([t for t in out[0] if t != tokenizer.eos_id])
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+    seconds = time.perf_counter() - start
+    if not rank0:
+        return
+    if stream:
+        print()
+    else:
+        for i, (prompt, row) in enumerate(zip(prompts, out)):
+            print(f"[{i}] {prompt}{tokenizer.decode([t for t in row if t != tokenizer.eos_id])}")
+    generated = sum(len(row) for row in out)
+    print(f"generated {generated} tokens for {len(prompts)} prompt(s) in {seconds:.2f}s ({generated / seconds:,.1f} "
+          f"tokens/s, {'KV cache' if not ns.no_kv_cache else 'no cache'}, {device.type}, {ns.dtype}"
+          f"{f', tensor parallel {tt_dist.world_size()}' if dist.is_initialized() else ''})", file=sys.stderr)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="step-N folder, a run's checkpoint folder, or a Hugging Face folder")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens reaching this probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--tokenizer", help=f"tokenizer file (default: a Hugging Face folder's tokenizer.model, else "
+                                       f"{DEFAULT_TOKENIZER})")
+    p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence at every step")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    if ns.tokenizer:
+        try:
+            ns.tokenizer = resolve_path(ns.tokenizer, "--tokenizer", GenerateError)
+        except GenerateError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    try:
+        run(ns)
+    except (UserError, CheckpointError) as e:
+        if tt_dist.rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""scripts/generate.py as users run it, on a debug model trained until it knows a short text by
+heart: greedy generation from its first words gives the rest of it, in one process, over 2
+tensor-parallel ranks under torchrun, and from the run's final weights as a Hugging Face folder."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT, TINY_RUN, read_metrics, run_train
+
+SCRIPT = REPO_ROOT / "scripts" / "generate.py"
+TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps under the warm kitchen table all "
+        "afternoon.")
+PROMPT = "The quick brown"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The debug model after 25 steps on nothing but TEXT (lr 3e-3): its loss is near zero."""
+    folder = tmp_path_factory.mktemp("overfit")
+    data = folder / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": TEXT}) + "\n" for _ in range(50)))
+    run_train([*TINY_RUN, "--training.steps", "25", "--training.warmup_steps", "5", "--optimizer.lr", "3e-3",
+               "--training.batch_size", "4", "--training.dataset_path", str(data), "--metrics.log_freq", "5",
+               "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000", "--checkpoint.model_weights_only",
+               "--checkpoint.last_save_in_hf", "--job.dump_folder", str(folder / "out")])
+    assert read_metrics(folder / "out")[-1]["loss"] < 0.05
+    return folder / "out" / "checkpoint"
+
+
+def generate(*args, nproc: int = 1) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc_per_node={nproc}"]
+    result = subprocess.run([*launch, str(SCRIPT), *map(str, args)], cwd=REPO_ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_greedy_generation_reproduces_the_memorised_text(trained):
+    result = generate("--checkpoint", trained, "--prompt", PROMPT, "--max-new-tokens", "60")
+    print(f"sample: {result.stdout.strip()!r}\n{result.stderr.strip()}")
+    assert result.stdout.strip() == TEXT  # streamed, then stopped at EOS
+    assert "KV cache, cpu, float32" in result.stderr  # (cache = re-running the sequence: test_generation.py)
+
+
+def test_tensor_parallel_generation_gives_the_same_text(trained):
+    result = generate("--checkpoint", trained, "--prompt", PROMPT, "--prompt", "The cat sleeps", "--max-new-tokens",
+                      "60", nproc=2)
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == f"[0] {TEXT}"
+    assert lines[1].startswith("[1] The cat sleeps") and "tensor parallel 2" in result.stderr
+
+
+def test_the_runs_hugging_face_export_generates_the_same_text(trained):
+    export = trained / "step-25-hf"
+    assert (export / "tokenizer.model").is_file()
+    result = generate("--checkpoint", export, "--prompt", PROMPT, "--max-new-tokens", "60")
+    assert result.stdout.strip() == TEXT
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+generate_script = _load_script()
+
+
+def run_main(capsys, *args) -> tuple[int, str]:
+    """The script's main() in this process (mistakes end before any model is built)."""
+    status = generate_script.main([str(a) for a in args])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--checkpoint", "no/such/folder", "--prompt", "x"], "error: --checkpoint no/such/folder does not exist"),
+    (["--prompt", "x", "--top-p", "0"], "error: --top-p must lie in (0, 1], got 0.0"),
+    (["--prompt", "x", "--temperature", "-1"], "error: --temperature must be >= 0 (0 is greedy), got -1.0"),
+    (["--max-new-tokens", "0", "--prompt", "x"], "error: --max-new-tokens must be >= 1, got 0"),
+    ([], "error: give at least one --prompt or a --prompts-file"),
+])
+def test_mistakes_are_one_line(capsys, trained, args, expected):
+    if "--checkpoint" not in args:
+        args = ["--checkpoint", str(trained), *args]
+    status, err = run_main(capsys, *args)
+    assert status == 2 and err.strip() == expected
+
+
+def test_a_folder_that_is_no_checkpoint_is_one_line(capsys, tmp_path):
+    status, err = run_main(capsys, "--checkpoint", tmp_path, "--prompt", "x")
+    assert status == 2 and err.strip().startswith(f"error: --checkpoint {tmp_path} is neither a checkpoint")

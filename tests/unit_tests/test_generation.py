@@ -1,0 +1,112 @@
+"""Generation (torchtitan/generation.py) in one process on tiny random models: the KV cache gives
+the logits of re-running the whole sequence, left padding leaves every row as it would be alone,
+and sampling keeps exactly the tokens temperature, top-k and top-p allow."""
+
+import pytest
+import torch
+
+from torchtitan.generation import KVCache, Sampling, filter_logits, generate, left_pad, reference_logits, sample
+from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.models.qwen3.model import Qwen3ModelArgs, Qwen3
+
+MODELS = {
+    "llama_gqa": lambda: Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
+                                               multiple_of=32, max_seq_len=64)),
+    "llama_padded_vocab": lambda: Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=300, vocab_padding=20,
+                                                        multiple_of=32, max_seq_len=64)),
+    "qwen3_moe": lambda: Qwen3(Qwen3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                                         vocab_size=300, max_seq_len=64, num_experts=4, top_k=2,
+                                                         moe_hidden_dim=32)),
+}
+
+
+def model_named(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cached_logits_equal_rerunning_the_whole_sequence(name):
+    model = model_named(name)
+    tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, 20, dtype=torch.bool)
+    with KVCache(model, real, 20) as cache:
+        steps = [cache.forward(tokens[:, :8])[:, -1]] + [cache.forward(tokens[:, t:t + 1])[:, -1] for t in range(8, 19)]
+    # The cache is gone afterwards: the model's own kernels and full RoPE table are back.
+    for t, cached in zip(range(8, 20), steps):
+        torch.testing.assert_close(cached, reference_logits(model, tokens[:, :t])[:, -1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_moe"])
+def test_greedy_tokens_with_and_without_the_cache_are_the_same(name):
+    model = model_named(name)
+    prompts = [[1, 5, 9, 200, 17], [1, 40], [1, 7, 7, 7, 7, 7, 7, 8, 9]]
+    cached = torch.stack(list(generate(model, prompts, 12, Sampling(), eos_id=None)))
+    rerun = torch.stack(list(generate(model, prompts, 12, Sampling(), eos_id=None, kv_cache=False)))
+    assert torch.equal(cached, rerun)
+    # Left padding changes nothing for a row: each prompt alone gives its row's tokens.
+    for i, prompt in enumerate(prompts):
+        alone = torch.stack(list(generate(model, [prompt], 12, Sampling(), eos_id=None)))
+        assert torch.equal(alone[:, 0], cached[:, i])
+
+
+def test_a_padded_row_sees_no_padding():
+    model = model_named("llama_gqa")
+    tokens, real = left_pad([[3, 4, 5, 6], [9, 8]], pad=0, device=torch.device("cpu"))
+    assert tokens.tolist() == [[3, 4, 5, 6], [0, 0, 9, 8]] and real.tolist()[1] == [False, False, True, True]
+    with KVCache(model, real, 4) as cache:
+        padded = cache.forward(tokens)[1, -1]
+    torch.testing.assert_close(padded, reference_logits(model, torch.tensor([[9, 8]]))[0, -1], atol=2e-5, rtol=1e-5)
+
+
+def test_generation_stops_at_eos_per_row():
+    model = model_named("llama_gqa")
+    prompts = [[1, 2, 3], [4, 5]]
+    free = torch.stack(list(generate(model, prompts, 6, Sampling(), eos_id=None)))
+    eos = int(free[1, 0])  # row 0's second token, taken as EOS
+    steps = torch.stack(list(generate(model, prompts, 6, Sampling(), eos_id=eos)))
+    for row in range(2):
+        first = (free[:, row] == eos).nonzero()
+        end = int(first[0]) if len(first) else 6
+        assert torch.equal(steps[: end + 1, row], free[: end + 1, row])
+        assert (steps[end:, row] == eos).all()
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(sample(logits, Sampling()), logits.argmax(-1))
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits, Sampling(temperature=1.5, top_k=1), g), logits.argmax(-1))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = filter_logits(probs.log(), Sampling(temperature=1.0, top_p=0.8)).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 + 0.3 reaches 0.8
+    kept = filter_logits(probs.log(), Sampling(temperature=1.0, top_p=0.81)).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]
+    kept = filter_logits(probs.log(), Sampling(temperature=1.0, top_p=0.4)).isfinite()
+    assert kept.tolist() == [[True, False, False, False]]  # the likeliest token always stays
+
+
+def test_a_seed_repeats_a_sample_and_masked_rows_are_never_drawn():
+    logits = torch.zeros(3, 40)
+    logits[:, 30:] = float("-inf")  # a padded vocabulary's rows, as the model masks them
+    s = Sampling(temperature=1.0)
+    a = [sample(logits, s, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(a[0], a[1])
+    draws = torch.cat([sample(logits, s, torch.Generator().manual_seed(k)) for k in range(200)])
+    assert draws.max() < 30 and len(draws.unique()) > 20
+
+
+@pytest.mark.parametrize("bad,message", [
+    (Sampling(temperature=-1), "temperature must be >= 0"),
+    (Sampling(top_k=-2), "top-k must be >= 0"),
+    (Sampling(top_p=0), "top-p must lie in (0, 1]"),
+    (Sampling(top_p=1.5), "top-p must lie in (0, 1]"),
+])
+def test_impossible_sampling_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        bad.check()

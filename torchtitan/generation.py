@@ -1,0 +1,206 @@
+"""Text generation with a KV cache, for any registered family, without touching the model files.
+
+The models keep two seams for this (torchtitan/models/llama/model.py's docstring): each attention
+module's kernel is an attribute, `attention.kernel(q, k, v)` on (batch, heads, seq, head_dim)
+tensors already rotated by RoPE, and the model passes its `rope_cache` to every block, which
+takes its first `seq` rows. `KVCache` swaps every kernel for a caching one and, for a forward at
+position p, hands the model the table's rows from p on, so the new tokens are rotated for their own
+positions. The caching kernel stores the keys and values of the new positions and attends over
+every cached one, causally, skipping padding.
+
+Prompts of different lengths are left-padded into one batch: a row's real tokens then sit at
+positions shifted by its padding, which RoPE does not notice (attention scores depend on the
+distance between positions only), and padding keys are masked out. Tensor parallelism needs no
+change here: each rank's kernels see its own heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "kernel") and callable(m.kernel)]
+
+
+class _CachingKernel:
+    """One attention layer's keys and values for every position so far."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = self.cache
+        start, end = c.position, c.position + q.shape[2]
+        if self.k is None:  # sized on first use: under tensor parallelism a rank holds only its heads
+            shape = (k.shape[0], k.shape[1], c.max_len, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        keys, values = self.k[:, :, :end], self.v[:, :, :end]
+        # A query sees the real keys up to its own position, and always itself: a padding query
+        # would otherwise see nothing, and its NaN would reach real rows through the values.
+        query_pos = torch.arange(start, end, device=q.device)[:, None]
+        key_pos = torch.arange(end, device=q.device)[None, :]
+        allowed = ((key_pos <= query_pos) & c.real[:, None, None, :end]) | (key_pos == query_pos)
+        compute = torch.float32 if q.device.type == "cpu" and q.dtype != torch.float32 else q.dtype
+        out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute), attn_mask=allowed,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.to(q.dtype)
+
+
+class KVCache:
+    """Installs caching kernels into a model for one batch; `forward(tokens)` runs the next
+    positions. Used as a context manager, which gives the model its own kernels back."""
+
+    def __init__(self, model: nn.Module, real: torch.Tensor, max_len: int):
+        """`real`: (batch, max_len) bools, False where a row is padding."""
+        self.model, self.real, self.max_len = model, real, max_len
+        self.position = 0
+        self._full_rope = model.rope_cache
+        if max_len > self._full_rope.shape[0]:
+            raise ValueError(f"{max_len} positions exceed the model's RoPE table ({self._full_rope.shape[0]})")
+        self._attention = _attention_modules(model)
+        self._saved = [m.kernel for m in self._attention]
+
+    def __enter__(self) -> KVCache:
+        for m in self._attention:
+            m.kernel = _CachingKernel(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, kernel in zip(self._attention, self._saved):
+            m.kernel = kernel
+        self.model.rope_cache = self._full_rope
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of `tokens` (batch, seq), the positions after those run so far."""
+        end = self.position + tokens.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"position {end} is past the cache's {self.max_len}")
+        self.model.rope_cache = self._full_rope[self.position:]  # attention takes its first rows
+        try:
+            logits = self.model(tokens)
+        finally:
+            self.model.rope_cache = self._full_rope
+        self.position = end
+        return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0  # 1: no limit
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must lie in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(batch, vocab) logits scaled by the temperature, with the tokens top-k and top-p rule out at -inf."""
+    logits = logits.float() / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1:
+        ordered, order = torch.sort(logits, descending=True)
+        probs = ordered.softmax(-1)
+        # Keep the smallest set of most likely tokens whose probability reaches top_p: a token goes
+        # when the tokens before it already reach it.
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token of each row of (batch, vocab) logits."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, s).softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generating
+
+
+def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, real): prompts right-aligned in one (batch, longest) tensor, and where they are real."""
+    longest = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    real = torch.zeros((len(prompts), longest), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        real[i, longest - len(p):] = True
+    return tokens.to(device), real.to(device)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+             seed: int = 0, kv_cache: bool = True,
+             agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+    """Yields each step's new token per prompt (batch,), until every row has produced `eos_id` or
+    `max_new_tokens` tokens; rows that have ended keep yielding `eos_id`. `kv_cache` False re-runs
+    the whole sequence at every step (for checking the cache). `agree` makes every rank use the same
+    tokens (tensor parallelism: rank 0's)."""
+    device = next(model.parameters()).device
+    tokens, real = left_pad(prompts, 0, device)
+    max_len = tokens.shape[1] + max_new_tokens
+    generator = torch.Generator().manual_seed(seed)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    grow = torch.ones((len(prompts), max_len - tokens.shape[1]), dtype=torch.bool, device=device)
+    real = torch.cat([real, grow], dim=1)
+    with KVCache(model, real, max_len) as cache:
+        logits = cache.forward(tokens)[:, -1]
+        for _ in range(max_new_tokens):
+            new = sample(logits, sampling, generator)
+            if agree is not None:
+                new = agree(new)
+            if eos_id is not None:
+                new = torch.where(done, torch.full_like(new, eos_id), new)
+                done |= new == eos_id
+            yield new
+            if bool(done.all()):
+                return
+            tokens = torch.cat([tokens, new[:, None]], dim=1)
+            if kv_cache:
+                logits = cache.forward(new[:, None])[:, -1]
+            else:
+                cache.position = 0  # every kernel's cache is written afresh from position 0
+                logits = cache.forward(tokens)[:, -1]
+
+
+def reference_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's own forward (its causal kernel, no cache): what cached generation must equal
+    for unpadded prompts."""
+    with torch.no_grad():
+        return model(tokens)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
