@@ -7,7 +7,7 @@ import torch
 
 from torchtitan.generation import KVCache, Sampling, filter_logits, generate, left_pad, reference_logits, sample
 from torchtitan.models.llama.model import ModelArgs, Transformer
-from torchtitan.models.qwen3.model import Qwen3ModelArgs, Qwen3
+from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 
 MODELS = {
     "llama_gqa": lambda: Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
