@@ -20,7 +20,7 @@ def output_locations(job_config: JobConfig) -> list[tuple[str, str]]:
     """(option, path) of every folder this run will write into."""
     dump, c, m, p = job_config.job.dump_folder, job_config.checkpoint, job_config.metrics, job_config.profiling
     wanted = [
-        ("checkpoint.folder", c.folder, c.enable_checkpoint or c.create_seed_checkpoint),
+        ("checkpoint.folder", c.folder, c.enable_checkpoint or c.create_seed_checkpoint or c.last_save_in_hf),
         ("metrics.save_tb_folder", m.save_tb_folder, m.enable_tensorboard),
         ("profiling.save_traces_folder", p.save_traces_folder, p.enable_profiling),
         ("profiling.save_memory_snapshot_folder", p.save_memory_snapshot_folder, p.enable_memory_snapshot),

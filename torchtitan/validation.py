@@ -64,6 +64,9 @@ class Validator:
         # global batch size: every layout of a job validates on the same tokens.
         self.shards = shards
         self.batch_size = validation_batch_size(job_config)
+        # Built once here, unread, so that a missing file or an unknown source name stops the run
+        # at start-up rather than at the first validation, validation.freq steps later.
+        self.build_dataloader(job_config, tokenizer, shards)
 
     def due(self, step: int) -> bool:
         return step % self.v.freq == 0 or step == self.t.steps

@@ -217,6 +217,9 @@ CASES: list[Case] = [
     # --- data ----------------------------------------------------------------------------------------
     case("dataset file missing", "data", "--training.dataset_path {in}/no/such.jsonl", "dataset file not found: {in}/no/such.jsonl"),
     case("unknown dataset name", "data", "--training.dataset c4_nope", "unknown training.dataset 'c4_nope'"),
+    case("validation dataset unknown, found at start-up", "data", "--validation.enabled --validation.dataset c4_nope",
+         "unknown validation.dataset 'c4_nope'"),
+    config("validation every 0 steps", "--validation.freq 0", "validation.freq must be >= 1, got 0"),
     case("bundled dataset_path not shipped", "data", "--training.dataset_path bundled:stdlib_docs/nope.jsonl",
          "training.dataset_path 'bundled:stdlib_docs/nope.jsonl': the torchtitan package ships no such file"),
     case("empty .jsonl", "data", "--training.dataset_path {in}/empty.jsonl", "{in}/empty.jsonl has no documents",

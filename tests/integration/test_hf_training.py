@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import read_metrics, read_setup, run_train
+from tests.helpers import read_metrics, read_setup, run_ranks_script, run_train
 from tests.integration.test_convert_checkpoint import convert_checkpoint
 from torchtitan.checkpoint import hf_folder
 from torchtitan.checkpoint.hf_training import hf_export_path
@@ -67,3 +67,50 @@ def test_a_job_starts_from_a_hugging_face_folder_and_ends_with_one(name, parity,
     assert all(torch.equal(exported[k], final[k]) for k in final)
     assert {p.name for p in Path(export).iterdir()} == {"config.json", "model.safetensors", "tokenizer.model"}
     assert f"outputs: checkpoints {out}/checkpoint/step-{steps}; Hugging Face weights {export}" in result.stdout
+
+
+FAILING_WRITER = r"""
+import json, os, sys, types
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torchtitan.checkpoint import hf_folder, hf_training
+from torchtitan.checkpoint.folders import CheckpointSaveError
+from torchtitan.checkpoint.states import ModelState
+from torchtitan.models import get_train_spec
+from torchtitan.models.llama.model import ModelArgs, Transformer
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=300, multiple_of=32, max_seq_len=32)
+model = Transformer(args)
+model.init_weights()
+fully_shard(model, mesh=mesh)
+hf_training.MAX_SHARD_BYTES = 10**5  # many files, so that the write fails between two gathers
+safetensors = hf_folder.import_safetensors()
+calls = []
+def save_file(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+safetensors.torch.save_file = save_file
+try:
+    hf_training.write_hf_weights(ModelState([model]), get_train_spec("llama3").hf_adapter, args,
+                                 types.SimpleNamespace(world_mesh=mesh, pp_enabled=False), sys.argv[1] + "/step-1-hf",
+                                 torch.float32, {}, None, "attempt")
+    line = None
+except CheckpointSaveError as e:
+    line = str(e)
+if dist.get_rank() == 0:  # the rank that removes the unfinished folder
+    print("RESULT " + json.dumps({"line": line, "left": sorted(os.listdir(sys.argv[1]))}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_writer_failing_between_two_gathers_stops_every_rank_with_one_line(tmp_path):
+    # Rank 0 writes; its second file fails while rank 1 still has parameters to gather with it.
+    (tmp_path / "ckpt").mkdir()
+    out = run_ranks_script(FAILING_WRITER, 2, tmp_path, str(tmp_path / "ckpt"), timeout=120)
+    assert out["line"].startswith("final weights not written as a Hugging Face folder: SafetensorError: Error while "
+                                  "serializing: I/O error: No space left on device (os error 28)")
+    assert out["left"] == []

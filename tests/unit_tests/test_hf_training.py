@@ -2,13 +2,15 @@
 process: exact weights, a padded vocabulary, and the one-line refusals of a folder that does not fit."""
 
 import dataclasses
+import json
+import types
 
 import pytest
 import torch
 
-from torchtitan.checkpoint import hf_folder
-from torchtitan.checkpoint.folders import CheckpointError
-from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, whole_model_shapes
+from torchtitan.checkpoint import hf_folder, hf_training, resume
+from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError
+from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, whole_model_shapes, write_hf_weights
 from torchtitan.checkpoint.states import ModelState
 from torchtitan.models import get_train_spec
 from torchtitan.models.llama.model import ModelArgs, Transformer
@@ -101,3 +103,103 @@ def test_a_damaged_weight_file_is_one_line(tmp_path):
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"model.safetensors is not a valid safetensors file \("):
         load(folder, ARGS)
+
+
+# --- attacks: folders that would load silently wrong, and exports that cannot be written ----------
+
+TIED = dataclasses.replace(ARGS, tie_word_embeddings=True)
+
+
+def test_another_head_layout_is_refused_even_where_every_shape_agrees(tmp_path):
+    # dim 64 as 2 heads of 32: every tensor has the shape of the 4-head model, but RoPE's row order differs.
+    folder = hf_folder_of(tmp_path, model_of(dataclasses.replace(ARGS, n_heads=2, n_kv_heads=None), seed=0))
+    with pytest.raises(CheckpointError) as raised:
+        load(folder, dataclasses.replace(ARGS, n_kv_heads=None), allow_partial=True)
+    assert str(raised.value) == (
+        f"checkpoint.initial_load_path {folder} does not fit this run's model (its config.json differs: n_heads 2 "
+        "(config.json) vs 4 (this run), n_kv_heads 2 (config.json) vs 4 (this run)): its attention heads are laid "
+        "out differently, and the query and key rows are ordered per head; use a folder of this model")
+
+
+def test_an_untied_folder_is_refused_by_a_tied_model_unless_the_output_is_excluded(tmp_path):
+    source = model_of(ARGS, seed=0)
+    folder = hf_folder_of(tmp_path, source)
+    with pytest.raises(CheckpointError) as raised:
+        load(folder, TIED)
+    assert "(its config.json differs: tie_word_embeddings False (config.json) vs True (this run)): output.weight " \
+           "is a tensor of its own there (lm_head.weight), but this run's model ties it to tok_embeddings.weight; use " \
+           "an untied model.flavor, or set checkpoint.exclude_from_loading output to load the embedding alone" \
+           in str(raised.value)
+    loaded = load(folder, TIED, exclude=["output"])
+    assert torch.equal(loaded.tok_embeddings.weight, source.tok_embeddings.weight)
+    assert loaded.output.weight is loaded.tok_embeddings.weight
+
+
+def test_a_tied_folder_loads_into_a_tied_model_and_is_refused_by_an_untied_one(tmp_path):
+    source = model_of(TIED, seed=0)
+    folder = hf_folder_of(tmp_path, source, drop="lm_head.weight")  # as exports of tied models are
+    loaded = load(folder, TIED)
+    assert torch.equal(loaded.output.weight, source.tok_embeddings.weight)
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings True \(config.json\) vs False \(this run\)\): it "
+                                              r"has no tensor for output.weight; use a folder of this model"):
+        load(folder, ARGS)
+
+
+def test_a_folder_of_another_family_is_named_by_its_config(tmp_path):
+    folder = hf_folder_of(tmp_path, model_of(ARGS, seed=0))
+    qwen3 = get_train_spec("qwen3")
+    with pytest.raises(CheckpointError) as raised:
+        load_hf_weights(str(folder), ModelState([]), qwen3.hf_adapter, qwen3.config["debugmodel"], {}, [], False)
+    assert str(raised.value) == f"checkpoint.initial_load_path {folder}: config.json: model_type 'llama' is not " \
+                                "qwen3 or qwen3_moe"
+
+
+def test_a_family_without_hf_adapter_and_a_folder_without_safetensors_are_one_line(tmp_path, monkeypatch):
+    folder = hf_folder_of(tmp_path, model_of(ARGS, seed=0))
+    spec = dataclasses.replace(get_train_spec("llama3"), hf_adapter=None)
+    monkeypatch.setattr(resume, "get_train_spec", lambda name: spec)
+    with pytest.raises(CheckpointError) as raised:
+        resume._initial_weights(str(folder), "llama3")
+    assert str(raised.value) == f"checkpoint.initial_load_path {folder} is a Hugging Face folder, but model " \
+                                "'llama3' has no Hugging Face conversion (TrainSpec.hf_adapter)"
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="has a config.json but neither model.safetensors nor "):
+        resume._initial_weights(str(folder), "llama3")
+
+
+NO_PARALLELISM = types.SimpleNamespace(world_mesh=None, pp_enabled=False)
+
+
+def export(model: Transformer, out, **kwargs) -> str:
+    return write_hf_weights(ModelState([model]), ADAPTER, model.args, NO_PARALLELISM, str(out), torch.float32,
+                            {"bos_token_id": 1, "eos_token_id": 2}, None, "attempt", **kwargs)
+
+
+def test_an_export_holds_the_weights_and_loads_back(tmp_path):
+    source = model_of(TIED, seed=0)
+    out = tmp_path / "ckpt" / "step-3-hf"
+    assert export(source, out).startswith(f"wrote the final weights as a Hugging Face folder {out} (")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-3-hf"]
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+    loaded = load(out, TIED)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("failure", ["full disk while writing", "full disk before writing"])
+def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, failure):
+    safetensors = hf_folder.import_safetensors()
+    if failure == "full disk while writing":  # safetensors reports it as SafetensorError, not OSError
+        def save_file(*args, **kwargs):
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+        expected = "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28) ("
+    else:
+        monkeypatch.setattr(hf_training, "free_bytes", lambda path: 1000)
+        expected = "not enough space for the checkpoint: it needs 0.5 MiB, the disk holding"
+    out = tmp_path / "ckpt" / "step-3-hf"
+    with pytest.raises(CheckpointSaveError) as raised:
+        export(model_of(ARGS, seed=0), out)
+    message = str(raised.value)
+    assert message.startswith(f"final weights not written as a Hugging Face folder: {expected}") and "\n" not in message
+    assert list((tmp_path / "ckpt").iterdir()) == []

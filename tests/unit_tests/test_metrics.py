@@ -301,3 +301,17 @@ def test_mean_throughput_covers_every_logged_window(tmp_path):
     assert tps == pytest.approx(3000 / 1.5)  # each window: 1000 tokens in 0.5 s
     assert mfu == pytest.approx(100 * 10**6 * tps / 1e12)
     logger.close()
+
+
+def test_validation_goes_to_tensorboard_beside_the_training_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0, enable_tensorboard=True), torch.device("cpu"), 10**6,
+                           rank=0)
+    logger.log(step(2))
+    logger.log_validation(2, 3.5, 33.1, 4, 1024, 0.2)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "dump" / "tb"))
+    events.Reload()
+    assert {"train/loss", "validation/loss", "validation/perplexity"} <= set(events.Tags()["scalars"])
+    assert [(e.step, e.value) for e in events.Scalars("validation/loss")] == [(2, 3.5)]

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from typing import Any
@@ -33,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.checkpoint import hf_folder
-from torchtitan.checkpoint.failures import first_error, gather_from_ranks
+from torchtitan.checkpoint.failures import NotEnoughSpace, first_error, free_bytes, gather_from_ranks, save_failure
 from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError
 from torchtitan.checkpoint.states import ModelState
 
@@ -44,6 +45,13 @@ CONFIG = "config.json"
 # Fields of the model args that change what the model computes but not its tensors' shapes: a
 # difference is reported, not refused (continued training may change RoPE on purpose).
 _NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "norm_type")
+# Fields that change the model's tensor shapes, so a difference shows as tensors missing, extra or of
+# another shape (which exclude_from_loading / allow_partial_load can deliberately leave out). A
+# difference in any other shape-relevant field (a MoE's experts per token, say) is refused by name.
+_SHAPE_VISIBLE_FIELDS = ("dim", "n_layers", "vocab_size", "tie_word_embeddings", "hidden_dim", "num_experts",
+                         "moe_hidden_dim")
+# Fields of the attention head layout: refused even with allow_partial_load (see check_fits).
+_HEAD_FIELDS = ("n_heads", "n_kv_heads", "head_dim")
 # Fields that are the run's own business: the sequence length it trains on, initialisation and
 # training-only settings, and the vocabulary padding (checked by the tensor shapes).
 # Also fields that are only one way of writing a size (Llama's feed-forward size from multiple_of
@@ -56,6 +64,10 @@ def is_hf_folder(path: str) -> bool:
     """A folder holding config.json and safetensors weights (one file or an index)."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG)) and (
         os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(os.path.join(path, hf_folder.INDEX)))
+
+
+# An export being written, or one killed before it was published (or while replacing an older one).
+_UNFINISHED = re.compile(r"^step-\d+-hf\.(partial|replaced)-")
 
 
 def hf_export_path(checkpoint_folder: str, step: int) -> str:
@@ -102,29 +114,49 @@ class _Folder:
             raise CheckpointError(f"{self.path}: tensor {name} cannot be read ({e})") from None
 
 
-def _parts_by_fqn(folder: _Folder, adapter: Any, args: Any) -> dict[str, list[str]]:
-    """Our FQN -> the HF tensors it is made from; refuses tensors that are no parameter of the family."""
-    parts = hf_folder.names_by_fqn(folder.where, args, adapter, folder.path)
+def _tie(parts: dict[str, list[str]], excluded: list[str], adapter: Any, args: Any,
+         untied_folder: bool) -> tuple[list[str], str | None]:
+    """For a tied model: the output projection is read from the embedding, and excluded with it,
+    so both names (under pipeline parallelism, both stages' copies) always load alike. Returns the
+    exclusions so adjusted, and the problem of an untied folder's own output projection (a tied
+    folder's redundant copy, which some exports keep, is ignored)."""
     (output,), (embedding,) = adapter.from_hf_names(hf_folder.HF_OUTPUT), adapter.from_hf_names(hf_folder.HF_EMBEDDING)
-    if adapter.ties_embeddings(args) and output not in parts and embedding in parts:
-        parts[output] = parts[embedding]  # a tied output projection is stored only as the embedding
-    return parts
+    if not adapter.ties_embeddings(args):
+        return excluded, None
+    problem = None
+    if untied_folder and output in parts and parts[output] != parts.get(embedding) and output not in excluded:
+        problem = f"{output} is a tensor of its own there ({parts[output][0]}), but this run's model ties it to {embedding}"
+    if embedding in parts:
+        parts[output] = parts[embedding]
+    else:
+        parts.pop(output, None)
+    return [f for f in excluded if f != output] + ([output] if embedding in excluded else []), problem
 
 
-def _config_differences(path: str, adapter: Any, args: Any) -> tuple[list[str], list[str]]:
+def _config_differences(path: str, adapter: Any, args: Any) -> tuple[dict[str, str], list[str]]:
     """(shape-relevant, numeric) fields in which the folder's config.json differs from the run's
-    model args, each as `name X (config.json) vs Y (this run)`."""
+    model args, each as `name X (config.json) vs Y (this run)`; the first by field name."""
     config = hf_folder.read_json(os.path.join(path, CONFIG), f"{path}/{CONFIG}")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}/{CONFIG} is not a JSON object")
-    theirs = adapter.model_args_from_hf_config(config)
-    shapes, numeric = [], []
+    try:
+        theirs = adapter.model_args_from_hf_config(config)
+    except CheckpointError as e:  # the adapter names the field; the folder is said here
+        raise CheckpointError(f"checkpoint.initial_load_path {path}: {CONFIG}: {e}") from None
+    shapes, numeric = {}, []
     for f in dataclasses.fields(args):
         if not hasattr(theirs, f.name) or f.name in _RUN_FIELDS:
             continue
         a, b = getattr(theirs, f.name), getattr(args, f.name)
-        if a != b:
-            (numeric if f.name in _NUMERIC_FIELDS else shapes).append(f"{f.name} {a} ({CONFIG}) vs {b} (this run)")
+        if f.name == "n_kv_heads":  # None means one key/value head per attention head
+            a, b = a or theirs.n_heads, b or args.n_heads
+        if a == b:
+            continue
+        text = f"{f.name} {a} ({CONFIG}) vs {b} (this run)"
+        if f.name in _NUMERIC_FIELDS:
+            numeric.append(text)
+        else:
+            shapes[f.name] = text
     return shapes, numeric
 
 
@@ -145,32 +177,49 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     """Refuses, before any tensor is read, a folder that does not fit the run's whole model
     (`whole`: FQN -> global shape). Returns the folder, its parts by FQN, and the FQNs to leave at
     their initial values (excluded, or left out of a deliberate partial load), with warnings."""
-    folder = _Folder(path)
-    parts = _parts_by_fqn(folder, adapter, args)
-    theirs = _expected_shapes(folder, parts, adapter, args)
+    # config.json first: a folder of another family is best named by its model_type.
     shape_fields, numeric_fields = _config_differences(path, adapter, args)
-    without_hf = set(adapter.tensors_without_hf(args))
+    if any(name in _HEAD_FIELDS for name in shape_fields):
+        # Equal shapes can hide this (dim 256 as 16 heads of 16 or 8 of 32), and the query and key
+        # rows are ordered per head for RoPE, so no partial load can use such weights.
+        raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this run's model (its {CONFIG} "
+                              f"differs: {', '.join(shape_fields.values())}): its attention heads are laid out "
+                              "differently, and the query and key rows are ordered per head; use a folder of this model")
+    folder = _Folder(path)
+    parts = hf_folder.names_by_fqn(folder.where, args, adapter, path)
     excluded = [fqn for fqn in whole if any(fqn == e or fqn.startswith(e + ".") for e in exclude)]
-    problems, skip = [], list(excluded)
+    excluded, tie_problem = _tie(parts, excluded, adapter, args, "tie_word_embeddings" in shape_fields)
+    theirs = _expected_shapes(folder, parts, adapter, args)
+    without_hf = set(adapter.tensors_without_hf(args))
+    # Fields no tensor shape shows (a MoE's experts per token): the run would compute another model.
+    computed = [f"{CONFIG} has {text}" for name, text in shape_fields.items() if name not in _SHAPE_VISIBLE_FIELDS]
+    missing, skip = [], list(excluded)
     for fqn, shape in whole.items():
         if fqn in excluded or fqn in without_hf:
             continue
         if fqn not in theirs:
-            problems.append(f"it has no tensor for {fqn}")
+            missing.append(f"it has no tensor for {fqn}")
+            skip.append(fqn)
         elif theirs[fqn] != shape and not _padded_rows(theirs[fqn], shape, fqn, args):
-            problems.append(f"{fqn} is {list(theirs[fqn])} there, {list(shape)} in this run's model")
+            missing.append(f"{fqn} is {list(theirs[fqn])} there, {list(shape)} in this run's model")
+            skip.append(fqn)
     extra = sorted(set(theirs) - set(whole))
     if extra:
-        problems.append(f"it holds {extra[0]}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
-                        + " that this run's model does not have")
+        missing.append(f"it holds {extra[0]}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+                       + " that this run's model does not have")
+    problems = computed + ([tie_problem] if tie_problem else []) + missing
     if problems and not allow_partial:
-        why = f" (its {CONFIG} differs: {', '.join(shape_fields)})" if shape_fields else ""
+        why = f" (its {CONFIG} differs: {', '.join(shape_fields.values())})" if shape_fields else ""
+        output = adapter.from_hf_names(hf_folder.HF_OUTPUT)[0].removesuffix(".weight")
+        fix = (f"use an untied model.flavor, or set checkpoint.exclude_from_loading {output} to load the embedding alone"
+               if problems[0] == tie_problem else "use a folder of this model, or set checkpoint.allow_partial_load")
         raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this run's model{why}: "
                               f"{problems[0]}" + (f"; and {len(problems) - 1} more problems" if len(problems) > 1 else "")
-                              + "; use a folder of this model, or set checkpoint.allow_partial_load")
-    warnings = [f"{path}: {p}; left as initialised (checkpoint.allow_partial_load)" for p in problems]
-    skip += [fqn for fqn, shape in whole.items() if fqn not in excluded and fqn not in without_hf and (
-        fqn not in theirs or (theirs[fqn] != shape and not _padded_rows(theirs[fqn], shape, fqn, args)))]
+                              + f"; {fix}")
+    warnings = [f"{path}: {p}; the run computes with its own value (checkpoint.allow_partial_load)" for p in computed]
+    if tie_problem:
+        warnings.append(f"{path}: {tie_problem}; the embedding is loaded for both (checkpoint.allow_partial_load)")
+    warnings += [f"{path}: {p}; left as initialised (checkpoint.allow_partial_load)" for p in missing]
     if numeric_fields:
         warnings.append(f"{path}/{CONFIG} differs from this run's model in {', '.join(numeric_fields)}; the run "
                         "computes with its own values")
@@ -192,28 +241,41 @@ def _padded_rows(theirs: tuple, ours: tuple, fqn: str, args: Any) -> bool:
 def load_hf_weights(path: str, model: ModelState, adapter: Any, args: Any, whole: dict[str, tuple],
                     exclude: list[str], allow_partial: bool) -> int:
     """Loads the folder's weights into the model's parameters (each rank its own shards); returns
-    the number of bytes read."""
-    folder, parts, skip = check_fits(path, adapter, args, whole, exclude, allow_partial)
-    state = model.state_dict()
-    loaded, read = {}, 0
-    for fqn, current in state.items():
-        if fqn not in parts or fqn in skip:
-            continue
-        group = {n: folder.read(n) for n in parts[fqn]}
-        read += sum(t.numel() * t.element_size() for t in group.values())
-        full = adapter.from_hf_tensors(fqn, group, args)
-        del group
-        shape = tuple(current.shape)
-        if tuple(full.shape) != shape:  # a padded vocabulary: padding rows are masked, never used
-            full = torch.cat([full, full.new_zeros((shape[0] - full.shape[0], *shape[1:]))])
-        local = current.to_local() if isinstance(current, DTensor) else current
-        full = full.to(device=local.device, dtype=local.dtype)
-        if isinstance(current, DTensor):
-            loaded[fqn] = distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=None)
-        else:
-            loaded[fqn] = full
-        del full
-    model.load_state_dict(loaded)
+    the number of bytes read. Collective: a rank that cannot read stops every rank with its line."""
+    read, error = 0, None
+    try:
+        folder, parts, skip = check_fits(path, adapter, args, whole, exclude, allow_partial)
+        # The state dict's tensors share storage with the parameters (DTensors: their local
+        # shards), so each is filled in place as soon as it is converted: besides the model, a rank
+        # holds one whole parameter and one shard of it at a time.
+        for fqn, current in model.state_dict().items():
+            if fqn in parts and fqn not in skip:
+                read += _load_one(folder, parts[fqn], fqn, current, adapter, args)
+    except CheckpointError as e:
+        error = str(e)
+    error = first_error(error)  # every rank stops, not only the one (the pipeline stage) that hit it
+    if error is not None:
+        raise CheckpointError(error)
+    return read
+
+
+@torch.no_grad()
+def _load_one(folder: _Folder, names: list[str], fqn: str, current: torch.Tensor, adapter: Any, args: Any) -> int:
+    """Reads, converts and copies in one of our tensors; returns the bytes read."""
+    group = {n: folder.read(n) for n in names}
+    read = sum(t.numel() * t.element_size() for t in group.values())
+    full = adapter.from_hf_tensors(fqn, group, args)
+    del group
+    shape = tuple(current.shape)
+    if tuple(full.shape) != shape:  # a padded vocabulary: padding rows are masked, never used
+        full = torch.cat([full, full.new_zeros((shape[0] - full.shape[0], *shape[1:]))])
+    if isinstance(current, DTensor):
+        # Local slicing, no communication (src_data_rank=None): right for Shard, _StridedShard
+        # (FSDP over TP) and Replicate alike.
+        shard = distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=None)
+        current.to_local().copy_(shard.to_local())
+    else:
+        current.copy_(full)
     return read
 
 
@@ -239,22 +301,14 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
     rank = dist.get_rank() if dist.is_initialized() else 0
     tmp = f"{out}.partial-{attempt}"
     leader = _leader_of_stage(parallel_dims)
-    error = None
-    if rank == 0:
-        try:
-            parent = os.path.dirname(out)
-            os.makedirs(parent, exist_ok=True)
-            for name in os.listdir(parent):  # an earlier job's export that never finished
-                if name.startswith(os.path.basename(out) + ".partial-"):
-                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = str(e)
-    error = first_error(error)
-    if error is not None:
-        raise CheckpointSaveError(f"final weights not written as a Hugging Face folder: {error}")
+    parent = os.path.dirname(out)
     tied = adapter.ties_embeddings(args)
     state = model.state_dict()
+    # What the writers will write, known from the global shapes before anything is gathered.
+    needed = sum(gather_from_ranks(_export_bytes(state, adapter, dtype, tied) if leader else 0))
+    error = first_error(_prepare(out, tmp, needed) if rank == 0 else None)
+    if error is not None:
+        raise CheckpointSaveError(f"final weights not written as a Hugging Face folder: {error}")
     stage = parallel_dims.pp_mesh.get_local_rank() if getattr(parallel_dims, "pp_enabled", False) else 0
     written: list[tuple[str, list[str], int]] = []  # (file, tensor names, bytes) of this writer
     shard: dict[str, torch.Tensor] = {}
@@ -264,22 +318,23 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
         nonlocal shard, size
         if not shard:
             return
-        name = f"stage{stage}-{len(written):05d}.safetensors"
+        name = f"stage{stage:05d}-{len(written):05d}.safetensors"  # sorts in stage order
         hf_folder.import_safetensors().torch.save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
         written.append((name, sorted(shard), size))
         shard, size = {}, 0
 
-    try:
-        for fqn in sorted(state, key=lambda k: hf_folder._hf_order(adapter.to_hf_name(k) or k)):
-            value = state[fqn]
-            full = value.full_tensor() if isinstance(value, DTensor) else value  # every rank of its mesh joins
-            if not leader:
-                continue
-            if tied and adapter.from_hf_names(hf_folder.HF_OUTPUT) == (fqn,):
-                continue  # stored once, as the embedding
-            padding = getattr(args, "vocab_padding", 0)
-            if padding and fqn in (adapter.from_hf_names(hf_folder.HF_OUTPUT) + adapter.from_hf_names(hf_folder.HF_EMBEDDING)):
-                full = full[: full.shape[0] - padding]  # HF has no padding rows
+    error = None
+    padding = getattr(args, "vocab_padding", 0)
+    embedding_names = adapter.from_hf_names(hf_folder.HF_OUTPUT) + adapter.from_hf_names(hf_folder.HF_EMBEDDING)
+    for fqn in sorted(state, key=lambda k: hf_folder._hf_order(adapter.to_hf_name(k) or k)):
+        value = state[fqn]
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # every rank of its mesh joins
+        # A writer that failed still joins every gather, so that no rank waits for it forever.
+        if not leader or error is not None or (tied and adapter.from_hf_names(hf_folder.HF_OUTPUT) == (fqn,)):
+            continue  # a tied output projection is stored once, as the embedding
+        if padding and fqn in embedding_names:
+            full = full[: full.shape[0] - padding]  # HF has no padding rows
+        try:
             for name, tensor in adapter.to_hf_tensors(fqn, full.detach().to("cpu", dtype), args).items():
                 tensor = tensor.contiguous().clone()  # apart from every other tensor (safetensors refuses shared storage)
                 nbytes = tensor.numel() * tensor.element_size()
@@ -287,18 +342,21 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
                     flush()
                 shard[name] = tensor
                 size += nbytes
-        if leader:
+        except Exception as e:  # noqa: BLE001 - safetensors reports a full disk as SafetensorError, not OSError
+            error = save_failure(e, parent)
+    if leader and error is None:
+        try:
             flush()
-    except OSError as e:
-        error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - as above
+            error = save_failure(e, parent)
     error = first_error(error)
     files = gather_from_ranks(written if leader else [])
     if error is None and rank == 0:
         try:
             _finish(tmp, out, [f for per_rank in files for f in per_rank], adapter, args, dtype, config_extra,
                     tokenizer_file)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure must reach every rank, or they wait forever
+            error = save_failure(e, parent)
     error = first_error(error)
     if error is not None:
         if rank == 0:
@@ -307,6 +365,32 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
     total = sum(b for per_rank in files for _, _, b in per_rank)
     return f"wrote the final weights as a Hugging Face folder {out} ({total / 2**20:.1f} MiB) in " \
            f"{time.perf_counter() - start:.2f}s"
+
+
+def _prepare(out: str, tmp: str, needed: int) -> str | None:
+    """Rank 0, before anything is gathered: removes unfinished exports, checks the free space and
+    creates the temporary folder. Returns the error line, if any."""
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        for name in os.listdir(parent):  # an earlier job's export that never finished, of any step
+            if _UNFINISHED.match(name):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        free = free_bytes(parent)
+        if free is not None and needed * 1.01 > free:  # refused before a byte is written
+            raise NotEnoughSpace(out, int(needed * 1.01), free)
+        os.makedirs(tmp)
+    except OSError as e:
+        return save_failure(e, parent)
+    return None
+
+
+def _export_bytes(state: dict[str, Any], adapter: Any, dtype: torch.dtype, tied: bool) -> int:
+    """Bytes this pipeline stage's writer will write (global shapes; a tied output is stored once)."""
+    output = adapter.from_hf_names(hf_folder.HF_OUTPUT)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(v.numel() * itemsize for k, v in state.items()
+               if not (tied and (k,) == output) and adapter.to_hf_name(k) is not None)
 
 
 def _finish(tmp: str, out: str, files: list[tuple[str, list[str], int]], adapter: Any, args: Any, dtype: torch.dtype,

@@ -191,9 +191,15 @@ class CheckpointManager:
         if tokenizer.pad_id >= 0:
             ids["pad_token_id"] = tokenizer.pad_id
         tokenizer_file = resolve_path(job.model.tokenizer_path, "model.tokenizer_path", CheckpointError)
-        summary = hf_training.write_hf_weights(self.model, adapter, args, self.parallel_dims,
-                                               hf_training.hf_export_path(self.folder, step), self.export_dtype, ids,
-                                               tokenizer_file, self._attempt)
+        try:
+            summary = hf_training.write_hf_weights(self.model, adapter, args, self.parallel_dims,
+                                                   hf_training.hf_export_path(self.folder, step), self.export_dtype,
+                                                   ids, tokenizer_file, self._attempt)
+        except CheckpointSaveError as e:
+            if not self.enabled:
+                raise
+            # The step's own checkpoint was written before the export began: say it is safe.
+            raise CheckpointSaveError(f"{e}; the checkpoints in {self.folder} are untouched") from None
         logger.info(summary)
 
     def _rng_restorable(self, resume: ResumePoint, metadata: Metadata) -> bool:

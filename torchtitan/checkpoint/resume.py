@@ -21,6 +21,7 @@ from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.hf_training import is_hf_folder
 from torchtitan.checkpoint.safe_load import read_metadata
 from torchtitan.job_config import JobConfig
+from torchtitan.models import get_train_spec
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
                 logger.info(f"{f.path} holds model weights only: the run starts from them at step 0")
             return ResumePoint(f.path, f.manifest.weights_only, f.manifest)
     if c.initial_load_path:
-        return _initial_weights(c.initial_load_path)
+        return _initial_weights(c.initial_load_path, job_config.model.name)
     return None
 
 
@@ -125,11 +126,19 @@ def _requested_step(found: list[folders.Found], folder: str, step: int) -> Resum
     return ResumePoint(match.path, match.manifest.weights_only, match.manifest)
 
 
-def _initial_weights(path: str) -> ResumePoint:
+def _initial_weights(path: str, model_name: str) -> ResumePoint:
     """A folder of model weights to start from: one of ours (checked against its manifest), a
     plain DCP folder written by another tool, or a Hugging Face folder."""
     if is_hf_folder(path):
+        # Refused here, before any model is built, rather than when the weights are read.
+        if get_train_spec(model_name).hf_adapter is None:
+            raise CheckpointError(f"checkpoint.initial_load_path {path} is a Hugging Face folder, but model "
+                                  f"{model_name!r} has no Hugging Face conversion (TrainSpec.hf_adapter)")
         return ResumePoint(path, True, None, hf=True)
+    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, folders.DCP_METADATA)):
+        raise CheckpointError(f"checkpoint.initial_load_path {path} has a config.json but neither model.safetensors "
+                              "nor model.safetensors.index.json; only safetensors weights are read (save the model "
+                              "with safe_serialization, or convert its .bin files)")
     problem = folders.problem_with(path)
     if problem is None:
         return ResumePoint(path, True, Manifest.read(path))
