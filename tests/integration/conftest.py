@@ -11,12 +11,14 @@ def parity(tmp_path_factory) -> ParityHarness:
     """One harness per test session: the seed checkpoint and the baseline are made once and
     shared by every parity test. Runs fork from the warm launcher (the product runner starts real
     processes, about 3 s of imports each)."""
-    return ParityHarness(tmp_path_factory.mktemp("parity"), runner=run_warm)
+    return ParityHarness(tmp_path_factory.mktemp("parity"), steps=PARITY_CI_STEPS, runner=run_warm)
 
 
-# The CI part of the matrix trains 6 steps per point (scripts/loss_compare.py --suite matrix: 10),
-# which keeps every point and comparison at two thirds of the time.
-MATRIX_CI_STEPS = 6
+# The CI part of the matrix trains 5 steps per point and the parity suites 6 (scripts/loss_compare.py:
+# 10), which keeps every point and comparison at about half the time. Both validate after step 3
+# and at their last step (parity.COMPARISON_ARGS), so steps follow a validation run in both.
+MATRIX_CI_STEPS = 5
+PARITY_CI_STEPS = 6
 
 
 @pytest.fixture(scope="session")

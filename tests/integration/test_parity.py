@@ -1,7 +1,7 @@
 """Parity of the hand-picked layouts (the harness's SUITES: options of one parallelism and float8;
 the layouts themselves are the layout matrix's, test_layout_matrix.py): each trains like one
 process (same seed checkpoint, same global batch and data order, deterministic fp32 on CPU):
-per-step losses within 1e-4 and the final gradient norm within 1e-3 (relative) over 10 steps;
+per-step losses within 1e-4 and the final gradient norm within 1e-3 (relative) over 6 steps (10 with scripts/loss_compare.py);
 float8 layouts, whose activation scales depend on each rank's rows, within 1e-3 of a float8
 baseline."""
 
@@ -15,8 +15,8 @@ def test_layout_matches_single_process(parity, name):
     result = parity.check(all_layouts()[name])
     print(f"{name}: max |loss diff| {result.max_loss_diff:.3e}, final grad norm rel diff {result.grad_norm_rel_diff:.3e}")
     base = parity.baseline()
-    assert [r["step"] for r in base.records] == list(range(1, 11))
-    assert base.losses[-1] < base.losses[0], "the loss should fall over 10 steps"
+    assert [r["step"] for r in base.records] == list(range(1, parity.steps + 1))
+    assert base.losses[-1] < base.losses[0], "the loss should fall over the run"
 
 
 def test_float8_all_gather_equals_the_high_precision_all_gather(parity):

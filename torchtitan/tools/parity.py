@@ -26,10 +26,10 @@ from torchtitan.tools.runs import TINY_RUN, Runner, read_metrics, read_setup, re
 
 # What every run of a comparison shares, on top of TINY_RUN. The baseline uses library defaults
 # for everything else (no AC, no compile), and a layout's overrides come last, so they win. Every
-# run validates too (a held-out batch every 5 steps and at the last), so each layout's validation
+# run validates too (a held-out batch every 3 steps and at the last), so each layout's validation
 # losses are compared as well, and a layout whose validation disturbs training shows in its losses.
 COMPARISON_ARGS = ("--training.deterministic", "--activation_checkpoint.mode", "none", "--validation.enabled",
-                   "--validation.freq", "5", "--validation.steps", "1", "--validation.held_out_fraction", "0.05")
+                   "--validation.freq", "3", "--validation.steps", "1", "--validation.held_out_fraction", "0.05")
 
 
 @dataclass(frozen=True)
