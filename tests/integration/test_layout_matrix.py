@@ -1,5 +1,5 @@
 """The layout matrix in CI: every point of up to 4 ranks and the chosen 8-rank points either train
-like one process (per-step losses within 1e-4 over 6 steps, final grad norm within 1e-3, from one
+like one process (per-step losses within 1e-4 over 5 steps, final grad norm within 1e-3, from one
 seed checkpoint and global batch) or are refused before start-up with one line, as the generator
 planned. The whole matrix runs with `scripts/loss_compare.py --suite matrix` (docs/parity.md)."""
 
@@ -19,4 +19,7 @@ def test_point_trains_like_one_process_or_is_refused(matrix, name):
         c = outcome.comparison
         print(f"{name}: max |loss diff| {c.max_loss_diff:.3e}, final grad norm rel diff {c.grad_norm_rel_diff:.3e}")
         base = matrix.harness.baseline(POINTS[name].shared())
-        assert base.losses[-1] < base.losses[0], "the loss should fall over the steps"
+        # Per-batch training losses are noisy over 5 steps; the held-out batch, validated after
+        # step 3 and at the last step, shows whether the model learned.
+        first, last = base.validations[0]["loss"], base.validations[-1]["loss"]
+        assert last < first, "the held-out loss should fall between the first and the last validation"
