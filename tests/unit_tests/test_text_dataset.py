@@ -194,5 +194,29 @@ def test_an_empty_held_out_split_is_one_clear_line(tmp_path):
     assert not held.reads(1)
     ds = PackedTextDataset(path, CharTokenizer(), 8, batch_size=1, shards=[0], num_shards=1, infinite=False, split=held)
     with pytest.raises(DatasetError, match=r"validation: the held-out split of .* \(validation.held_out_fraction "
-                                           r"0.01\) has no documents for data-parallel rank 0 of 1; give more"):
+                                           r"0.01\) has no documents for data shard 0 of 1 \(give more validation data"):
         list(ds)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_a_finite_source_ends_cleanly_whatever_the_batch(tmp_path, rows):
+    """The data running out in the middle of a batch ends the stream: it is not taken for data too
+    small to train on (the end is met once, not again for each row still missing)."""
+    path = _corpus(tmp_path, [f"document {i} " * 5 for i in range(20)])
+    stream = _stream(path, [0], 1)[0]
+    ds = PackedTextDataset(path, CharTokenizer(), 16, batch_size=rows, shards=[0], num_shards=1, infinite=False)
+    batches = list(ds)
+    windows = (len(stream) - 1) // 16
+    assert len(batches) == windows // rows > 0
+    assert [t for inputs, _ in batches for row in inputs.tolist() for t in row] == stream[: 16 * rows * len(batches)]
+
+
+def test_a_training_split_too_small_names_the_held_out_fraction(tmp_path):
+    from torchtitan.datasets.text_dataset import Split
+
+    path = _corpus(tmp_path, [f"document {i} " * 5 for i in range(20)])
+    ds = PackedTextDataset(path, CharTokenizer(), 16, batch_size=1, shards=[0], num_shards=1,
+                           split=Split(0.999, validation=False))
+    with pytest.raises(DatasetError, match=r"training skips the documents validation holds out "
+                                           r"\(validation.held_out_fraction 0.999\)"):
+        next(iter(ds))

@@ -7,6 +7,7 @@ and Parquet (`text` column, needs pyarrow), given as a file, a folder or a glob.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -34,6 +35,7 @@ class HFSource:
     name: str | None = None
     split: str = "train"
     text_field: str = "text"
+    option: str = "training"  # the config section that named it, for the error lines
 
 
 # Registered sources: short name -> local path (`bundled:` for a file the package ships) or hub dataset.
@@ -69,7 +71,7 @@ def resolve_source(name: str, dataset_path: str, option: str = "training") -> li
                                f"(or set {option}.dataset_path to local files)")
         source = DATASETS[name]
         if isinstance(source, HFSource):
-            return source
+            return dataclasses.replace(source, option=option)
         return _local_files(resolve_path(source, f"{option}.dataset {name!r}", DatasetError))
     return _local_files(resolve_path(dataset_path, f"{option}.dataset_path", DatasetError))
 
@@ -229,7 +231,7 @@ def _read_hf(source: HFSource) -> Iterator[str]:
     except ImportError:
         raise DatasetError(
             f"dataset {source.path} streams from the Hugging Face hub and needs the optional `datasets` "
-            "package (pip install datasets) plus network access; or set training.dataset_path to local files"
+            f"package (pip install datasets) plus network access; or set {source.option}.dataset_path to local files"
         ) from None
     try:
         stream = datasets.load_dataset(source.path, source.name, split=source.split, streaming=True)

@@ -50,10 +50,11 @@ class _ShardPacker:
         # seen whole (not resumed midway) that gives fewer means the data is too small to train on.
         self.min_epoch_tokens = 0
         self._epoch_tokens, self._whole_epoch = 0, True
+        self.exhausted = False  # a finite source came to its end: every later call says so too
 
     def _next_document(self) -> str | None:
         """The shard's next document; None when a finite source is used up."""
-        while True:
+        while not self.exhausted:
             if self._docs is None:
                 # Reading continues right after this shard's last document (a resumed run seeks there).
                 self._docs = ((d, p) for d, p in read_from(self.source, self.counter, self.position)
@@ -64,29 +65,41 @@ class _ShardPacker:
                 self.docs_done, self.position = self.docs_done + 1, position
                 return doc
             if self.docs_done == 0:
-                if self.split is not None and self.split.validation:
-                    data = (f"{_describe(self.source)}" if self.split.fraction >= 1 else
-                            f"the held-out split of {_describe(self.source)} (validation.held_out_fraction "
-                            f"{self.split.fraction:g})")
-                    raise DatasetError(f"validation: {data} has no documents for data-parallel rank {self.shard} of "
-                                       f"{self.num_shards}; give more validation data")
-                files = self.source if isinstance(self.source, list) else []
-                only_txt = 0 < len(files) < self.num_shards and all(Path(f).suffix == ".txt" for f in files)
-                why = (f"each .txt file is one document, and {len(files)} cannot feed {self.num_shards} data shards: give "
-                       "more files, or a .jsonl file with one document per line" if only_txt
-                       else "it is empty, or has fewer documents than training.dataset_shards")
-                raise DatasetError(
-                    f"{_describe(self.source)} has no documents for data shard {self.shard} of {self.num_shards} ({why})")
+                raise DatasetError(self._no_documents())
             if self._whole_epoch and self._epoch_tokens < self.min_epoch_tokens:
+                held_out = (f"; training skips the documents validation holds out (validation.held_out_fraction "
+                            f"{self.split.fraction:g})" if self.split is not None else "")
                 raise DatasetError(
                     f"{_describe(self.source)} gives data shard {self.shard} of {self.num_shards} only "
-                    f"{self._epoch_tokens} tokens, fewer than its share of one batch ({self.min_epoch_tokens}); use more "
-                    "data, or lower training.batch_size, training.seq_len or training.dataset_shards")
+                    f"{self._epoch_tokens} tokens, fewer than its share of one batch ({self.min_epoch_tokens}){held_out}; "
+                    "use more data, or lower training.batch_size, training.seq_len or training.dataset_shards")
             self._epoch_tokens, self._whole_epoch = 0, True
             if not self.infinite:
+                self.exhausted = True
                 return None
             self.epoch, self.docs_done, self.position, self._docs = self.epoch + 1, 0, StreamPosition(), None
             logger.info(f"data shard {self.shard}: starting epoch {self.epoch} over {_describe(self.source)}")
+        return None
+
+    def _no_documents(self) -> str:
+        """Why this shard got no document at all, in the words of the option to change."""
+        validation = self.split is not None and self.split.validation
+        files = self.source if isinstance(self.source, list) else []
+        if 0 < len(files) < self.num_shards and all(Path(f).suffix == ".txt" for f in files):
+            why = (f"each .txt file is one document, and {len(files)} cannot feed {self.num_shards} data shards (one per "
+                   "training.dataset_shards): give more files, or a .jsonl file with one document per line")
+        elif validation:
+            why = "give more validation data, or lower training.dataset_shards"
+        elif self.split is not None:
+            why = (f"training skips the documents validation holds out (validation.held_out_fraction "
+                   f"{self.split.fraction:g}); lower it, or give more data")
+        else:
+            why = "it is empty, or has fewer documents than training.dataset_shards"
+        data = _describe(self.source)
+        if validation and self.split.fraction < 1:
+            data = f"the held-out split of {data} (validation.held_out_fraction {self.split.fraction:g})"
+        return (f"{'validation: ' if validation else ''}{data} has no documents for data shard {self.shard} of "
+                f"{self.num_shards} ({why})")
 
     def next_window(self) -> list[int] | None:
         """seq_len + 1 tokens; None when a finite source cannot fill another window."""
@@ -153,10 +166,14 @@ class PackedTextDataset(IterableDataset, Stateful):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
-            rows = [p.next_window() for p in self.packers for _ in range(self.rows_per_shard)]
-            if any(row is None for row in rows):
-                logger.info(f"data exhausted: {_describe(self.packers[0].source)} has no full batch left")
-                return
+            rows = []
+            for packer in self.packers:
+                for _ in range(self.rows_per_shard):
+                    row = packer.next_window()
+                    if row is None:  # a finite shard at its end: no more full batches
+                        logger.info(f"data exhausted: {_describe(packer.source)} has no full batch left")
+                        return
+                    rows.append(row)
             batch = torch.tensor(rows, dtype=torch.long)
             yield batch[:, :-1], batch[:, 1:]
 
