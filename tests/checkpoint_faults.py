@@ -8,6 +8,8 @@ Which fault, and when, comes from environment variables (each rank reads them at
 - TT_KILL_IN_SAVE=N:publish: rank 0 is killed after writing step N's manifest, before the folder
   is renamed to step-N.
 
+- TT_SIGTERM_IN_VALIDATION=N: rank 0 sends itself SIGTERM (a preemption) while validating step N.
+
 - TT_WRITE_FAILS=N:R:ERRNO: rank R's DCP write of step N's checkpoint fails with OSError ERRNO
   (ENOSPC: a full disk; EROFS: a read-only one), as the file system would report it.
 
@@ -82,6 +84,24 @@ if fault := os.environ.get("TT_WRITE_FAILS"):
         return _write_data(self, *args, **kwargs)
 
     FileSystemWriter.write_data = write_data_or_fail
+
+if signal_step := os.environ.get("TT_SIGTERM_IN_VALIDATION"):
+    from torchtitan import validation
+
+    _loss = validation.Validator._loss
+
+    def loss_then_signal(self, *args):
+        if self.validating_step == int(signal_step) and _rank0():
+            os.kill(os.getpid(), signal.SIGTERM)
+        return _loss(self, *args)
+
+    _run = validation.Validator.run
+
+    def run_noting_step(self, step_done, *args, **kwargs):
+        self.validating_step = step_done
+        return _run(self, step_done, *args, **kwargs)
+
+    validation.Validator._loss, validation.Validator.run = loss_then_signal, run_noting_step
 
 llama3 = get_train_spec("llama3")
 llama3.config["debugmodel_narrow"] = dataclasses.replace(llama3.config["debugmodel"], dim=128, n_heads=8)

@@ -298,6 +298,11 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"checkpoint.export_dtype {c.export_dtype} applies to the weights-only final checkpoint and "
                           "the Hugging Face export; set checkpoint.model_weights_only or checkpoint.last_save_in_hf too "
                           "(full checkpoints keep the training dtype)")
+    if c.create_seed_checkpoint and (c.initial_load_path or c.last_save_in_hf):
+        option = "initial_load_path" if c.initial_load_path else "last_save_in_hf"
+        raise ConfigError(f"checkpoint.create_seed_checkpoint writes freshly initialised weights and trains nothing; "
+                          f"leave checkpoint.{option} unset (a Hugging Face folder becomes a DCP checkpoint with "
+                          "scripts/convert_checkpoint.py hf-to-dcp)")
     if (c.exclude_from_loading or c.allow_partial_load) and not (c.enable_checkpoint or c.initial_load_path):
         option = "exclude_from_loading" if c.exclude_from_loading else "allow_partial_load"
         raise ConfigError(f"checkpoint.{option} applies to a checkpoint being loaded; set checkpoint.enable_checkpoint "
@@ -348,7 +353,8 @@ def _validate_validation(config: JobConfig) -> None:
     if v.steps == 0 or v.steps < -1:
         raise ConfigError(f"validation.steps must be >= 1 or -1 (the whole validation data), got {v.steps}")
     if v.batch_size == 0 or v.batch_size < -1:
-        raise ConfigError(f"validation.batch_size must be >= 1 or -1 (training.batch_size), got {v.batch_size}")
+        raise ConfigError(f"validation.batch_size must be >= 1 or -1 (the rows of one optimizer step: training.batch_size "
+                          f"x training.gradient_accumulation_steps), got {v.batch_size}")
     if not 0 < v.held_out_fraction < 1:
         raise ConfigError(f"validation.held_out_fraction must lie strictly between 0 and 1, got {v.held_out_fraction}")
     if not v.enabled:

@@ -304,6 +304,24 @@ class StepMetrics:
     progress: str = ""  # elapsed and estimated time left (progress.py), ending the console line
 
 
+@dataclass
+class LogWindow:
+    """What the steps since the last step line did, measured by the training loop."""
+
+    first_step: int
+    start: float = field(default_factory=time.perf_counter)
+    tokens: int = 0  # of whole sequences, before context parallelism cuts them
+    data_seconds: float = 0.0  # waiting for batches
+    # Each rank's own time: loading data and the optimizer step, the parts of a step where ranks do
+    # not wait for each other, so a slow rank shows as itself rather than in its peers' waits; each
+    # log line compares the slowest rank's with the median (straggler report).
+    own_seconds: float = 0.0
+
+    def restart(self, first_step: int) -> None:
+        self.first_step, self.start = first_step, time.perf_counter()
+        self.tokens, self.data_seconds, self.own_seconds = 0, 0.0, 0.0
+
+
 # A straggler is named on the console when its own time exceeds the median by this share of a step.
 STRAGGLER_SHARE = 0.05
 

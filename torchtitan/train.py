@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan import watchdog
 from torchtitan.checkpoint import CheckpointManager, TrainState, find_resume_point
 from torchtitan.checkpoint import folders as checkpoint_folders
-from torchtitan.checkpoint.hf_training import hf_export_path
+from torchtitan.checkpoint.hf_training import check_export_target, hf_export_path
 from torchtitan.config_manager import help_text, parse_args, validate_world_size
 from torchtitan.datasets.shards import decide_data_shards
 from torchtitan.errors import (
@@ -57,7 +57,7 @@ from torchtitan.errors import (
 from torchtitan.job_config import JobConfig
 from torchtitan.logging import init_logger
 from torchtitan.memory_floor import check_step_fits
-from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
+from torchtitan.metrics import LogWindow, MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.output_locations import check_output_locations
 from torchtitan.parallelisms import distributed as tt_dist
@@ -143,6 +143,7 @@ def preflight(job_config: JobConfig, world_size: int) -> Preflight:
     if job_config.checkpoint.last_save_in_hf and train_spec.hf_adapter is None:
         raise ConfigError(f"checkpoint.last_save_in_hf: model {train_spec.name!r} has no Hugging Face conversion "
                           "(TrainSpec.hf_adapter)")
+    check_export_target(job_config)
     if job_config.validation.enabled and train_spec.build_validation_dataloader_fn is None:
         raise ConfigError(f"model {train_spec.name!r} has no build_validation_dataloader_fn, so validation.enabled "
                           "must stay false")
@@ -239,12 +240,23 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     progress = Progress(t.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=started)
     tokens_before = train_state.tokens_seen
     try:
-        with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
-            train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
-                       iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler, pipeline,
-                       stops, setup, validator, progress)
+        if validator is not None and train_state.step > 0 and (validator.due(train_state.step)
+                                                               or train_state.step >= t.steps):
+            # A run stopped right after saving a step due for validation (a preemption) never
+            # validated it; nor did a run validated only later (validation turned on afterwards).
+            validate_if_missing(validator, metrics, train_state.step)
+        if train_state.step >= t.steps:
+            logger.info(f"nothing left to train: the checkpoint resumed from is at step {train_state.step} and "
+                        f"training.steps is {t.steps} (raise training.steps to train further)")
+            checkpoint.export_if_missing(train_state.step)
+            ended = "done"
+        else:
+            with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
+                ended = train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
+                                   iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler,
+                                   pipeline, stops, setup, validator, progress)
         checkpoint.close()  # waits for a save still being written in the background
-        log_summary(job_config, metrics, progress, train_state, tokens_before)
+        log_summary(job_config, metrics, progress, train_state, tokens_before, ended)
     except (Stopped, TrainingDiverged) as e:
         # Every rank ends here after the same step, so the save still in flight can finish: the
         # newest good checkpoint is kept and named in the run's last line.
@@ -294,7 +306,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
                pipeline: Pipeline | None = None, stops: StopRequests | None = None,
                setup: SetupRecord | None = None, validator: Validator | None = None,
-               progress: Progress | None = None) -> None:
+               progress: Progress | None = None) -> str:
+    """Trains up to training.steps; returns how the loop ended ("done", or "data ran out")."""
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -304,14 +317,10 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
     gc.disable()
     gc.collect(1)
-    window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
-    # Each rank's own time per step: loading data and the optimizer step, the parts of a step where
-    # ranks do not wait for each other, so a slow rank shows as itself rather than in its peers'
-    # waits; each log line compares the slowest rank's with the median (straggler report).
-    window_own_seconds = 0.0
-    step_loss = grad_norm = None
     first_step = train_state.step + 1  # of this run: 1, or the step after a resumed checkpoint's
-    window_first_step = first_step
+    window = LogWindow(first_step)
+    step_loss = grad_norm = lr = report = None
+    logged = validated = 0  # the last step logged, and validated
     logger.info(f"training {t.steps} steps from step {train_state.step}, global batch "
                 f"{t.batch_size * dp_degree * accum} x {t.seq_len} tokens")
     if stops is not None:
@@ -320,14 +329,20 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         watchdog.enter("data loading", train_state.step + 1)
         data_start = time.perf_counter()
         micro_batches = [next(data_iter, None) for _ in range(accum)]
-        window_data_seconds += time.perf_counter() - data_start
-        window_own_seconds += time.perf_counter() - data_start
+        window.data_seconds += time.perf_counter() - data_start
+        window.own_seconds += time.perf_counter() - data_start
         if not t.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches)):
-            # Every rank stops at the same step, even if only one rank's shards ran out.
+            # Every rank stops at the same step, even if only one rank's shards ran out; the last
+            # step trained is logged, validated and saved as the last step of a run is.
             logger.info(f"the data ran out after step {train_state.step}; training ends there "
                         "(training.dataset_infinite is false)")
+            if step_loss is not None and logged < train_state.step:
+                log_step(job_config, parallel_dims, metrics, pipeline, progress, window, train_state.step, step_loss,
+                         grad_norm, lr, report)
             checkpoint.save(train_state.step, last=True, loss=step_loss, grad_norm=grad_norm)
-            break
+            if validator is not None and step_loss is not None and validated < train_state.step:
+                validate(validator, metrics, progress, window, train_state.step)
+            return "data ran out"
         train_state.step += 1
         step = train_state.step
         if step % t.gc_freq == 0:
@@ -337,7 +352,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         step_loss = torch.zeros((), device=device)
         for micro, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            window_tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
+            window.tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
             inputs, labels = shard_batch((inputs, labels), cp_mesh)
             if accum > 1 and parallel_dims.wraps_data_parallel:
                 # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
@@ -380,38 +395,25 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         watchdog.enter("optimizer step")
         optimizer_start = time.perf_counter()
         optimizers.step()
-        window_own_seconds += time.perf_counter() - optimizer_start
+        window.own_seconds += time.perf_counter() - optimizer_start
         if job_config.float8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(model_parts)
         lr_schedulers.step()
         train_state.tokens_seen += t.batch_size * t.seq_len * accum * dp_degree
         # The last step before a stop is logged too, so a resumed run's metrics have no gap.
-        log_step = step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or bool(stop_signal)
+        log_this_step = step == 1 or step % job_config.metrics.log_freq == 0 or step == t.steps or bool(stop_signal)
         watchdog.enter("logging")
         report = None
         if train_spec.after_step_fn is not None:  # e.g. MoE routing biases and statistics
-            report = train_spec.after_step_fn(model_parts, parallel_dims, log=log_step)
+            report = train_spec.after_step_fn(model_parts, parallel_dims, log=log_this_step)
 
         if setup is not None and step == setup.first_step:
             # What this run applied and loaded, with every rank's state bytes (optimizer state exists now).
             setup.write(metrics, parallel_dims, model_parts, optimizers, pipeline)
-        if log_step:
-            if pipeline is not None:
-                # Only the last stage has a loss; the others contribute zero to the sum over pp.
-                step_loss = tt_dist.sum_across(step_loss, pp_mesh)
-            loss_value = tt_dist.mean_across(step_loss, loss_mesh)
-            bubble = pipeline.bubble_since_last_call(pp_mesh) if pipeline is not None else None
-            elapsed = time.perf_counter() - window_start
-            # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
-            # per device, every token counts once per group (so MFU compares with one device's peak).
-            tokens = window_tokens / parallel_dims.non_data_parallel_size
-            steps = step - window_first_step + 1
-            stragglers = tt_dist.slowest_and_median(window_own_seconds / steps)
-            metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window_data_seconds, bubble,
-                                    *(report or ()), own_seconds=stragglers, steps=steps, total_steps=t.steps,
-                                    progress=progress.text(step) if progress is not None else ""))
-            window_tokens, window_data_seconds, window_start = 0, 0.0, time.perf_counter()
-            window_own_seconds, window_first_step = 0.0, step + 1
+        if log_this_step:
+            step_loss = log_step(job_config, parallel_dims, metrics, pipeline, progress, window, step, step_loss,
+                                 grad_norm, lr, report)
+            logged = step
         # SIGTERM or SIGUSR1 (preemption, a time limit coming) saves the step all ranks agreed on.
         preempted = stop_signal in PREEMPTION_SIGNALS and step < t.steps and checkpoint.enabled
         watchdog.enter("checkpoint save")
@@ -421,12 +423,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         if stop_signal and step < t.steps:
             raise (Preempted if preempted else Stopped)(stop_signal, step)
         if validator is not None and validator.due(step):
-            result = validator.run(step)
-            metrics.log_validation(result.step, result.loss, result.perplexity, result.batches, result.tokens,
-                                   result.seconds)
-            window_start += result.seconds  # kept out of the training throughput of the next log line
-            if progress is not None:
-                progress.validation_done(result.seconds)
+            validate(validator, metrics, progress, window, step, stops)
+            validated = step
         if progress is not None:
             progress.step_done(step)
         if step == first_step:  # a resumed run too: its first step is its slow one
@@ -435,6 +433,53 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             param_bytes, optim_bytes = local_state_bytes(model_parts, optimizers.optimizers)
             logger.info(f"rank {tt_dist.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "
                         f"optimizer state {optim_bytes / 2**20:.3f} MiB")
+    return "done"
+
+
+def validate_if_missing(validator: Validator, metrics: MetricsLogger, step: int) -> None:
+    """Validates `step` unless metrics.jsonl already has its validation (read by rank 0, which
+    decides for every rank: validation is collective)."""
+    missing = tt_dist.max_across_ranks([tt_dist.rank() == 0 and step not in metrics.validations])[0]
+    if missing:
+        validate(validator, metrics, None, None, step)
+
+
+def log_step(job_config: JobConfig, parallel_dims: ParallelDims, metrics: MetricsLogger, pipeline: Pipeline | None,
+             progress: Progress | None, window: LogWindow, step: int, step_loss: torch.Tensor, grad_norm: torch.Tensor,
+             lr: float, report: tuple | None) -> torch.Tensor:
+    """One step line (console, TensorBoard, metrics.jsonl) over the steps since the last one; returns
+    the step's loss as every rank holds it afterwards (summed over the pipeline's stages)."""
+    pp_mesh = parallel_dims.pp_mesh
+    if pipeline is not None:
+        # Only the last stage has a loss; the others contribute zero to the sum over pp.
+        step_loss = tt_dist.sum_across(step_loss, pp_mesh)
+    loss_value = tt_dist.mean_across(step_loss, parallel_dims.loss_mesh)
+    bubble = pipeline.bubble_since_last_call(pp_mesh) if pipeline is not None else None
+    elapsed = time.perf_counter() - window.start
+    # Ranks of one tp/cp/pp group process the same tokens, each doing its share of the work:
+    # per device, every token counts once per group (so MFU compares with one device's peak).
+    tokens = window.tokens / parallel_dims.non_data_parallel_size
+    steps = step - window.first_step + 1
+    stragglers = tt_dist.slowest_and_median(window.own_seconds / steps)
+    metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window.data_seconds, bubble,
+                            *(report or ()), own_seconds=stragglers, steps=steps,
+                            total_steps=job_config.training.steps,
+                            progress=progress.text(step) if progress is not None else ""))
+    window.restart(step + 1)
+    return step_loss
+
+
+def validate(validator: Validator, metrics: MetricsLogger, progress: Progress | None, window: LogWindow | None,
+             step: int, stops: StopRequests | None = None) -> None:
+    """Validates after `step` and logs it; its time is kept out of training's throughput and pace."""
+    result = validator.run(step, stops)
+    if result is None:  # a stop was requested meanwhile: the training loop stops after its next step
+        return
+    metrics.log_validation(result.step, result.loss, result.perplexity, result.batches, result.tokens, result.seconds)
+    if window is not None:
+        window.start += result.seconds
+    if progress is not None:
+        progress.validation_done(result.seconds)
 
 
 class _StartUpInterrupted(KeyboardInterrupt):

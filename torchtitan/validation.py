@@ -15,6 +15,7 @@ every token of every batch, as the training loss is.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ValidationResult:
@@ -64,27 +66,43 @@ class Validator:
         # global batch size: every layout of a job validates on the same tokens.
         self.shards = shards
         self.batch_size = validation_batch_size(job_config)
-        # Built once here, unread, so that a missing file or an unknown source name stops the run
-        # at start-up rather than at the first validation, validation.freq steps later.
-        self.build_dataloader(job_config, tokenizer, shards)
+        # Its first batch is read here, so that a missing or empty file, an unknown source, a
+        # missing package or a split too small stops the run at start-up rather than at the first
+        # validation, validation.freq steps later.
+        if next(iter(self.build_dataloader(job_config, tokenizer, shards)), None) is None:
+            raise DatasetError(self._too_small())
+
+    def _too_small(self) -> str:
+        return (f"validation: the validation data gives no full batch of {self.batch_size} x {self.t.seq_len} tokens "
+                "per data-parallel rank; give more validation data or lower validation.batch_size")
 
     def due(self, step: int) -> bool:
         return step % self.v.freq == 0 or step == self.t.steps
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The batch's mean loss (on a pipeline's last stage; zero on its other stages)."""
+        """The batch's mean loss (on a pipeline's last stage; zero on its other stages).
+
+        A batch larger than training.batch_size goes through in parts of that size: a job that
+        accumulates gradients because one optimizer step's rows do not fit at once (the default
+        validation batch) must not run them at once here. Under pipeline parallelism the stages
+        exchange microbatches shaped by training.batch_size anyway (the config pass asks for a
+        multiple). Parts of one size weigh alike in the mean."""
+        parts = []
         with self.loss_context():
-            if self.pipeline is None:
-                loss = self.loss_fn(self.model_parts[0](inputs), labels)
-                return (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
-            # The schedule's stages exchange microbatches shaped by training.batch_size: a larger
-            # batch goes through in parts of that size (the config pass asks for a multiple).
-            parts = [self.pipeline.evaluate(x, y, self.device, self.t.gradient_accumulation_steps)
-                     for x, y in zip(inputs.split(self.t.batch_size), labels.split(self.t.batch_size))]
-            return torch.stack(parts).double().mean()
+            for x, y in zip(inputs.split(self.t.batch_size), labels.split(self.t.batch_size)):
+                if self.pipeline is not None:
+                    parts.append(self.pipeline.evaluate(x, y, self.device, self.t.gradient_accumulation_steps))
+                    continue
+                loss = self.loss_fn(self.model_parts[0](x), y)
+                parts.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        sizes = [len(x) for x in inputs.split(self.t.batch_size)]
+        return sum(p.double() * n for p, n in zip(parts, sizes)) / sum(sizes)
 
     @torch.no_grad()
-    def run(self, step: int) -> ValidationResult:
+    def run(self, step: int, stops: Any = None) -> ValidationResult | None:
+        """Validates the model as it is after `step`; None when a stop (a signal, a preemption) was
+        requested on some rank meanwhile: the validation is abandoned at the next batch, so that the
+        training loop can stop and save without waiting for it."""
         start = time.perf_counter()
         batches = iter(self.build_dataloader(self.job_config, self.tokenizer, self.shards))
         counters = {m: m.count_step_stats for part in self.model_parts for m in part.modules()
@@ -98,7 +116,12 @@ class Validator:
             while self.v.steps < 0 or n < self.v.steps:
                 watchdog.enter("validation", step)
                 batch = next(batches, None)
-                if tt_dist.any_rank(batch is None):  # every rank stops after the same batch
+                # Every rank stops after the same batch: at the end of the data, or for a stop.
+                ended, stop = tt_dist.max_across_ranks([batch is None, stops.requested if stops is not None else 0])
+                if stop:
+                    logger.info(f"validation at step {step} abandoned after {n} batch{'' if n == 1 else 'es'}: a stop was requested")
+                    return None
+                if ended:
                     break
                 inputs, labels = (x.to(self.device, non_blocking=True) for x in batch)
                 inputs, labels = shard_batch((inputs, labels), self.parallel_dims.cp_mesh)
@@ -116,9 +139,7 @@ class Validator:
             for m, counting in counters.items():
                 m.count_step_stats = counting
         if n == 0:
-            raise DatasetError(f"validation: the validation data gives no full batch of {self.batch_size} x "
-                               f"{self.t.seq_len} tokens per data-parallel rank; give more validation data or lower "
-                               "validation.batch_size")
+            raise DatasetError(self._too_small())
         if self.pipeline is not None:  # only the last stage holds the loss; the others add zero
             total = tt_dist.sum_across(total, self.parallel_dims.pp_mesh)
         loss = tt_dist.mean_across(total / n, self.parallel_dims.loss_mesh)

@@ -378,7 +378,8 @@ def test_late_2024_spellings_are_accepted(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--validation.freq", "0"], "validation.freq must be >= 1, got 0"),
     (["--validation.steps", "0"], "validation.steps must be >= 1 or -1 (the whole validation data), got 0"),
-    (["--validation.batch_size", "-2"], "validation.batch_size must be >= 1 or -1 (training.batch_size), got -2"),
+    (["--validation.batch_size", "-2"], "validation.batch_size must be >= 1 or -1 (the rows of one optimizer step: "
+                                        "training.batch_size x training.gradient_accumulation_steps), got -2"),
     (["--validation.held_out_fraction", "1"], "validation.held_out_fraction must lie strictly between 0 and 1, got 1.0"),
     (["--validation.held_out_fraction", "0"], "validation.held_out_fraction must lie strictly between 0 and 1, got 0.0"),
     (["--validation.enabled", "--validation.batch_size", "12", "--training.batch_size", "8",
@@ -395,3 +396,12 @@ def test_validation_defaults_are_off_and_sensible():
     v = parse_args([]).validation
     assert not v.enabled and v.freq >= 1 and v.steps >= 1 and 0 < v.held_out_fraction < 1 and v.batch_size == -1
     assert parse_args(["--validation.enabled", "--validation.steps", "-1"]).validation.steps == -1
+
+
+@pytest.mark.parametrize("option", [["--checkpoint.initial_load_path", "some/hf_folder"], ["--checkpoint.last_save_in_hf"]])
+def test_a_seed_checkpoint_neither_loads_nor_exports(option):
+    """A seed checkpoint is freshly initialised weights: a folder to start from or an export at
+    the end would be ignored without a word."""
+    with pytest.raises(ConfigError, match=rf"checkpoint.create_seed_checkpoint writes freshly initialised weights and "
+                                          rf"trains nothing; leave checkpoint.{option[0].split('.')[-1]} unset"):
+        parse_args(["--checkpoint.create_seed_checkpoint", *option])
