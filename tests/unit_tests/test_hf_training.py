@@ -203,3 +203,62 @@ def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_pat
     message = str(raised.value)
     assert message.startswith(f"final weights not written as a Hugging Face folder: {expected}") and "\n" not in message
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_folder_of_the_padded_vocabulary_size_is_refused(tmp_path):
+    """A folder with 304 rows into a 300-token model padded to 304: the shapes agree, but its rows
+    are another vocabulary's, not this tokenizer's plus padding."""
+    folder = hf_folder_of(tmp_path, model_of(dataclasses.replace(ARGS, vocab_size=304), seed=0))
+    with pytest.raises(CheckpointError) as raised:
+        load(folder, dataclasses.replace(ARGS, vocab_padding=4))
+    assert ("vocab_size 304 (config.json) vs 300 (this run)): tok_embeddings.weight is [304, 64] there, [300, 64] in "
+            "this run's model (plus 4 padding rows)") in str(raised.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bool, torch.int8])
+def test_weights_of_a_dtype_that_cannot_be_converted_are_one_line(tmp_path, dtype):
+    folder = hf_folder_of(tmp_path, model_of(ARGS, seed=0))
+    safetensors = hf_folder.import_safetensors()
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(dtype)
+    safetensors.torch.save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{folder}: tensor {name} is stored as \w+; weights are read from F64, "
+                                              r"F32, F16, BF16 only \(dequantize the folder first\)$"):
+        load(folder, ARGS)
+
+
+def test_excluding_a_tied_output_says_the_embedding_is_loaded_for_both(tmp_path, caplog):
+    source = model_of(TIED, seed=0)
+    with caplog.at_level("INFO"):
+        loaded = load(hf_folder_of(tmp_path, source), TIED, exclude=["output"])
+    assert torch.equal(loaded.output.weight, source.tok_embeddings.weight)
+    assert "this run's model ties it to tok_embeddings.weight, so the folder's own output.weight (if any) is not read" \
+        in caplog.text
+
+
+def test_an_export_killed_while_replacing_an_older_one_gives_the_older_one_back(tmp_path):
+    """Killed between moving the older export aside and publishing the new one: the next export
+    (of any step) restores the older one instead of deleting the only complete copy."""
+    ckpt = tmp_path / "ckpt"
+    export(model_of(ARGS, seed=0), ckpt / "step-3-hf")
+    (ckpt / "step-3-hf").rename(ckpt / "step-3-hf.replaced-123")
+    (ckpt / "step-3-hf.partial-attempt0").mkdir()
+    export(model_of(ARGS, seed=1), ckpt / "step-5-hf")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-3-hf", "step-5-hf"]
+    assert torch.equal(load(ckpt / "step-3-hf", ARGS).norm.weight, model_of(ARGS, seed=0).norm.weight)
+
+
+def test_an_export_that_would_replace_the_folder_the_run_starts_from_is_refused(tmp_path):
+    from torchtitan.config_manager import parse_args
+
+    dump = tmp_path / "run"
+    own_export = dump / "checkpoint" / "step-4-hf"
+    own_export.mkdir(parents=True)
+    args = ["--job.dump_folder", str(dump), "--training.steps", "4", "--checkpoint.last_save_in_hf",
+            "--training.warmup_steps", "1"]
+    with pytest.raises(CheckpointError, match=rf"checkpoint.last_save_in_hf would write the final weights over "
+                                              rf"{own_export}, the folder this run starts from"):
+        hf_training.check_export_target(parse_args([*args, "--checkpoint.initial_load_path", str(own_export)]))
+    hf_training.check_export_target(parse_args([*args, "--training.steps", "8", "--checkpoint.initial_load_path",
+                                                str(own_export)]))  # another step's export: fine

@@ -52,6 +52,9 @@ class Manifest:
     data_shards: int | None = None  # data shards whose positions the checkpoint keeps
     tokens_seen: int = 0
     dtype: str | None = None  # weights-only exports: the dtype the weights were cast to
+    # The run's tokenizer: {"path": a bundled: name or an absolute path, "sha256": of the file}, so
+    # tools that read the checkpoint (scripts/generate.py) find it and notice another in its place.
+    tokenizer: dict[str, str] | None = None
     saved_at: str = ""
     format: str = FORMAT
 

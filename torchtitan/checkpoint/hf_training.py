@@ -41,6 +41,7 @@ from torchtitan.checkpoint.states import ModelState
 logger = logging.getLogger(__name__)
 
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face's own exports
+OPTION = "checkpoint.initial_load_path"  # what names the folder being read, in the lines of a training run
 CONFIG = "config.json"
 # Fields of the model args that change what the model computes but not its tensors' shapes: a
 # difference is reported, not refused (continued training may change RoPE on purpose).
@@ -67,13 +68,29 @@ def is_hf_folder(path: str) -> bool:
 
 
 # An export being written, or one killed before it was published (or while replacing an older one).
-_UNFINISHED = re.compile(r"^step-\d+-hf\.(partial|replaced)-")
+_UNFINISHED = re.compile(r"^(step-\d+-hf)\.(partial|replaced)-")
+# Safetensors dtypes a folder's weights may have: floating point, which converts to any training
+# dtype without loss of meaning (float8 or integer weights are quantized and need their scales).
+_WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def hf_export_path(checkpoint_folder: str, step: int) -> str:
     """Where `checkpoint.last_save_in_hf` writes step `step`: beside the DCP checkpoints, under a
     name their scan, retention and resume never take for one of theirs."""
     return os.path.join(checkpoint_folder, f"step-{step}-hf")
+
+
+def check_export_target(job_config: Any) -> None:
+    """Refuses an export that would replace the folder the run starts from (a job started from its
+    own earlier export of the same step), before anything is trained."""
+    c = job_config.checkpoint
+    if not (c.last_save_in_hf and c.initial_load_path):
+        return
+    target = hf_export_path(os.path.join(job_config.job.dump_folder, c.folder), job_config.training.steps)
+    if os.path.realpath(target) == os.path.realpath(c.initial_load_path):
+        raise CheckpointError(f"checkpoint.last_save_in_hf would write the final weights over {target}, the folder "
+                              "this run starts from (checkpoint.initial_load_path); use another job.dump_folder, or "
+                              "copy the folder elsewhere first")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +122,12 @@ class _Folder:
         return tuple(self.where[name].get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return getattr(torch, hf_folder._ST_DTYPES.get(self.where[name].get_slice(name).get_dtype(), "float32"))
+        """The tensor's dtype; one line for one that weights cannot be converted from."""
+        stored = self.where[name].get_slice(name).get_dtype()
+        if stored not in _WEIGHT_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} is stored as {stored}; weights are read from "
+                                  f"{', '.join(_WEIGHT_DTYPES)} only (dequantize the folder first)")
+        return getattr(torch, hf_folder._ST_DTYPES[stored])
 
     def read(self, name: str) -> torch.Tensor:
         try:
@@ -130,10 +152,13 @@ def _tie(parts: dict[str, list[str]], excluded: list[str], adapter: Any, args: A
         parts[output] = parts[embedding]
     else:
         parts.pop(output, None)
+    if output in excluded and embedding not in excluded:
+        logger.info(f"checkpoint.exclude_from_loading {output}: this run's model ties it to {embedding}, so the "
+                    f"folder's own {output} (if any) is not read and the embedding is loaded for both")
     return [f for f in excluded if f != output] + ([output] if embedding in excluded else []), problem
 
 
-def _config_differences(path: str, adapter: Any, args: Any) -> tuple[dict[str, str], list[str]]:
+def _config_differences(path: str, adapter: Any, args: Any, option: str) -> tuple[dict[str, str], list[str]]:
     """(shape-relevant, numeric) fields in which the folder's config.json differs from the run's
     model args, each as `name X (config.json) vs Y (this run)`; the first by field name."""
     config = hf_folder.read_json(os.path.join(path, CONFIG), f"{path}/{CONFIG}")
@@ -142,7 +167,7 @@ def _config_differences(path: str, adapter: Any, args: Any) -> tuple[dict[str, s
     try:
         theirs = adapter.model_args_from_hf_config(config)
     except CheckpointError as e:  # the adapter names the field; the folder is said here
-        raise CheckpointError(f"checkpoint.initial_load_path {path}: {CONFIG}: {e}") from None
+        raise CheckpointError(f"{option} {path}: {CONFIG}: {e}") from None
     shapes, numeric = {}, []
     for f in dataclasses.fields(args):
         if not hasattr(theirs, f.name) or f.name in _RUN_FIELDS:
@@ -173,16 +198,17 @@ def _expected_shapes(folder: _Folder, parts: dict[str, list[str]], adapter: Any,
 
 
 def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], exclude: list[str],
-               allow_partial: bool) -> tuple[_Folder, dict[str, list[str]], list[str]]:
+               allow_partial: bool, option: str = OPTION) -> tuple[_Folder, dict[str, list[str]], list[str]]:
     """Refuses, before any tensor is read, a folder that does not fit the run's whole model
     (`whole`: FQN -> global shape). Returns the folder, its parts by FQN, and the FQNs to leave at
-    their initial values (excluded, or left out of a deliberate partial load), with warnings."""
+    their initial values (excluded, or left out of a deliberate partial load), with warnings.
+    `option` names the folder in the lines (a tool reading one for itself has no partial loads)."""
     # config.json first: a folder of another family is best named by its model_type.
-    shape_fields, numeric_fields = _config_differences(path, adapter, args)
+    shape_fields, numeric_fields = _config_differences(path, adapter, args, option)
     if any(name in _HEAD_FIELDS for name in shape_fields):
         # Equal shapes can hide this (dim 256 as 16 heads of 16 or 8 of 32), and the query and key
         # rows are ordered per head for RoPE, so no partial load can use such weights.
-        raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this run's model (its {CONFIG} "
+        raise CheckpointError(f"{option} {path} does not fit this run's model (its {CONFIG} "
                               f"differs: {', '.join(shape_fields.values())}): its attention heads are laid out "
                               "differently, and the query and key rows are ordered per head; use a folder of this model")
     folder = _Folder(path)
@@ -200,8 +226,10 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
         if fqn not in theirs:
             missing.append(f"it has no tensor for {fqn}")
             skip.append(fqn)
-        elif theirs[fqn] != shape and not _padded_rows(theirs[fqn], shape, fqn, args):
-            missing.append(f"{fqn} is {list(theirs[fqn])} there, {list(shape)} in this run's model")
+        elif theirs[fqn] != _unpadded(shape, fqn, adapter, args):
+            padding = _unpadded(shape, fqn, adapter, args) != shape
+            missing.append(f"{fqn} is {list(theirs[fqn])} there, {list(_unpadded(shape, fqn, adapter, args))} in this "
+                           f"run's model" + (f" (plus {args.vocab_padding} padding rows)" if padding else ""))
             skip.append(fqn)
     extra = sorted(set(theirs) - set(whole))
     if extra:
@@ -213,7 +241,9 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
         output = adapter.from_hf_names(hf_folder.HF_OUTPUT)[0].removesuffix(".weight")
         fix = (f"use an untied model.flavor, or set checkpoint.exclude_from_loading {output} to load the embedding alone"
                if problems[0] == tie_problem else "use a folder of this model, or set checkpoint.allow_partial_load")
-        raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this run's model{why}: "
+        if option != OPTION:
+            fix = "use a folder of this model"
+        raise CheckpointError(f"{option} {path} does not fit this run's model{why}: "
                               f"{problems[0]}" + (f"; and {len(problems) - 1} more problems" if len(problems) > 1 else "")
                               + f"; {fix}")
     warnings = [f"{path}: {p}; the run computes with its own value (checkpoint.allow_partial_load)" for p in computed]
@@ -232,19 +262,22 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     return folder, parts, skip
 
 
-def _padded_rows(theirs: tuple, ours: tuple, fqn: str, args: Any) -> bool:
-    """Whether our tensor is theirs plus the padding rows of a padded vocabulary."""
+def _unpadded(shape: tuple, fqn: str, adapter: Any, args: Any) -> tuple:
+    """The shape a folder's tensor must have to become our `fqn` of `shape`: the embedding and the
+    output projection without the padding rows of a padded vocabulary (an HF folder has none, so a
+    folder whose rows fill the padding is of another vocabulary, not ours padded)."""
     padding = getattr(args, "vocab_padding", 0)
-    return bool(padding) and len(theirs) == len(ours) and theirs[0] + padding == ours[0] and theirs[1:] == ours[1:]
+    vocab = adapter.from_hf_names(hf_folder.HF_EMBEDDING) + adapter.from_hf_names(hf_folder.HF_OUTPUT)
+    return (shape[0] - padding, *shape[1:]) if padding and fqn in vocab else shape
 
 
 def load_hf_weights(path: str, model: ModelState, adapter: Any, args: Any, whole: dict[str, tuple],
-                    exclude: list[str], allow_partial: bool) -> int:
+                    exclude: list[str], allow_partial: bool, option: str = OPTION) -> int:
     """Loads the folder's weights into the model's parameters (each rank its own shards); returns
     the number of bytes read. Collective: a rank that cannot read stops every rank with its line."""
     read, error = 0, None
     try:
-        folder, parts, skip = check_fits(path, adapter, args, whole, exclude, allow_partial)
+        folder, parts, skip = check_fits(path, adapter, args, whole, exclude, allow_partial, option)
         # The state dict's tensors share storage with the parameters (DTensors: their local
         # shards), so each is filled in place as soon as it is converted: besides the model, a rank
         # holds one whole parameter and one shard of it at a time.
@@ -294,7 +327,7 @@ def _leader_of_stage(parallel_dims: Any) -> bool:
 
 
 def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: Any, out: str, dtype: torch.dtype,
-                     config_extra: dict[str, Any], tokenizer_file: str | None, attempt: str) -> str:
+                     config_extra: dict[str, Any], tokenizer: bytes | None, attempt: str) -> str:
     """Writes the model as a Hugging Face folder at `out` (collective: every rank calls it).
     Returns a summary for the log; raises CheckpointSaveError (on every rank) when it cannot."""
     start = time.perf_counter()
@@ -325,6 +358,9 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
 
     error = None
     padding = getattr(args, "vocab_padding", 0)
+    # Tensors HF's format has no place for (a MoE's aux-loss-free routing biases): said when they
+    # are not at their initial zeros, since the export then computes otherwise in transformers.
+    without_hf, dropped = set(adapter.tensors_without_hf(args)), []
     embedding_names = adapter.from_hf_names(hf_folder.HF_OUTPUT) + adapter.from_hf_names(hf_folder.HF_EMBEDDING)
     for fqn in sorted(state, key=lambda k: hf_folder._hf_order(adapter.to_hf_name(k) or k)):
         value = state[fqn]
@@ -334,6 +370,8 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
             continue  # a tied output projection is stored once, as the embedding
         if padding and fqn in embedding_names:
             full = full[: full.shape[0] - padding]  # HF has no padding rows
+        if fqn in without_hf and bool(full.any()):
+            dropped.append(fqn)
         try:
             for name, tensor in adapter.to_hf_tensors(fqn, full.detach().to("cpu", dtype), args).items():
                 tensor = tensor.contiguous().clone()  # apart from every other tensor (safetensors refuses shared storage)
@@ -349,12 +387,17 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
             flush()
         except Exception as e:  # noqa: BLE001 - as above
             error = save_failure(e, parent)
+    if dropped:
+        logger.warning(f"the Hugging Face export leaves out {len(dropped)} tensors its format has no place for, "
+                       f"{dropped[0]}{' and more' if len(dropped) > 1 else ''}; they are not zero, so the exported "
+                       "model computes otherwise in transformers (this project's loader, initial_load_path or "
+                       "scripts/generate.py, reads them back as zeros too)")
     error = first_error(error)
     files = gather_from_ranks(written if leader else [])
     if error is None and rank == 0:
         try:
             _finish(tmp, out, [f for per_rank in files for f in per_rank], adapter, args, dtype, config_extra,
-                    tokenizer_file)
+                    tokenizer)
         except Exception as e:  # noqa: BLE001 - any failure must reach every rank, or they wait forever
             error = save_failure(e, parent)
     error = first_error(error)
@@ -373,8 +416,16 @@ def _prepare(out: str, tmp: str, needed: int) -> str | None:
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)
-        for name in os.listdir(parent):  # an earlier job's export that never finished, of any step
-            if _UNFINISHED.match(name):
+        for name in sorted(os.listdir(parent)):  # an earlier job's export that never finished, of any step
+            unfinished = _UNFINISHED.match(name)
+            if unfinished is None:
+                continue
+            final = os.path.join(parent, unfinished.group(1))
+            if unfinished.group(2) == "replaced" and not os.path.exists(final):
+                # A complete older export moved aside, its replacement killed before taking its name.
+                os.rename(os.path.join(parent, name), final)
+                logger.warning(f"restored {final}: an export that replaced it never finished")
+            else:
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         free = free_bytes(parent)
         if free is not None and needed * 1.01 > free:  # refused before a byte is written
@@ -394,7 +445,7 @@ def _export_bytes(state: dict[str, Any], adapter: Any, dtype: torch.dtype, tied:
 
 
 def _finish(tmp: str, out: str, files: list[tuple[str, list[str], int]], adapter: Any, args: Any, dtype: torch.dtype,
-            config_extra: dict[str, Any], tokenizer_file: str | None) -> None:
+            config_extra: dict[str, Any], tokenizer: bytes | None) -> None:
     """Rank 0: gives the shard files their final names, writes the index (several files),
     config.json and the tokenizer, then publishes `tmp` as `out`."""
     files = sorted(files)  # stage order, then each writer's order
@@ -413,8 +464,9 @@ def _finish(tmp: str, out: str, files: list[tuple[str, list[str], int]], adapter
     with open(os.path.join(tmp, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, os.path.join(tmp, hf_folder.TOKENIZER_FILE))
+    if tokenizer is not None:  # the file's contents as the run read them at start-up
+        with open(os.path.join(tmp, hf_folder.TOKENIZER_FILE), "wb") as f:
+            f.write(tokenizer)
     hf_folder.give_default_modes(tmp)
     if os.path.exists(out):  # an earlier run's export of the same step: replaced once the new one is complete
         old = f"{out}.replaced-{time.time_ns()}"

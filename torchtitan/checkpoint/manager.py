@@ -14,6 +14,7 @@ line when a save cannot be written (failures.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.assets import resolve_path
+from torchtitan.assets import BUNDLED_PREFIX, resolve_path
 from torchtitan.checkpoint import folders, hf_training
 from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, first_error, gather_from_ranks, one_line, save_failure
 from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, build_on_meta, checkpoint_record, tied_aliases
@@ -63,6 +64,19 @@ def _all_ranks_done(done: bool) -> bool:
 def _storage(t: Any) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.untyped_storage().data_ptr() if isinstance(local, torch.Tensor) else id(local)
+
+
+def tokenizer_record(tokenizer_path: str) -> dict[str, str] | None:
+    """Where the run's tokenizer is, as any working directory reads it, and its contents' hash; None
+    when it cannot be read (the run itself then fails on it, not here)."""
+    try:
+        path = resolve_path(tokenizer_path, "model.tokenizer_path", CheckpointError)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except (CheckpointError, OSError):
+        return None
+    return {"path": tokenizer_path if tokenizer_path.startswith(BUNDLED_PREFIX) else os.path.abspath(path),
+            "sha256": digest}
 
 
 class CheckpointManager:
@@ -102,6 +116,10 @@ class CheckpointManager:
         self._attempt = decide_on_rank0(lambda: f"{os.getpid()}-{time.time_ns()}")
         self._cleaned = False
         self._record: ModelRecord | None = None
+        # What the Hugging Face export writes beside the weights, taken now: the tokenizer file may
+        # be gone or changed by the end of a long run.
+        self._hf_tokenizer = self._tokenizer_for_export() if c.last_save_in_hf else None
+        self._tokenizer_record = tokenizer_record(job_config.model.tokenizer_path)
 
     def model_record(self) -> ModelRecord:
         """This run's model as a manifest records it: name, flavor, args, tied weights (read once
@@ -182,19 +200,30 @@ class CheckpointManager:
         logger.info(f"loaded model weights from the Hugging Face folder {path} in {seconds:.2f}s (this rank read "
                     f"{read / 2**20:.1f} MiB, one parameter at a time)")
 
-    def _save_hf(self, step: int) -> None:
-        """The final weights as a Hugging Face folder beside the checkpoints (checkpoint.last_save_in_hf)."""
-        adapter, args = self._hf_adapter("checkpoint.last_save_in_hf")
+    def _tokenizer_for_export(self) -> tuple[dict[str, int], bytes]:
+        """The special token ids config.json names, and the tokenizer file's contents."""
         job = self.job_config
         tokenizer = get_train_spec(job.model.name).build_tokenizer_fn(job)
         ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
         if tokenizer.pad_id >= 0:
             ids["pad_token_id"] = tokenizer.pad_id
-        tokenizer_file = resolve_path(job.model.tokenizer_path, "model.tokenizer_path", CheckpointError)
+        with open(resolve_path(job.model.tokenizer_path, "model.tokenizer_path", CheckpointError), "rb") as f:
+            return ids, f.read()
+
+    def export_if_missing(self, step: int) -> None:
+        """The Hugging Face export of a job that has nothing left to train (resumed at its last step)
+        but no export of that step yet: checkpoint.last_save_in_hf turned on after the run ended."""
+        if self._hf_tokenizer is not None and not os.path.isdir(hf_training.hf_export_path(self.folder, step)):
+            self._save_hf(step)
+
+    def _save_hf(self, step: int) -> None:
+        """The final weights as a Hugging Face folder beside the checkpoints (checkpoint.last_save_in_hf)."""
+        adapter, args = self._hf_adapter("checkpoint.last_save_in_hf")
+        ids, tokenizer = self._hf_tokenizer
         try:
             summary = hf_training.write_hf_weights(self.model, adapter, args, self.parallel_dims,
                                                    hf_training.hf_export_path(self.folder, step), self.export_dtype,
-                                                   ids, tokenizer_file, self._attempt)
+                                                   ids, tokenizer, self._attempt)
         except CheckpointSaveError as e:
             if not self.enabled:
                 raise
@@ -283,6 +312,7 @@ class CheckpointManager:
             model_args=record.args, tied=record.tied,
             layout=self.layout, data_shards=self.data_shards if "dataloader" in states else None,
             tokens_seen=self.train_state.tokens_seen, dtype=str(dtype).removeprefix("torch.") if dtype else None,
+            tokenizer=self._tokenizer_record,
         )
         # Refuses, before any rank writes, a save the disk cannot hold (failures.py).
         planner = SpaceCheckingSavePlanner(partial)
