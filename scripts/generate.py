@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import sys
 import time
@@ -39,9 +40,9 @@ from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, who
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.checkpoint.states import ModelState
 from torchtitan.config_manager import parse_args
-from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.errors import UserError
-from torchtitan.generation import Sampling, eval_mode, generate
+from torchtitan.datasets.tokenizer import tokenizer_from_file
+from torchtitan.errors import ConfigError, UserError, out_of_memory, reporting_to_folder, say_how_it_ended
+from torchtitan.generation import Continuation, Sampling, eval_mode, generate, positions_needed
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.parallelisms import distributed as tt_dist
 
@@ -60,6 +61,7 @@ class Source:
     hf: bool
     model_name: str
     args: Any
+    tokenizer: dict[str, str] | None = None  # a checkpoint's record of its run's tokenizer (Manifest)
 
 
 def _args_from_record(base: Any, record: dict[str, Any]) -> Any:
@@ -112,7 +114,49 @@ def find_source(path: str) -> Source:
         base = spec.config[flavor]
     except (KeyError, UserError):
         raise GenerateError(f"--checkpoint {path} holds model {name} {flavor}, which is not registered") from None
-    return Source(path, False, name, _args_from_record(base, manifest.model_args or {}))
+    return Source(path, False, name, _args_from_record(base, manifest.model_args or {}), manifest.tokenizer)
+
+
+def choose_tokenizer(source: Source, given: str | None) -> tuple[str, str | None]:
+    """The tokenizer file to use, and a warning to print: --tokenizer, else a Hugging Face folder's
+    tokenizer.model, else the one the checkpoint's run trained with, else the bundled one."""
+    recorded = source.tokenizer
+    if given:
+        if recorded and _sha256(given) not in (None, recorded["sha256"]):
+            return given, (f"warning: --tokenizer {given} is not the tokenizer the run trained with ({recorded['path']}); "
+                           "the text will be wrong unless the two agree")
+        return given, None
+    if source.hf:
+        own = os.path.join(source.path, hf_folder.TOKENIZER_FILE)
+        if os.path.isfile(own):
+            return own, None
+        return DEFAULT_TOKENIZER, f"warning: {source.path} has no {hf_folder.TOKENIZER_FILE}; using {DEFAULT_TOKENIZER} (pass --tokenizer)"
+    if recorded is None:
+        return DEFAULT_TOKENIZER, (f"warning: {source.path} does not record its run's tokenizer; using {DEFAULT_TOKENIZER} "
+                                   "(pass --tokenizer if the run used another)")
+    path = resolve_path(recorded["path"], "the checkpoint's tokenizer", GenerateError)
+    digest = _sha256(path)
+    if digest is None:
+        raise GenerateError(f"the run's tokenizer {recorded['path']} is gone; pass --tokenizer")
+    if digest != recorded["sha256"]:
+        return path, (f"warning: the run's tokenizer {recorded['path']} has changed since the checkpoint was written; "
+                      "the text will be wrong unless it encodes alike")
+    return path, None
+
+
+def _sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def sequence_multiple(source: Source) -> int:
+    """What every forward's sequence must be a multiple of: under tensor parallelism, an MoE layer
+    computes its rank's slice of the sequence (parallelisms/expert_parallel.py), so each forward is
+    padded to the number of ranks (generation.KVCache.forward)."""
+    return tt_dist.world_size() if getattr(source.args, "num_experts", 0) else 1
 
 
 def build_model(source: Source, total_len: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -131,9 +175,13 @@ def build_model(source: Source, total_len: int, device: torch.device, dtype: tor
                              "--training.disable_loss_parallel", "--activation_checkpoint.mode", "none"])
         from torchtitan.config_manager import validate_world_size
 
-        dims = validate_world_size(config, world)
-        if spec.validate_fn is not None:
-            spec.validate_fn(args, dims, None, config)
+        try:
+            dims = validate_world_size(config, world)
+            if spec.validate_fn is not None:
+                spec.validate_fn(args, dims, None, config)
+        except ConfigError as e:
+            raise GenerateError(f"the model cannot be split over {world} tensor-parallel processes ({e}); start a "
+                                "number of processes that divides it") from None
         dims.build_mesh(device.type)
         model = spec.parallelize_fn(model, dims, config)
     model.to_empty(device=device)
@@ -141,7 +189,7 @@ def build_model(source: Source, total_len: int, device: torch.device, dtype: tor
         model.init_weights(buffer_device=device)
     state = ModelState([model])
     if source.hf:
-        load_hf_weights(source.path, state, spec.hf_adapter, args, whole, [], False)
+        load_hf_weights(source.path, state, spec.hf_adapter, args, whole, [], False, option="--checkpoint")
     else:
         dcp.load({"model": state}, storage_reader=SafeFileSystemReader(source.path), planner=SafeLoadPlanner(),
                  no_dist=not dist.is_initialized())
@@ -169,22 +217,26 @@ def run(ns: argparse.Namespace) -> None:
         raise GenerateError(f"--{e}") from None
     if ns.max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
+    if not 0 <= ns.seed < 2**63:
+        raise GenerateError(f"--seed must lie in [0, 2**63), got {ns.seed}")
     prompts = _prompts(ns)
     device_type = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise GenerateError("--device cuda: no CUDA device is available")
     device = tt_dist.init_distributed(device_type, timeout_seconds=300)
     source = find_source(ns.checkpoint)
-    tokenizer_path = ns.tokenizer or (os.path.join(source.path, hf_folder.TOKENIZER_FILE) if source.hf and os.path.isfile(
-        os.path.join(source.path, hf_folder.TOKENIZER_FILE)) else DEFAULT_TOKENIZER)
-    tokenizer = build_tokenizer(parse_args(["--model.tokenizer_path", tokenizer_path]))
+    tokenizer_path, warning = choose_tokenizer(source, ns.tokenizer)
+    rank0 = tt_dist.rank() == 0
+    if warning and rank0:
+        print(warning, file=sys.stderr)
+    tokenizer = tokenizer_from_file(resolve_path(tokenizer_path, "--tokenizer", GenerateError), "--tokenizer")
     if tokenizer.n_words > source.args.vocab_size:
         raise GenerateError(f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens, more than the model's "
                             f"vocabulary of {source.args.vocab_size}; pass the run's --tokenizer")
     encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
-    total = max(len(e) for e in encoded) + ns.max_new_tokens
-    model = build_model(source, total, device, getattr(torch, ns.dtype))
-    rank0 = tt_dist.rank() == 0
+    multiple = sequence_multiple(source)
+    model = build_model(source, positions_needed(max(len(e) for e in encoded), ns.max_new_tokens, multiple), device,
+                        getattr(torch, ns.dtype))
     agree = None
     if dist.is_initialized():
         def agree(t: torch.Tensor) -> torch.Tensor:
@@ -192,30 +244,28 @@ def run(ns: argparse.Namespace) -> None:
             return t
 
     out: list[list[int]] = [[] for _ in prompts]
+    texts = [Continuation(tokenizer, e, tokenizer.eos_id) for e in encoded]
     stream = len(prompts) == 1 and rank0
     if stream:
         print(prompts[0], end="", flush=True)
-    shown = ""
     start = time.perf_counter()
     with eval_mode(model):
         for new in generate(model, encoded, ns.max_new_tokens, sampling, tokenizer.eos_id, ns.seed,
-                            kv_cache=not ns.no_kv_cache, agree=agree):
+                            kv_cache=not ns.no_kv_cache, agree=agree, vocab_limit=tokenizer.n_words,
+                            multiple_of=multiple):
             for row, token in zip(out, new.tolist()):
                 if not row or row[-1] != tokenizer.eos_id:
                     row.append(token)
             if stream:
-                # Decoding the whole continuation each time keeps characters split over tokens whole.
-                text = tokenizer.decode([t for t in out[0] if t != tokenizer.eos_id])
-                print(text[len(shown):], end="", flush=True)
-                shown = text
+                print(texts[0].new_text(out[0]), end="", flush=True)
     seconds = time.perf_counter() - start
     if not rank0:
         return
     if stream:
-        print()
+        print(texts[0].new_text(out[0], final=True))
     else:
-        for i, (prompt, row) in enumerate(zip(prompts, out)):
-            print(f"[{i}] {prompt}{tokenizer.decode([t for t in row if t != tokenizer.eos_id])}")
+        for i, (prompt, row, text) in enumerate(zip(prompts, out, texts)):
+            print(f"[{i}] {prompt}{text.new_text(row, final=True)}")
     generated = sum(len(row) for row in out)
     print(f"generated {generated} tokens for {len(prompts)} prompt(s) in {seconds:.2f}s ({generated / seconds:,.1f} "
           f"tokens/s, {'KV cache' if not ns.no_kv_cache else 'no cache'}, {device.type}, {ns.dtype}"
@@ -240,20 +290,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+GENERATION_MEMORY_FIX = "lower --max-new-tokens or the number of prompts, or use --dtype bfloat16"
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
-    if ns.tokenizer:
-        try:
-            ns.tokenizer = resolve_path(ns.tokenizer, "--tokenizer", GenerateError)
-        except GenerateError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     try:
+        if ns.tokenizer:
+            ns.tokenizer = resolve_path(ns.tokenizer, "--tokenizer", GenerateError)
         run(ns)
-    except (UserError, CheckpointError) as e:
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing is left to say, and stdout cannot be flushed again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as e:  # noqa: BLE001 - mistakes and failed allocations are one line; bugs re-raise
+        ended = e if isinstance(e, UserError) else out_of_memory(e, GENERATION_MEMORY_FIX)
+        if ended is None:
+            raise
+        if reporting_to_folder():  # under python -m torchtitan.launch: one line for the whole job
+            return say_how_it_ended(tt_dist.rank(), ended)
         if tt_dist.rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+            print(ended.line, file=sys.stderr)
+        return ended.exit_code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -136,16 +136,20 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 
 
-def out_of_memory(exc: BaseException) -> OutOfMemory | None:
-    """The exception as one line if it is a failed allocation (CUDA, CPU or Python), else None."""
+_TRAINING_FIX = ("lower training.batch_size or training.seq_len, or spread the model over more ranks "
+                 "(data_parallel_shard_degree, tensor/pipeline parallel)")
+
+
+def out_of_memory(exc: BaseException, fix: str = _TRAINING_FIX) -> OutOfMemory | None:
+    """The exception as one line, ending with `fix`, if it is a failed allocation (CUDA, CPU or
+    Python), else None."""
     name = type(exc).__name__
     text = str(exc)
     if name == "OutOfMemoryError" or isinstance(exc, MemoryError) or any(m in text for m in _CPU_OOM):
         detail = next((ln.strip() for ln in text.splitlines() if "allocate" in ln), text.splitlines()[0] if text else name)
         if "DefaultCPUAllocator" in detail:
             detail = detail[detail.index("DefaultCPUAllocator") + len("DefaultCPUAllocator: "):]
-        return OutOfMemory(f"out of memory: {detail.rstrip('.')}; lower training.batch_size or training.seq_len, "
-                           "or spread the model over more ranks (data_parallel_shard_degree, tensor/pipeline parallel)")
+        return OutOfMemory(f"out of memory: {detail.rstrip('.')}; {fix}")
     return None
 
 

@@ -17,8 +17,9 @@ change here: each rank's kernels see its own heads.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +83,17 @@ class KVCache:
         self.model.rope_cache = self._full_rope
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) of `tokens` (batch, seq), the positions after those run so far."""
+    def forward(self, tokens: torch.Tensor, multiple_of: int = 1) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of `tokens` (batch, seq), the positions after those run so far.
+
+        `multiple_of`: the model is run on a sequence padded on the right to a multiple of it (a
+        tensor-parallel MoE layer computes its rank's slice of the sequence, so one decoding token
+        would leave the other ranks none). The padding sits after the real positions, which never
+        attend to it, and the next forward writes its own keys and values over the padding's."""
+        n = tokens.shape[1]
+        pad = -n % multiple_of
+        if pad:
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
         end = self.position + tokens.shape[1]
         if end > self.max_len:
             raise ValueError(f"position {end} is past the cache's {self.max_len}")
@@ -92,8 +102,8 @@ class KVCache:
             logits = self.model(tokens)
         finally:
             self.model.rope_cache = self._full_rope
-        self.position = end
-        return logits
+        self.position += n
+        return logits[:, :n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +117,7 @@ class Sampling:
     top_p: float = 1.0  # 1: no limit
 
     def check(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0 (0 keeps every token), got {self.top_k}")
@@ -117,7 +127,10 @@ class Sampling:
 
 def filter_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """(batch, vocab) logits scaled by the temperature, with the tokens top-k and top-p rule out at -inf."""
-    logits = logits.float() / s.temperature
+    # Scaled after subtracting the maximum: the likeliest token stays at 0 whatever the temperature,
+    # so a tiny one gives -inf to the others (argmax) instead of inf - inf = NaN, and inf gives 0 to all.
+    logits = logits.float()
+    logits = (logits - logits.max(-1, keepdim=True).values) / s.temperature
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -156,22 +169,27 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos_id: int | None,
-             seed: int = 0, kv_cache: bool = True,
-             agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+             seed: int = 0, kv_cache: bool = True, agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             vocab_limit: int | None = None, multiple_of: int = 1) -> Iterator[torch.Tensor]:
     """Yields each step's new token per prompt (batch,), until every row has produced `eos_id` or
     `max_new_tokens` tokens; rows that have ended keep yielding `eos_id`. `kv_cache` False re-runs
     the whole sequence at every step (for checking the cache). `agree` makes every rank use the same
-    tokens (tensor parallelism: rank 0's)."""
+    tokens (tensor parallelism: rank 0's). `vocab_limit`: tokens from it on are never drawn (a
+    model's vocabulary can be larger than its tokenizer's). `multiple_of`: see KVCache.forward; the
+    model's RoPE table must cover `positions_needed(...)`."""
     device = next(model.parameters()).device
     tokens, real = left_pad(prompts, 0, device)
-    max_len = tokens.shape[1] + max_new_tokens
+    max_len = positions_needed(tokens.shape[1], max_new_tokens, multiple_of)
     generator = torch.Generator().manual_seed(seed)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     grow = torch.ones((len(prompts), max_len - tokens.shape[1]), dtype=torch.bool, device=device)
     real = torch.cat([real, grow], dim=1)
     with KVCache(model, real, max_len) as cache:
-        logits = cache.forward(tokens)[:, -1]
+        logits = cache.forward(tokens, multiple_of)[:, -1]
         for _ in range(max_new_tokens):
+            if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+                logits = logits.clone()
+                logits[:, vocab_limit:] = float("-inf")
             new = sample(logits, sampling, generator)
             if agree is not None:
                 new = agree(new)
@@ -183,10 +201,47 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sa
                 return
             tokens = torch.cat([tokens, new[:, None]], dim=1)
             if kv_cache:
-                logits = cache.forward(new[:, None])[:, -1]
+                logits = cache.forward(new[:, None], multiple_of)[:, -1]
             else:
                 cache.position = 0  # every kernel's cache is written afresh from position 0
-                logits = cache.forward(tokens)[:, -1]
+                logits = cache.forward(tokens, multiple_of)[:, -1]
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int, multiple_of: int = 1) -> int:
+    """Positions a generation fills: the padded prompts, the new tokens, and the padding the last
+    forward may add (KVCache.forward's multiple_of)."""
+    return prompt_len + max_new_tokens + multiple_of - 1
+
+
+class Continuation:
+    """The text a prompt's new tokens add, given out piece by piece as they come.
+
+    Decoded together with the prompt's tokens, so that a tokenizer that spells a word's leading
+    space into the word's first piece (sentencepiece) keeps it; and held back while it ends in
+    an unfinished character (a multi-byte character spread over several tokens decodes to U+FFFD
+    until its last byte arrives), so that a streamed character is never shown broken."""
+
+    def __init__(self, tokenizer: Any, prompt: list[int], eos_id: int | None):
+        self.tokenizer, self.prompt, self.eos_id = tokenizer, prompt, eos_id
+        self.prefix = tokenizer.decode(prompt)
+        self.shown = ""
+
+    def _text(self, row: list[int]) -> str:
+        whole = self.tokenizer.decode(self.prompt + [t for t in row if t != self.eos_id])
+        if whole.startswith(self.prefix):
+            return whole[len(self.prefix):]
+        return self.tokenizer.decode([t for t in row if t != self.eos_id])
+
+    def new_text(self, row: list[int], final: bool = False) -> str:
+        """What is new since the last call; all of it when `final`."""
+        text = self._text(row)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.shown):  # an earlier piece decoded otherwise now: show the rest
+            common = os.path.commonprefix([text, self.shown])
+            text = self.shown + text[len(common):]
+        new, self.shown = text[len(self.shown):], text
+        return new
 
 
 def reference_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

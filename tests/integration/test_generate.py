@@ -48,6 +48,7 @@ def test_greedy_generation_reproduces_the_memorised_text(trained):
     print(f"sample: {result.stdout.strip()!r}\n{result.stderr.strip()}")
     assert result.stdout.strip() == TEXT  # streamed, then stopped at EOS
     assert "KV cache, cpu, float32" in result.stderr  # (cache = re-running the sequence: test_generation.py)
+    assert "warning" not in result.stderr  # the checkpoint names its run's tokenizer
 
 
 def test_tensor_parallel_generation_gives_the_same_text(trained):
@@ -87,6 +88,9 @@ def run_main(capsys, *args) -> tuple[int, str]:
     (["--prompt", "x", "--top-p", "0"], "error: --top-p must lie in (0, 1], got 0.0"),
     (["--prompt", "x", "--temperature", "-1"], "error: --temperature must be >= 0 (0 is greedy), got -1.0"),
     (["--max-new-tokens", "0", "--prompt", "x"], "error: --max-new-tokens must be >= 1, got 0"),
+    (["--prompt", "x", "--temperature", "nan"], "error: --temperature must be >= 0 (0 is greedy), got nan"),
+    (["--prompt", "x", "--seed", str(2**64)], f"error: --seed must lie in [0, 2**63), got {2**64}"),
+    (["--prompt", "x", "--tokenizer", "no/such.model"], "error: tokenizer file not found: no/such.model (set --tokenizer)"),
     ([], "error: give at least one --prompt or a --prompts-file"),
 ])
 def test_mistakes_are_one_line(capsys, trained, args, expected):
@@ -99,3 +103,25 @@ def test_mistakes_are_one_line(capsys, trained, args, expected):
 def test_a_folder_that_is_no_checkpoint_is_one_line(capsys, tmp_path):
     status, err = run_main(capsys, "--checkpoint", tmp_path, "--prompt", "x")
     assert status == 2 and err.strip().startswith(f"error: --checkpoint {tmp_path} is neither a checkpoint")
+
+
+@pytest.fixture(scope="module")
+def moe_seed(tmp_path_factory):
+    """A Qwen3-MoE seed checkpoint (initialised, not trained) whose run used the sentencepiece tokenizer."""
+    folder = tmp_path_factory.mktemp("moe_seed")
+    run_train([*TINY_RUN, "--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml",
+               "--model.tokenizer_path", "bundled:stdlib_docs/sentencepiece.model",
+               "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(folder)])
+    return folder / "checkpoint" / "step-0"
+
+
+def test_moe_tensor_parallel_generation_equals_one_process_with_the_runs_own_tokenizer(moe_seed):
+    """An MoE layer under tensor parallelism computes its rank's slice of the sequence; one
+    decoding token would leave rank 1 none, so each forward is padded to the number of ranks. The
+    checkpoint's manifest names the sentencepiece tokenizer its run used, which is taken unasked."""
+    args = ("--checkpoint", moe_seed, "--prompt", PROMPT, "--prompt", "The cat", "--max-new-tokens", "12")
+    alone = generate(*args)
+    assert "warning" not in alone.stderr
+    assert generate(*args, nproc=2).stdout == alone.stdout
+    # Not the bundled tiktoken default: the recorded sentencepiece file, asked for by name, gives the same.
+    assert generate(*args, "--tokenizer", "bundled:stdlib_docs/sentencepiece.model").stdout == alone.stdout

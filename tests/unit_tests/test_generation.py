@@ -5,7 +5,16 @@ and sampling keeps exactly the tokens temperature, top-k and top-p allow."""
 import pytest
 import torch
 
-from torchtitan.generation import KVCache, Sampling, filter_logits, generate, left_pad, reference_logits, sample
+from torchtitan.generation import (
+    Continuation,
+    KVCache,
+    Sampling,
+    filter_logits,
+    generate,
+    left_pad,
+    reference_logits,
+    sample,
+)
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 
@@ -103,6 +112,7 @@ def test_a_seed_repeats_a_sample_and_masked_rows_are_never_drawn():
 
 @pytest.mark.parametrize("bad,message", [
     (Sampling(temperature=-1), "temperature must be >= 0"),
+    (Sampling(temperature=float("nan")), "temperature must be >= 0"),
     (Sampling(top_k=-2), "top-k must be >= 0"),
     (Sampling(top_p=0), "top-p must lie in (0, 1]"),
     (Sampling(top_p=1.5), "top-p must lie in (0, 1]"),
@@ -110,3 +120,55 @@ def test_a_seed_repeats_a_sample_and_masked_rows_are_never_drawn():
 def test_impossible_sampling_is_refused(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         bad.check()
+
+
+def test_extreme_temperatures_give_argmax_or_uniform_never_nan():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    tiny = filter_logits(logits, Sampling(temperature=1e-45)).softmax(-1)
+    assert not tiny.isnan().any() and torch.equal(tiny.argmax(-1), logits.argmax(-1)) and torch.all(tiny.max(-1).values == 1)
+    flat = filter_logits(logits, Sampling(temperature=float("inf"))).softmax(-1)
+    torch.testing.assert_close(flat, torch.full_like(flat, 1 / 50))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tokens_past_the_tokenizer_are_never_generated(temperature):
+    """A model's vocabulary may be larger than its tokenizer's (published folders pad it): the ids
+    the tokenizer cannot decode are never drawn, even where the model favours them."""
+    model = model_named("llama_gqa")
+    with torch.no_grad():
+        model.output.weight[250:] *= 50  # the ids above 250 would win
+    out = torch.stack(list(generate(model, [[1, 5, 9]], 30, Sampling(temperature=temperature), eos_id=None,
+                                    vocab_limit=250)))
+    assert out.max() < 250
+
+
+@pytest.mark.parametrize("multiple", [2, 3])
+def test_forwards_padded_to_a_multiple_give_the_same_tokens(multiple):
+    """What tensor-parallel MoE generation does (each forward padded to the number of ranks), in one
+    process: the padding is never attended to, so the tokens are those of unpadded forwards."""
+    model = model_named("qwen3_moe")
+    prompts = [[1, 5, 9, 200, 17], [1, 40]]
+    plain = torch.stack(list(generate(model, prompts, 12, Sampling(), eos_id=None)))
+    for kv_cache in (True, False):
+        padded = torch.stack(list(generate(model, prompts, 12, Sampling(), eos_id=None, kv_cache=kv_cache,
+                                           multiple_of=multiple)))
+        assert torch.equal(padded, plain)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (a character can span several), with sentencepiece's habit of spelling
+    a word's leading space into its first piece and dropping it at the start of a decode."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace").removeprefix(" ")
+
+
+def test_a_continuation_keeps_its_leading_space_and_streams_whole_characters():
+    tok = ByteTokenizer()
+    prompt = list("The café".encode())
+    continuation = list(" crème ✓ done".encode())
+    text = Continuation(tok, prompt, eos_id=None)
+    pieces = [text.new_text(continuation[:n]) for n in range(1, len(continuation) + 1)]
+    assert "".join(pieces) + text.new_text(continuation, final=True) == " crème ✓ done"
+    assert all("\ufffd" not in piece for piece in pieces)  # a half-arrived character waits for its last byte
+    assert Continuation(tok, prompt, eos_id=None).new_text(continuation, final=True) == " crème ✓ done"

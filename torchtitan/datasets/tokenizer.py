@@ -157,19 +157,24 @@ def _looks_like_tiktoken(path: str) -> bool:
 _BASE64 = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
 
 
-def _check_file(path: str) -> None:
+def _check_file(path: str, option: str = "--model.tokenizer_path") -> None:
     if os.path.isdir(path):
         candidates = sorted(n for n in os.listdir(path) if n.startswith("tokenizer") or n.endswith((".model", ".tiktoken")))
         hint = f"; it holds {', '.join(candidates)}" if candidates else ""
-        raise TokenizerError(f"model.tokenizer_path {path} is a folder, not a tokenizer file{hint}")
+        raise TokenizerError(f"{option.lstrip('-')} {path} is a folder, not a tokenizer file{hint}")
     if not os.path.isfile(path):
-        raise TokenizerError(f"tokenizer file not found: {path} (set --model.tokenizer_path)")
+        raise TokenizerError(f"tokenizer file not found: {path} (set {option})")
     if os.path.getsize(path) == 0:
         raise TokenizerError(f"tokenizer file is empty: {path}")
 
 
-def build_tokenizer(job_config: JobConfig) -> Tokenizer:
-    """A tiktoken (Llama 3) or sentencepiece (Llama 2) tokenizer, told apart by the file's content."""
-    path = resolve_path(job_config.model.tokenizer_path, "model.tokenizer_path", TokenizerError)
-    _check_file(path)
+def tokenizer_from_file(path: str, option: str = "--model.tokenizer_path") -> Tokenizer:
+    """A tiktoken (Llama 3) or sentencepiece (Llama 2) tokenizer, told apart by the file's content;
+    `option` is what a mistake's line tells the user to set."""
+    _check_file(path, option)
     return TikTokenizer(path) if _looks_like_tiktoken(path) else SentencePieceTokenizer(path)
+
+
+def build_tokenizer(job_config: JobConfig) -> Tokenizer:
+    """The tokenizer `model.tokenizer_path` names."""
+    return tokenizer_from_file(resolve_path(job_config.model.tokenizer_path, "model.tokenizer_path", TokenizerError))
