@@ -16,6 +16,7 @@ SCRIPT = REPO_ROOT / "scripts" / "generate.py"
 TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps under the warm kitchen table all "
         "afternoon.")
 PROMPT = "The quick brown"
+TIKTOKEN = str(REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "tokenizer.model")
 
 
 @pytest.fixture(scope="module")
@@ -123,5 +124,7 @@ def test_moe_tensor_parallel_generation_equals_one_process_with_the_runs_own_tok
     alone = generate(*args)
     assert "warning" not in alone.stderr
     assert generate(*args, nproc=2).stdout == alone.stdout
-    # Not the bundled tiktoken default: the recorded sentencepiece file, asked for by name, gives the same.
-    assert generate(*args, "--tokenizer", "bundled:stdlib_docs/sentencepiece.model").stdout == alone.stdout
+    path, warning = generate_script.choose_tokenizer(generate_script.find_source(str(moe_seed)), None)
+    assert path.endswith("sentencepiece.model") and warning is None
+    path, warning = generate_script.choose_tokenizer(generate_script.find_source(str(moe_seed)), TIKTOKEN)
+    assert path == TIKTOKEN and "is not the tokenizer the run trained with" in warning
