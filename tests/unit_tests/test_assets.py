@@ -57,3 +57,18 @@ def test_the_checkouts_train_configs_is_the_packaged_folder():
     """run_llama_train.sh's default CONFIG_FILE and every documented train_configs/ path keep working."""
     repo_configs = Path(__file__).resolve().parents[2] / "train_configs"
     assert repo_configs.resolve() == (ASSETS / "train_configs").resolve()
+
+
+@pytest.mark.parametrize("config", ["debug_model.toml", "qwen3_moe_debug.toml"])
+def test_the_shipped_debug_configs_validate_on_two_ranks(config):
+    """`--validation.enabled` on a shipped debug config (the README's quick start) finds a full
+    validation batch for each of the launcher's 2 ranks in the held-out split of the bundled corpus."""
+    from torchtitan.datasets.shards import decide_data_shards
+    from torchtitan.datasets.text_dataset import build_validation_dataloader
+
+    job = parse_args(["--job.config_file", f"bundled:train_configs/{config}", "--validation.enabled"])
+    tokenizer = build_tokenizer(job)
+    for rank in range(2):
+        shards = decide_data_shards(job.training.dataset_shards, rank, 2, None)
+        inputs, _ = next(iter(build_validation_dataloader(job, tokenizer, shards)))
+        assert inputs.shape == (job.training.batch_size, job.training.seq_len)
