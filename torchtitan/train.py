@@ -32,7 +32,6 @@ import warnings
 from typing import Any, Iterator, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan import watchdog
@@ -61,7 +60,6 @@ from torchtitan.metrics import LogWindow, MetricsLogger, StepMetrics, local_stat
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.output_locations import check_output_locations
 from torchtitan.parallelisms import distributed as tt_dist
-from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.float8 import check_float8_support, precompute_float8_scales
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan, plan_pipeline
@@ -69,6 +67,7 @@ from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_profiling
 from torchtitan.progress import Progress, summary
 from torchtitan.setup_record import SetupRecord
+from torchtitan.step import build_model_parts, forward_backward
 from torchtitan.validation import Validator
 
 logger = logging.getLogger("torchtitan")
@@ -196,24 +195,8 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     padded = f" (+{model_args.vocab_padding} padding)" if getattr(model_args, "vocab_padding", 0) else ""
     logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, "
                 f"vocab {model_args.vocab_size}{padded}")
-    pipeline = None
-    if parallel_dims.pp_enabled:
-        # Each rank keeps only its stages, each parallelized like a whole model would be.
-        pipeline = train_spec.pipelining_fn(model, model_args=model_args, plan=plan, parallel_dims=parallel_dims,
-                                            job_config=job_config, device=device,
-                                            parallelize_fn=train_spec.parallelize_fn, loss_fn=train_spec.loss_fn)
-        model_parts = pipeline.model_parts
-    else:
-        model_parts = [train_spec.parallelize_fn(model, parallel_dims, job_config)]
+    model_parts, pipeline = build_model_parts(job_config, train_spec, parallel_dims, plan, model, model_args, device)
     del model
-    for part in model_parts:
-        # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
-        part.to_empty(device="cpu" if t.enable_cpu_offload else device)
-        with torch.no_grad():
-            part.init_weights(buffer_device=device)
-        part.train()
-    if pipeline is not None and pipeline.tied is not None:
-        pipeline.tied.sync_values()  # the last stage's copy of a tied weight starts as the first's
 
     optimizers = train_spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
@@ -311,9 +294,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
-    loss_mesh, cp_mesh, pp_mesh = parallel_dims.loss_mesh, parallel_dims.cp_mesh, parallel_dims.pp_mesh
-    # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
-    loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+    loss_mesh, pp_mesh = parallel_dims.loss_mesh, parallel_dims.pp_mesh
     # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
     gc.disable()
     gc.collect(1)
@@ -349,22 +330,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             gc.collect(1)
         optimizers.zero_grad()
         watchdog.enter("forward/backward")
-        step_loss = torch.zeros((), device=device)
-        for micro, (inputs, labels) in enumerate(micro_batches):
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            window.tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
-            inputs, labels = shard_batch((inputs, labels), cp_mesh)
-            if accum > 1 and parallel_dims.wraps_data_parallel:
-                # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
-                for part in model_parts:
-                    part.set_requires_gradient_sync(micro == accum - 1)
-            with loss_context():
-                if pipeline is not None:
-                    loss = pipeline.forward_backward(inputs, labels, device)
-                else:
-                    loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
-                    loss.backward()
-            step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        step_loss = forward_backward(train_spec, parallel_dims, model_parts, pipeline, micro_batches, device, window)
         tied = pipeline.tied if pipeline is not None else None
         if tied is not None:
             tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients

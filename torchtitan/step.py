@@ -1,0 +1,72 @@
+"""The parts of a training step that the trainer (train.py) and the dry run (estimation/dry_run.py)
+share: the model parts built for this rank, and one optimizer step's forwards and backwards."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.job_config import JobConfig
+from torchtitan.metrics import LogWindow
+from torchtitan.models import TrainSpec
+from torchtitan.parallelisms.context_parallel import shard_batch
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan
+from torchtitan.parallelisms.pipeline_runtime import Pipeline
+
+
+def build_model_parts(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
+                      plan: PipelinePlan | None, model: torch.nn.Module, model_args: Any,
+                      device: torch.device) -> tuple[list[torch.nn.Module], Pipeline | None]:
+    """The meta-device model parallelized (cut into this rank's pipeline stages first, with PP) and
+    materialised on `device`: this rank's model parts, and the pipeline that runs them."""
+    pipeline = None
+    if parallel_dims.pp_enabled:
+        # Each rank keeps only its stages, each parallelized like a whole model would be.
+        pipeline = train_spec.pipelining_fn(model, model_args=model_args, plan=plan, parallel_dims=parallel_dims,
+                                            job_config=job_config, device=device,
+                                            parallelize_fn=train_spec.parallelize_fn, loss_fn=train_spec.loss_fn)
+        model_parts = pipeline.model_parts
+    else:
+        model_parts = [train_spec.parallelize_fn(model, parallel_dims, job_config)]
+    for part in model_parts:
+        # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
+        part.to_empty(device="cpu" if job_config.training.enable_cpu_offload else device)
+        with torch.no_grad():
+            part.init_weights(buffer_device=device)
+        part.train()
+    if pipeline is not None and pipeline.tied is not None:
+        pipeline.tied.sync_values()  # the last stage's copy of a tied weight starts as the first's
+    return model_parts, pipeline
+
+
+def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_parts: list[torch.nn.Module],
+                     pipeline: Pipeline | None, micro_batches: list, device: torch.device,
+                     window: LogWindow | None = None) -> torch.Tensor:
+    """One optimizer step's forwards and backwards over its micro-batches (gradient accumulation);
+    returns the step's loss on this rank (a pipeline's last stage holds it, the others zero)."""
+    accum = len(micro_batches)
+    # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
+    loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+    step_loss = torch.zeros((), device=device)
+    for micro, (inputs, labels) in enumerate(micro_batches):
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        if window is not None:
+            window.tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
+        inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
+        if accum > 1 and parallel_dims.wraps_data_parallel:
+            # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
+            for part in model_parts:
+                part.set_requires_gradient_sync(micro == accum - 1)
+        with loss_context():
+            if pipeline is not None:
+                loss = pipeline.forward_backward(inputs, labels, device)
+            else:
+                loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
+                loss.backward()
+        step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+    return step_loss
