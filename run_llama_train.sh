@@ -64,10 +64,16 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 
 # Check the config once, before any process starts: a bad option gets one line and exit code 2.
-WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.config_manager --job.config_file "$CONFIG_FILE" "$@"
 for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exit 0; fi
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$py" -m torchtitan.config_manager --help; fi
 done
+mode=$(WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.config_manager --launch-mode --job.config_file "$CONFIG_FILE" "$@")
+
+if [[ "$mode" == "dry_run" ]]; then
+  # job.dry_run: one process stands for every rank of the job (docs/memory.md); no torchrun.
+  exec env TORCHTITAN_DRY_RUN_WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.train \
+    --job.config_file "$CONFIG_FILE" "$@"
+fi
 
 # torchtitan.launch is torchrun that ends with one line: the root cause, from whichever rank.
 exec "$py" -m torchtitan.launch "${nodes[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \

@@ -225,7 +225,6 @@ LAYOUT_RULES = (parallel_dims.check_layout, optimizer_options.check_layout)
 
 _NOT_YET = {
     ("experimental", "enable_compiled_autograd"): bool,
-    ("memory_estimation", "enabled"): bool,
     ("profiling", "enable_memory_snapshot"): bool,
 }
 
@@ -325,6 +324,7 @@ def validate(config: JobConfig) -> None:
             raise ConfigError(f"float8.{key} 'delayed' is not supported: torchao (0.18) removed delayed scaling; use 'dynamic'")
     _validate_metrics(m)
     _validate_validation(config)
+    _validate_dry_run(config)
     for rule in OPTION_RULES:
         rule(config)
     for (section, key), active in _NOT_YET.items():
@@ -344,6 +344,17 @@ def _validate_metrics(m: Metrics) -> None:
     # Checked here, before torchrun starts any rank, rather than at the first log line.
     if m.enable_wandb and not _module_available("wandb"):
         raise ConfigError("metrics.enable_wandb needs the wandb package (pip install wandb)")
+
+
+def _validate_dry_run(config: JobConfig) -> None:
+    j, e = config.job, config.memory_estimation
+    if j.dry_run_world_size < 0:
+        raise ConfigError(f"job.dry_run_world_size must be a number of ranks (0: the launcher's), got {j.dry_run_world_size}")
+    if j.dry_run_rank < -1:
+        raise ConfigError(f"job.dry_run_rank must be a rank, or -1 (one of each pipeline stage), got {j.dry_run_rank}")
+    if e.device_memory_gib < 0:
+        raise ConfigError(f"memory_estimation.device_memory_gib must be >= 0 (0: this machine's GPU), got "
+                          f"{e.device_memory_gib}")
 
 
 def _validate_validation(config: JobConfig) -> None:
@@ -403,13 +414,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
+    # --launch-mode (the launcher's): print how to start the job, `torchrun` or `dry_run` (one
+    # process standing for the whole world, job.dry_run).
+    launch_mode = "--launch-mode" in argv
+    argv = [a for a in argv if a != "--launch-mode"]
     try:
         config = parse_args(argv)
-        if "WORLD_SIZE" in os.environ:  # the launcher passes the number of ranks it will start
-            validate_world_size(config, int(os.environ["WORLD_SIZE"]))
+        dry_run = config.job.dry_run and not config.memory_estimation.disable_fake_mode
+        world_size = int(os.environ.get("WORLD_SIZE", "0"))  # the launcher passes the number of ranks it will start
+        if dry_run and config.job.dry_run_world_size:
+            world_size = config.job.dry_run_world_size
+        if world_size:
+            validate_world_size(config, world_size)
     except ConfigError as e:
         print(e.line, file=sys.stderr)
         return 2
+    if launch_mode:
+        print("dry_run" if dry_run else "torchrun")
     return 0
 
 

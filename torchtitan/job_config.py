@@ -29,6 +29,20 @@ class Job:
     description: str = opt("default job", "Free-text description of the job, printed at start-up.")
     use_for_integration_test: bool = opt(False, "Marks a config as part of the integration-test set.")
     print_args: bool = opt(False, "Print the fully merged configuration at start-up.")
+    dry_run: bool = opt(
+        False, "Start the job in ONE process, on fake tensors over PyTorch's fake process group, as one rank of "
+        "job.dry_run_world_size would: the config checks, the mesh, the model, the real parallelize and pipeline "
+        "functions, the optimizer and two training steps of that rank's share, tracked for memory. Prints the mesh, "
+        "the applied parallelisms and the per-rank memory by category, and exits 0, or 2 with the line the real job "
+        "would fail with (docs/memory.md). Needs no GPU and no other machine.")
+    dry_run_world_size: int = opt(0, "The number of ranks the dry run stands for; 0: the launcher's (NGPU x NNODES), "
+                                     "or 1 outside it.")
+    dry_run_device: str = opt("auto", "The device the dry run stands for: cuda, cpu, or auto (this machine's GPU; "
+                                      "else cuda for a world given by job.dry_run_world_size, a cluster's, and "
+                                      "this CPU for the launcher's own job).",
+                              choices=["auto", "cuda", "cpu"])
+    dry_run_rank: int = opt(-1, "The rank the dry run simulates; -1: one rank of each pipeline stage (ranks differ "
+                                "in memory only by the stages they hold), reporting the most loaded.")
 
 
 @dataclass
@@ -285,8 +299,13 @@ class Validation:
 
 @dataclass
 class MemoryEstimation:
-    enabled: bool = opt(False, "Estimate peak memory with fake tensors before training.")
-    disable_fake_mode: bool = opt(False, "Estimate with real tensors.")
+    enabled: bool = opt(False, "Before training, rank 0 estimates every rank's peak memory with the dry run "
+                               "(job.dry_run) and warns when it exceeds the device's memory.")
+    disable_fake_mode: bool = opt(False, "Dry run on real tensors: under torchrun with the real process group, each "
+                                         "rank measures its own step with the same tracker (how docs/memory.md "
+                                         "checks the estimates).")
+    device_memory_gib: float = opt(0.0, "The memory of one device the estimate is compared with, in GiB; 0: this "
+                                        "machine's GPU, or none (no verdict) where there is none.")
 
 
 @dataclass

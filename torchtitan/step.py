@@ -24,6 +24,17 @@ def build_model_parts(job_config: JobConfig, train_spec: TrainSpec, parallel_dim
                       device: torch.device) -> tuple[list[torch.nn.Module], Pipeline | None]:
     """The meta-device model parallelized (cut into this rank's pipeline stages first, with PP) and
     materialised on `device`: this rank's model parts, and the pipeline that runs them."""
+    model_parts, pipeline = parallelize_model(job_config, train_spec, parallel_dims, plan, model, model_args, device)
+    materialize(job_config, model_parts, device)
+    if pipeline is not None and pipeline.tied is not None:
+        pipeline.tied.sync_values()  # the last stage's copy of a tied weight starts as the first's
+    return model_parts, pipeline
+
+
+def parallelize_model(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
+                      plan: PipelinePlan | None, model: torch.nn.Module, model_args: Any,
+                      device: torch.device) -> tuple[list[torch.nn.Module], Pipeline | None]:
+    """This rank's model parts, still on the meta device, parallelized, and their pipeline."""
     pipeline = None
     if parallel_dims.pp_enabled:
         # Each rank keeps only its stages, each parallelized like a whole model would be.
@@ -33,15 +44,17 @@ def build_model_parts(job_config: JobConfig, train_spec: TrainSpec, parallel_dim
         model_parts = pipeline.model_parts
     else:
         model_parts = [train_spec.parallelize_fn(model, parallel_dims, job_config)]
+    return model_parts, pipeline
+
+
+def materialize(job_config: JobConfig, model_parts: list[torch.nn.Module], device: torch.device) -> None:
+    """Gives meta-device parts their storage on `device` and their initial values."""
     for part in model_parts:
         # With CPU offload FSDP keeps the sharded parameters in host memory; buffers stay on the device.
         part.to_empty(device="cpu" if job_config.training.enable_cpu_offload else device)
         with torch.no_grad():
             part.init_weights(buffer_device=device)
         part.train()
-    if pipeline is not None and pipeline.tied is not None:
-        pipeline.tied.sync_values()  # the last stage's copy of a tied weight starts as the first's
-    return model_parts, pipeline
 
 
 def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_parts: list[torch.nn.Module],

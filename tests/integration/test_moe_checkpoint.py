@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
 from torchtitan.config_manager import parse_args
-from torchtitan.train import preflight
+from torchtitan.preflight import preflight
 
 STEPS, SAVED = 6, 3
 TOLERANCE = 1e-4

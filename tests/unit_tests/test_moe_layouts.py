@@ -13,7 +13,7 @@ from torchtitan.config_manager import ConfigError, parse_args
 from torchtitan.models.qwen3.flavors import qwen3_configs
 from torchtitan.models.qwen3.parallelize_qwen3 import validate_qwen3
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.train import preflight
+from torchtitan.preflight import preflight
 
 MOE = qwen3_configs["debugmodel_moe"]  # 8 experts, top-2
 DENSE = qwen3_configs["debugmodel"]

@@ -15,7 +15,7 @@ from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.parallelisms.distributed import check_device_features
 from torchtitan.parallelisms.float8 import check_float8_support
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.train import build_model_args
+from torchtitan.preflight import build_model_args
 
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, multiple_of=16)
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common import trunc_normal
+from torchtitan.shapes_only import balanced_counts, is_fake
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -64,12 +65,22 @@ def _in_backward() -> bool:
 # Grouped expert matmul
 
 
+def expert_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many (token, choice) pairs each expert receives; even spread on fake tensors."""
+    if is_fake(flat_experts):
+        return balanced_counts(flat_experts.numel(), num_experts, flat_experts.device)
+    return torch.bincount(flat_experts, minlength=num_experts)
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands on their device: CUDA from compute
     capability 9.0 (bf16), CPU in fp32 outside torch.compile (its bf16 backward fails on CPU);
-    every feature dim a multiple of 8 (16-byte rows in bf16)."""
+    every feature dim a multiple of 8 (16-byte rows in bf16). On fake tensors (the dry run),
+    always: it stands for the GPUs' kernel, and the loop would need the groups' sizes as values."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if is_fake(x):
+        return True
     if any(d % 8 for w in weights for d in w.shape[1:]) or x.shape[-1] % 8:
         return False
     if x.device.type == "cuda":
@@ -203,7 +214,7 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.bias_update_rate > 0 else None
         probs, experts, weights = self.router(tokens, bias)
         flat_experts = experts.flatten()  # (T*k,), token t's choices at t*k ... t*k+k-1
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        counts = expert_token_counts(flat_experts, self.num_experts)
         # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.
         order = torch.argsort(flat_experts, stable=True)
         routed = tokens[order // self.top_k]

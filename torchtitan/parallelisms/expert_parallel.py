@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.shapes_only import balanced_counts, is_fake
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,20 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
     group = mesh.get_group()
     local_experts = counts.numel() // ep
     send_counts = counts.view(ep, local_experts)  # row r: tokens for rank r's experts
-    # recv_counts[s, e]: tokens rank s sends to this rank's expert e.
-    recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(ep, local_experts)
-    send_splits = send_counts.sum(dim=1).tolist()
-    recv_splits = recv_counts.sum(dim=1).tolist()
+    if is_fake(counts):
+        # The dry run's tensors have no values: every rank is taken to send every other an even share.
+        recv_counts = balanced_counts(tokens.shape[0], ep * local_experts, tokens.device).view(ep, local_experts)
+        send_splits = recv_splits = [tokens.shape[0] // ep + (r < tokens.shape[0] % ep) for r in range(ep)]
+    else:
+        # recv_counts[s, e]: tokens rank s sends to this rank's expert e.
+        recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(ep, local_experts)
+        send_splits = send_counts.sum(dim=1).tolist()
+        recv_splits = recv_counts.sum(dim=1).tolist()
     received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
     received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
     # Received tokens come grouped by source rank, then expert; the experts want them by expert.
-    segment = torch.repeat_interleave(torch.arange(ep * local_experts, device=tokens.device), recv_counts.flatten())
+    segment = torch.repeat_interleave(torch.arange(ep * local_experts, device=tokens.device), recv_counts.flatten(),
+                                      output_size=sum(recv_splits))
     by_expert = (segment % local_experts) * ep + segment // local_experts
     order = torch.argsort(by_expert, stable=True)
     module._ep_dispatch = _Dispatch(send_splits, recv_splits, order)

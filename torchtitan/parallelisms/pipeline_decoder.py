@@ -109,5 +109,16 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
         tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
                            (by_stage[last_stage], "output") if last_stage in by_stage else None,
                            owners, parallel_dims.world_mesh)
+    by_id = dict(zip(stage_ids, modules))
+
+    def first_stage() -> nn.Module:
+        # This rank's own, or a fresh one on the meta device (the dry run materialises it).
+        if 0 in by_id:
+            return by_id[0]
+        return parallelize_fn(build_stage_module(model, bounds[0], bounds[1], plan.num_stages, 0), parallel_dims,
+                              job_config)
+
     return Pipeline(schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied,
-                    make_eval_schedule=lambda: forward_only_schedule(plan, stages, microbatch_loss))
+                    make_eval_schedule=lambda: forward_only_schedule(plan, stages, microbatch_loss),
+                    stage_ids=tuple(stage_ids), num_stages=plan.num_stages, microbatches=plan.microbatches,
+                    microbatch_loss=microbatch_loss, first_stage=first_stage)

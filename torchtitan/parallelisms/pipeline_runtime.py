@@ -147,6 +147,15 @@ class Pipeline:
     tied: TiedWeights | None = None
     # Builds the forward-only schedule validation runs (forward_only_schedule); None: no validation.
     make_eval_schedule: Callable[[], Any] | None = None
+    # What the dry run needs to replay this rank's share of a step without the schedule's
+    # communication (estimation/pipeline_replay.py); a pipeline without them is not replayed.
+    stage_ids: tuple[int, ...] = ()  # of model_parts, in order
+    num_stages: int = 0
+    microbatches: int = 0
+    microbatch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # scaled as the schedule's
+    # The first stage's module (this rank's own, or one built on the meta device for the purpose):
+    # its output is what every stage hands the next, whose shape the dry run's replay needs.
+    first_stage: Callable[[], nn.Module] | None = None
 
     def __post_init__(self) -> None:
         self.timer = BusyTimer(self.schedule)

@@ -352,7 +352,7 @@ def refusal(point: Point) -> str | None:
     Runs the trainer's own preflight in this process."""
     from torchtitan.config_manager import parse_args
     from torchtitan.errors import UserError
-    from torchtitan.train import preflight
+    from torchtitan.preflight import preflight
 
     try:
         preflight(parse_args(_config_args(point)), point.nproc)

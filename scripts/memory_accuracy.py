@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Checks the dry run's memory estimates against real runs, layout by layout (docs/memory.md).
+
+For each layout: the estimate of one process on fake tensors (the dry run), and the same layout
+run as a real job of that many processes, each rank measuring its own second training step with
+the same tracker. Prints a markdown table: the most loaded simulated rank's estimate, measurement
+and error, and the worst error over every rank the dry run simulated (one per pipeline stage).
+
+  python scripts/memory_accuracy.py                       # every layout, debug model and 100M
+  python scripts/memory_accuracy.py --only fsdp2 pp2_1f1b --models debug
+
+On this project's CPU machine it runs the real jobs on gloo; on a GPU machine, on the GPUs (the
+dry run then stands for CUDA too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, from any folder
+
+from torchtitan.estimation.accuracy import HEADER, compare  # noqa: E402
+from torchtitan.logging import init_logger  # noqa: E402
+
+MODELS = {
+    "debug": ["--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.batch_size", "4"],
+    "100M": ["--model.flavor", "100M", "--training.seq_len", "512", "--training.batch_size", "2"],
+}
+FSDP2 = ["--training.data_parallel_shard_degree", "2"]
+PP2 = ["--experimental.pipeline_parallel_degree", "2"]
+# name -> (processes, options)
+LAYOUTS = {
+    "fsdp2": (2, FSDP2),
+    "hsdp2x2": (4, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"]),
+    "ddp2": (2, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"]),
+    "tp2": (2, ["--training.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, [*FSDP2, "--training.tensor_parallel_degree", "2"]),
+    "cp2": (2, ["--experimental.context_parallel_degree", "2"]),
+    "pp2_1f1b": (2, PP2),
+    "pp2_interleaved": (2, [*PP2, "--experimental.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "fsdp2_pp2_zbv": (4, [*FSDP2, *PP2, "--experimental.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "fsdp2_ac_full": (2, [*FSDP2, "--activation_checkpoint.mode", "full"]),
+    "fsdp2_ac_selective": (2, [*FSDP2, "--activation_checkpoint.mode", "selective"]),
+    "fsdp2_accum2": (2, [*FSDP2, "--training.gradient_accumulation_steps", "2"]),
+    "fsdp2_offload": (2, [*FSDP2, "--training.enable_cpu_offload"]),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", choices=sorted(LAYOUTS), help="these layouts (default: all)")
+    p.add_argument("--models", nargs="*", choices=sorted(MODELS), default=sorted(MODELS))
+    ns = p.parse_args(argv)
+    init_logger()
+    import logging
+
+    logging.getLogger("torchtitan").setLevel(logging.WARNING)  # the table only
+    print(HEADER, flush=True)
+    start = time.perf_counter()
+    for model in ns.models:
+        for name in ns.only or LAYOUTS:
+            nproc, options = LAYOUTS[name]
+            args = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--metrics.disable_color_printing",
+                    *MODELS[model], *options]
+            print(compare(f"{model} {name}", args, nproc).row(), flush=True)
+    print(f"\n{time.perf_counter() - start:.0f} s in all", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

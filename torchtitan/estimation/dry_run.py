@@ -1,0 +1,447 @@
+"""The dry run: a job's start-up and training step, for one rank of N, in one process.
+
+`--job.dry_run --job.dry_run_world_size N` starts no other process and needs no GPU. It joins
+PyTorch's fake process group as rank r of N (collectives return at once and move nothing), and
+builds everything under FakeTensorMode (tensors with shapes, dtypes and devices but no storage):
+the config checks of a real start-up (preflight), the named mesh, the model on the meta device,
+the model family's real parallelize and pipelining functions, the materialised parameters and the
+optimizer. Then it runs two training steps of rank r's share (the second one has optimizer state,
+as every later step does) under PyTorch's memory tracker (tracker.py), and reports the peak.
+
+Pipeline ranks are replayed in their schedule's order (pipeline_replay.py); ranks of one stage hold
+the same shapes, so by default one rank of each stage is simulated and the most loaded is reported.
+
+What it cannot see: the device's caching allocator (fragmentation, reserved but unused blocks),
+the CUDA context and the communication library's own buffers (NCCL: several hundred MiB), and
+torch.compile (the dry run runs eager; compiled code keeps fewer temporaries). The estimate is the
+memory the tensors of one step need: docs/memory.md measures it against real runs.
+
+With `--memory_estimation.disable_fake_mode` under torchrun, every rank does the same on real
+tensors with the real process group, and reports what it measured with the same tracker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.datasets.sources import resolve_source
+from torchtitan.datasets.tokenizer import TokenizerError
+from torchtitan.errors import ConfigError, UserError
+from torchtitan.estimation.pipeline_replay import PipelineReplay, replayable
+from torchtitan.estimation.tracker import CATEGORIES, StepMemory, StepTracker
+from torchtitan.job_config import JobConfig
+from torchtitan.memory_floor import rank_memory_bytes
+from torchtitan.models import get_train_spec
+from torchtitan.models.common import causal_attention
+from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms.context_parallel import shard_batch
+from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
+from torchtitan.preflight import preflight
+from torchtitan.setup_record import describe_parallelisms
+from torchtitan.step import forward_backward, materialize, parallelize_model
+
+logger = logging.getLogger("torchtitan")
+GiB = 2**30
+WORLD_SIZE_ENV = "TORCHTITAN_DRY_RUN_WORLD_SIZE"  # the launcher's NGPU x NNODES, when job.dry_run_world_size is 0
+# The dry run's own notes: what it changed to run on this machine, said once per run.
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
+@dataclass
+class RankEstimate:
+    rank: int
+    coordinates: dict[str, int]  # the rank's place on each mesh dim
+    stages: tuple[int, ...]  # pipeline stages it holds
+    memory: StepMemory
+    parallelisms: dict[str, Any]
+    seconds: float
+
+    def as_record(self) -> dict[str, Any]:
+        return {"rank": self.rank, "coordinates": self.coordinates, "stages": list(self.stages),
+                "memory": self.memory.as_record(), "seconds": self.seconds}
+
+
+@dataclass
+class DryRunResult:
+    world_size: int
+    device_type: str
+    compute_dtype: str
+    notes: list[str]
+    ranks: list[RankEstimate]
+    device_memory: int | None  # bytes of one device, when known
+
+    @property
+    def largest(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.memory.peak)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.largest.memory.peak <= self.device_memory
+
+
+def target_device_type(job_config: JobConfig) -> str:
+    """The device the real job runs on: job.dry_run_device; else this machine's GPU if it has one;
+    else CUDA for a world named by job.dry_run_world_size (a cluster's), and this machine's CPU for
+    the job the launcher would start here."""
+    if job_config.job.dry_run_device != "auto":
+        return job_config.job.dry_run_device
+    if torch.cuda.is_available() or job_config.job.dry_run_world_size > 0:
+        return "cuda"
+    return "cpu"
+
+
+def _as_on_cuda(model_parts: list[torch.nn.Module]) -> None:
+    """On CUDA the attention kernel runs in the compute dtype; on the CPU the models' kernel
+    computes bf16 in fp32 (models/common.py), which would count fp32 copies a GPU never makes. A
+    dry run standing for a GPU swaps that kernel (the attention modules' `kernel` seam) for the
+    CUDA path; kernels others installed (ring attention for context parallelism) stay."""
+    for part in model_parts:
+        for module in part.modules():
+            if getattr(module, "kernel", None) is causal_attention:
+                module.kernel = _sdpa_in_input_dtype
+
+
+def _sdpa_in_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tuple[JobConfig, list[str]]:
+    """The config the simulation runs, and what it changed: the job's dtypes resolved for the target
+    device (auto is bf16 on CUDA), float8 emulated, and what needs a GPU or cannot run on fake
+    tensors turned off with a note."""
+    config = copy.deepcopy(job_config)
+    t, notes = config.training, []
+    if t.mixed_precision_param == "auto" and _shards(config, world_size):
+        # FSDP's policy is what `auto` picks by device (the simulation's device is the CPU).
+        t.mixed_precision_param = str(tt_dist.resolve_param_dtype("auto", target)).removeprefix("torch.")
+    if t.compile:
+        t.compile = False
+        notes.append("torch.compile is not simulated: the estimate is of eager execution (compiled blocks usually "
+                     "keep fewer temporaries)")
+    if config.experimental.enable_async_tensor_parallel:
+        config.experimental.enable_async_tensor_parallel = False
+        notes.append("async tensor parallelism is simulated as plain tensor parallelism (the same tensors)")
+    if config.float8.enable_float8_linear and not config.float8.emulate and not torch.cuda.is_available():
+        config.float8.emulate = True
+        notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
+    return config, notes
+
+
+def _shards(job_config: JobConfig, world_size: int) -> bool:
+    """Whether FSDP shards the model (its mixed-precision policy applies)."""
+    from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
+
+    return parallel_dims_from_config(job_config, world_size).fsdp_enabled
+
+
+def _plain_ddp(parallel_dims: ParallelDims) -> bool:
+    """DDP alone over the replicas (no FSDP, TP or PP): its C++ reducer needs real tensors and
+    collectives, so the dry run simulates one replica, which computes exactly what a DDP rank
+    does, and adds DDP's gradient buckets (a second copy of every gradient, kept across steps)."""
+    return parallel_dims.ddp_enabled and not parallel_dims.tp_enabled and not parallel_dims.pp_enabled
+
+
+def _coordinates(parallel_dims: ParallelDims, rank: int) -> dict[str, int]:
+    sizes = [(name, getattr(parallel_dims, name)) for name in MESH_DIM_ORDER]
+    coords, rest = {}, rank
+    for name, size in reversed(sizes):
+        coords[name] = rest % size
+        rest //= size
+    return {name: coords[name] for name, size in sizes if size > 1}
+
+
+def ranks_to_simulate(parallel_dims: ParallelDims, requested: int) -> list[int]:
+    """The requested rank, or the first rank of each pipeline stage (pp is the outermost mesh dim)."""
+    if requested >= 0:
+        if requested >= parallel_dims.world_size:
+            raise ConfigError(f"job.dry_run_rank {requested} is no rank of a world of {parallel_dims.world_size}")
+        return [requested]
+    per_stage = parallel_dims.world_size // parallel_dims.pp
+    return [k * per_stage for k in range(parallel_dims.pp)]
+
+
+def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str, fake: bool = True,
+                  tokenizer: Any = None) -> RankEstimate:
+    """Builds rank `rank` of a world of `world_size` and runs two steps under the memory tracker.
+    With `fake`, alone in this process (fake process group, fake tensors); without, as a rank of a
+    real job (the process group must already exist)."""
+    start = time.perf_counter()
+    parallel_dims, plan, spec, tokenizer, model_args, model = preflight(job_config, world_size, target,
+                                                                        check_memory=False, tokenizer=tokenizer)
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        device = torch.device("cpu") if fake else torch.device(tt_dist.device_type(), 0 if target == "cpu" else
+                                                                  int(os.environ.get("LOCAL_RANK", "0")))
+        parallel_dims.build_mesh("cpu" if fake else tt_dist.device_type())
+        tt_dist.set_determinism(0, False)
+        # Parallelized on the meta device first (fake tensors cannot be copied as meta ones are).
+        model_parts, pipeline = parallelize_model(job_config, spec, parallel_dims, plan, model, model_args, device)
+        replayed = fake and pipeline is not None
+        if replayed and not replayable(pipeline):
+            raise ConfigError(f"model {job_config.model.name}'s pipelining_fn gives no stage description the dry run "
+                              "can replay (Pipeline.stage_ids, microbatch_loss, first_stage); dry-run it without "
+                              "experimental.pipeline_parallel_degree")
+        first_stage = pipeline.first_stage() if replayed else None
+        with _fake_mode() if fake else contextlib.nullcontext():
+            materialize(job_config, model_parts, device)
+            if replayed and first_stage not in model_parts:
+                materialize(job_config, [first_stage], device)
+            if pipeline is not None and pipeline.tied is not None:
+                pipeline.tied.sync_values()
+            if fake and target == "cuda":
+                _as_on_cuda(model_parts)
+            optimizers = spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
+            lr_schedulers = spec.build_lr_schedulers_fn(optimizers, job_config)
+            t = job_config.training
+            vocab = model_args.vocab_size
+            batches = [(torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device),
+                        torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device))
+                       for _ in range(t.gradient_accumulation_steps)]
+            if replayed:
+                tokens = shard_batch(batches[0], parallel_dims.cp_mesh)[0].tensor_split(pipeline.microbatches)[0]
+                replay = PipelineReplay(pipeline, parallel_dims.pp_mesh.get_local_rank(), first_stage, tokens)
+                del first_stage
+                pipeline.forward_backward = lambda inputs, labels, device: replay.step(inputs, labels)
+            params = [p for part in model_parts for p in part.parameters()]
+
+            def step() -> None:
+                optimizers.zero_grad()
+                forward_backward(spec, parallel_dims, model_parts, pipeline, batches, device)
+                if not job_config.optimizer.early_step_in_backward:
+                    tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.pp_mesh,
+                                            uncounted=pipeline.tied.uncounted if pipeline and pipeline.tied else ())
+                optimizers.step()
+                lr_schedulers.step()
+
+            # The first step creates the optimizer state; the second, tracked, is every later step.
+            step()
+            optimizers.zero_grad()
+            tracker = StepTracker(model_parts, optimizers.optimizers, offload=t.enable_cpu_offload)
+            tracker.track_inputs(*[x for batch in batches for x in batch])
+            with tracker.tracking():
+                step()
+        memory = tracker.result()
+        parallelisms = describe_parallelisms(model_parts, parallel_dims, optimizers, pipeline, [])
+        stages = pipeline.stage_ids if pipeline is not None else ()
+        return RankEstimate(rank, _coordinates(parallel_dims, rank), tuple(stages), memory, parallelisms,
+                            time.perf_counter() - start)
+    finally:
+        if fake:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fake_mode():
+    # nn.init.trunc_normal_ asks its tensor whether any value fell outside the bounds, which a
+    # fake tensor cannot answer; values do not matter here, so it draws from the plain normal.
+    import torch.nn.parallel.distributed as ddp
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    truncated = torch.nn.init.trunc_normal_
+    torch.nn.init.trunc_normal_ = lambda tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None: tensor.normal_(mean,
+                                                                                                                  std)
+    # DDP compares its parameters' shapes across ranks by their values before its first forward;
+    # in a world of one real process there is nothing to compare.
+    verify = ddp._verify_param_shape_across_processes
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        # Tensors made before the mode (the meta model's, the tokenizer's) may meet fake ones.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        torch.nn.init.trunc_normal_ = truncated
+        ddp._verify_param_shape_across_processes = verify
+
+
+def dry_run(job_config: JobConfig) -> DryRunResult:
+    """Every rank the dry run stands for, simulated in this process (see the module docstring)."""
+    j = job_config.job
+    world_size = j.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or tt_dist.world_size()
+    target = target_device_type(job_config)
+    config, notes = for_this_machine(job_config, target, world_size)
+    resolve_source(config.training.dataset, config.training.dataset_path)  # the data must exist too
+    tokenizer = _tokenizer(config, notes)
+    pre = preflight(config, world_size, target, check_memory=False, tokenizer=tokenizer)
+    parallel_dims, simulated, world, buckets = pre.parallel_dims, config, world_size, 0
+    if _plain_ddp(parallel_dims):
+        simulated = copy.deepcopy(config)
+        simulated.training.data_parallel_replicate_degree = 1
+        world = world_size // parallel_dims.dp_replicate
+        buckets = sum(p.numel() for p in pre.model.parameters()) * 4  # fp32 gradients
+        notes.append(f"DDP is simulated as one replica plus its gradient buckets ({buckets / GiB:.3f} GiB)")
+    ranks = []
+    log = logging.getLogger("torchtitan")
+    level = log.level
+    try:
+        for rank in ranks_to_simulate(parallel_dims, j.dry_run_rank):
+            estimate = simulate_rank(simulated, world, rank % world, target, tokenizer=tokenizer)
+            estimate.rank = rank
+            if buckets:
+                estimate.memory.add("gradients", buckets)
+            ranks.append(estimate)
+            log.setLevel(max(level, logging.WARNING))  # the build's lines once, for the first rank
+    finally:
+        log.setLevel(level)
+    dtype = str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
+    return DryRunResult(world_size, target, dtype, notes, ranks, device_memory_bytes(job_config, target))
+
+
+@dataclass(frozen=True)
+class _Vocabulary:
+    """Stands for a tokenizer the dry run cannot read: only its size matters to memory."""
+
+    n_words: int
+    bos_id: int = 0
+    eos_id: int = 1
+    pad_id: int = -1
+
+
+def _tokenizer(job_config: JobConfig, notes: list[str]) -> Any:
+    """The job's tokenizer; where its file is not on this machine (a cluster's path), a stand-in
+    of the flavor's vocabulary size, with a note: the real job still needs the file."""
+    spec = get_train_spec(job_config.model.name)
+    try:
+        return spec.build_tokenizer_fn(job_config)
+    except TokenizerError as e:
+        flavor = spec.config.get(job_config.model.flavor)
+        vocab = getattr(flavor, "vocab_size", None)
+        if not vocab or "not found" not in str(e):
+            raise
+        notes.append(f"{e}: estimated with the flavor's vocabulary ({vocab:,} tokens); the real job needs the file")
+        return _Vocabulary(vocab)
+
+
+def device_memory_bytes(job_config: JobConfig, target: str) -> int | None:
+    """What one rank may use: memory_estimation.device_memory_gib; else this machine's GPU (for a
+    CUDA target), or its available host memory shared by the ranks it starts (for a CPU one)."""
+    given = job_config.memory_estimation.device_memory_gib
+    if given > 0:
+        return int(given * GiB)
+    if target == "cuda":
+        return rank_memory_bytes("cuda") if torch.cuda.is_available() else None
+    return rank_memory_bytes("cpu")
+
+
+def estimate_before_training(job_config: JobConfig) -> None:
+    """memory_estimation.enabled: every rank, before joining the process group, dry-runs its own
+    rank of the job (on this machine's device) and logs the estimate, with a warning when it
+    exceeds the device's memory. The estimate is of tensors alone: the device also holds the CUDA
+    context and the communication library's buffers."""
+    config = copy.deepcopy(job_config)
+    config.job.dry_run_world_size, config.job.dry_run_rank = tt_dist.world_size(), tt_dist.rank()
+    config.job.dry_run_device = tt_dist.device_type()
+    log = logging.getLogger("torchtitan")
+    level = log.level
+    log.setLevel(logging.WARNING)  # the simulation's own start-up lines are the real run's, next
+    try:
+        result = dry_run(config)
+    finally:
+        log.setLevel(level)
+    rank = result.ranks[0]
+    m = rank.memory
+    parts = ", ".join(f"{c} {m.at_peak[c] / GiB:.2f}" for c in CATEGORIES)
+    limit = "" if result.device_memory is None else f" of {result.device_memory / GiB:.1f} GiB"
+    logger.info(f"memory estimate for rank {rank.rank}: {m.peak / GiB:.2f} GiB{limit} at the step's peak ({parts} GiB; "
+                f"dry run in {rank.seconds:.1f}s)")
+    if result.fits is False:
+        logger.warning(f"rank {rank.rank} is estimated to need {m.peak / GiB:.2f} GiB, more than the device's "
+                       f"{result.device_memory / GiB:.1f} GiB: it will likely run out of memory; lower "
+                       "training.batch_size or training.seq_len, use activation_checkpoint.mode full, or shard over more "
+                       "ranks (docs/memory.md)")
+
+
+def report_lines(result: DryRunResult, parallel_dims_text: str) -> list[str]:
+    """The table the dry run prints: one row per simulated rank, GiB by category at the peak."""
+    lines = [f"dry run: {result.world_size} ranks of {parallel_dims_text}, simulated in one process on fake tensors "
+             f"(target {result.device_type}, compute {result.compute_dtype})"]
+    lines += [f"note: {note}" for note in result.notes]
+    head = f"{'rank':>6} {'stages':>7} " + " ".join(f"{c:>12}" for c in CATEGORIES) + f" {'peak GiB':>10}"
+    offload = any(r.memory.host for r in result.ranks)
+    lines.append(head + (f" {'host GiB':>9}" if offload else "") + f" {'seconds':>8}")
+    for r in result.ranks:
+        m = r.memory
+        row = (f"{r.rank:>6} {','.join(map(str, r.stages)) or '-':>7} "
+               + " ".join(f"{m.at_peak[c] / GiB:>12.3f}" for c in CATEGORIES) + f" {m.peak / GiB:>10.3f}")
+        lines.append(row + (f" {m.host / GiB:>9.3f}" if offload else "") + f" {r.seconds:>8.1f}")
+    big = result.largest
+    verdict = ("" if result.device_memory is None else
+               f" of {result.device_memory / GiB:.1f} GiB per device: "
+               + ("fits" if result.fits else "does NOT fit"))
+    lines.append(f"largest: rank {big.rank} needs {big.memory.peak / GiB:.2f} GiB at its peak{verdict}")
+    return lines
+
+
+def layout_text(job_config: JobConfig, world_size: int, target: str) -> str:
+    from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
+
+    dims = parallel_dims_from_config(job_config, world_size)
+    mesh = " x ".join(f"{name} {getattr(dims, name)}" for name in MESH_DIM_ORDER if getattr(dims, name) > 1) or "1 rank"
+    m = job_config.model
+    return f"{m.name} {m.flavor} ({mesh}{f', ep {dims.ep}' if dims.ep > 1 else ''})"
+
+
+class DoesNotFit(UserError):
+    """A rank's estimated peak exceeds the device's memory: the real job would run out of it."""
+
+
+def main(job_config: JobConfig) -> None:
+    """`--job.dry_run`: prints the estimate, or raises the UserError (one line, exit code 2) the
+    real job would fail with: a mistake in the config, or a rank that would run out of memory."""
+    if job_config.memory_estimation.disable_fake_mode:
+        return _measure_real(job_config)
+    result = dry_run(job_config)
+    text = layout_text(for_this_machine(job_config, result.device_type, result.world_size)[0], result.world_size,
+                       result.device_type)
+    for line in report_lines(result, text):
+        logger.info(line)
+    if result.fits is False:
+        big = result.largest
+        raise DoesNotFit(f"rank {big.rank} would need {big.memory.peak / GiB:.2f} GiB at its peak, more than the "
+                         f"device's {result.device_memory / GiB:.1f} GiB (memory_estimation.device_memory_gib); lower "
+                         "training.batch_size or training.seq_len, use activation_checkpoint.mode full, or shard over "
+                         "more ranks (FSDP, tensor, pipeline or context parallel)")
+
+
+def _measure_real(job_config: JobConfig) -> None:
+    """Every rank of a real job (torchrun) measures its own step with the same tracker; rank 0
+    prints every rank's row, and a `MEASURED <json>` line for tools (scripts/memory_accuracy.py)."""
+    target = tt_dist.device_type()
+    world_size = tt_dist.world_size()
+    config, notes = for_this_machine(job_config, target, world_size)
+    tt_dist.init_distributed(target, 600)
+    try:
+        estimate = simulate_rank(config, world_size, tt_dist.rank(), target, fake=False)
+        mine = {"memory": dataclasses.asdict(estimate.memory), "stages": list(estimate.stages),
+                "seconds": estimate.seconds}
+        records = [None] * world_size
+        if dist.is_initialized():
+            dist.all_gather_object(records, mine)
+        else:
+            records = [mine]
+        if tt_dist.rank() == 0:
+            ranks = [RankEstimate(r, {}, tuple(rec["stages"]), StepMemory(**rec["memory"]), {}, rec["seconds"])
+                     for r, rec in enumerate(records)]
+            dtype = str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
+            result = DryRunResult(world_size, target, dtype, notes, ranks, device_memory_bytes(job_config, target))
+            for line in report_lines(result, layout_text(config, world_size, target)):
+                logger.info(line.replace("dry run:", "measured:").replace("simulated in one process on fake tensors",
+                                                                         "each rank on real tensors"))
+            print("MEASURED " + json.dumps([r.as_record() for r in ranks]), flush=True)
+    finally:
+        tt_dist.shutdown(True)

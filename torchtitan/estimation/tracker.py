@@ -1,0 +1,192 @@
+"""Per-rank memory of a training step by category, measured by PyTorch's own trackers.
+
+`torch.distributed._tools` records every tensor a step allocates and files it under what it is:
+FSDPMemTracker for models FSDP shards (sharded and unsharded parameters and gradients, all-gather
+and reduce-scatter buffers, activations, temporaries, optimizer state), MemTracker for the rest.
+Both work on real tensors and on fake ones (no memory, shapes only), which is how the dry run
+estimates a rank of a cluster on a laptop; the same code measures a real step, so an estimate and a
+measurement differ only where fake and real execution differ.
+
+This module folds their categories into five that a user plans with:
+
+    parameters      weights and buffers, sharded and gathered
+    gradients       sharded and unsharded gradients
+    optimizer       optimizer state (Adam's two moments)
+    activations     what the forward keeps for the backward, and the step's inputs
+    temporaries     short-lived tensors: gradients of activations, communication buffers
+
+and reports them at the moment of the step's peak, plus each category's own maximum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# PyTorch's reference types (their values, shared by both trackers) -> our categories.
+_CATEGORY_OF = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters", "Buffer": "parameters",
+    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "Optstate": "optimizer", "OptState": "optimizer",
+    "Activation": "activations", "Inputs": "activations",
+    "Temp": "temporaries", "All Gather": "temporaries", "Reduce Scatter": "temporaries", "Other": "temporaries",
+}
+# With FSDP's CPU offload these live in host memory, not on the device (FSDP keeps the sharded
+# parameters, their gradients and so the optimizer state on the CPU).
+_OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+@dataclass
+class StepMemory:
+    """One rank's memory during a training step, in bytes."""
+
+    peak: int  # the most allocated at once, on the device
+    at_peak: dict[str, int]  # category -> bytes held at that moment
+    category_max: dict[str, int]  # category -> the most it held at any moment (not at once)
+    host: int = 0  # with CPU offload: what lives in host memory at the peak (not in `peak`)
+    raw: dict[str, int] = field(default_factory=dict)  # PyTorch's own reference types at the peak
+
+    def add(self, category: str, nbytes: int) -> None:
+        """Memory the tracker cannot see but the rank holds all along (e.g. DDP's buckets)."""
+        self.at_peak[category] += nbytes
+        self.category_max[category] += nbytes
+        self.peak += nbytes
+
+    def as_record(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak, "at_peak": self.at_peak, "category_max": self.category_max,
+                "host_bytes": self.host, "tracker": self.raw}
+
+
+class _FSDPPartsTracker(FSDPMemTracker):
+    """FSDPMemTracker over several FSDP roots (the stages a pipeline rank holds) and several
+    optimizers (one per part). PyTorch's tracker takes one root and one optimizer; it reads the
+    root only through `.modules()` and `.buffers()`, which a ModuleList of the parts answers for
+    all of them, and it hooks the optimizer only in `_instrument_optimizer`, done here for each.
+
+    It also takes a root's forward run several times in one step (pipeline microbatches,
+    gradient accumulation), which PyTorch's tracker refuses as "the next iteration": each further
+    forward of a root is tracked as if inside a `Microbatch` parent module."""
+
+    _MICROBATCH = "Microbatch"
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[Any]):
+        super().__init__(parts[0], None)
+        self._root_mod = nn.ModuleList(parts)
+        self._roots = set(map(id, parts))
+        self._all_optimizers = optimizers
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: FSDPModule, orig: Any) -> Any:
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            repeated = (id(fsdp_mod) in self._roots and fsdp_mod in self.memory_tracking
+                        and not self._mod_tracker.is_bw)
+            if repeated:
+                self._mod_tracker.parents.add(self._MICROBATCH)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if repeated:
+                    self._mod_tracker.parents.discard(self._MICROBATCH)
+
+        return again
+
+    def _instrument_optimizer(self) -> None:
+        handles = []
+        for optimizer in self._all_optimizers:
+            self._track_optimizer_states(self._ref_class.OPT, optimizer)
+
+            def pre(opt, args, kwargs) -> None:
+                self._in_opt = True
+
+            def post(opt, args, kwargs) -> None:
+                self._track_optimizer_states(self._ref_class.OPT, opt)
+                self._in_opt = False
+
+            handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self._optimizer_hook_handles = tuple(handles)
+
+
+class _PartsTracker(MemTracker):
+    """MemTracker that, like _FSDPPartsTracker, takes a model part's forward run several times in
+    one step (pipeline microbatches, gradient accumulation)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self._roots = set(map(id, parts))
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        repeated = id(module) in self._roots and module in self.memory_tracking and not self._mod_tracker.is_bw
+        if repeated:
+            self._mod_tracker.parents.add(_FSDPPartsTracker._MICROBATCH)
+        try:
+            super()._pre_fw_hook(module, inputs)
+        finally:
+            if repeated:
+                self._mod_tracker.parents.discard(_FSDPPartsTracker._MICROBATCH)
+
+
+class StepTracker:
+    """Tracks the memory of whatever runs inside `with tracker.tracking():`; `result()` then gives
+    the peak. `offload`: FSDP's CPU offload is on (its host-side tensors are reported apart)."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[Any], offload: bool = False):
+        self.offload = offload
+        if any(isinstance(m, FSDPModule) for part in model_parts for m in part.modules()):
+            roots = [part for part in model_parts if isinstance(part, FSDPModule)]
+            if len(roots) != len(model_parts):
+                raise ValueError("every model part must be an FSDP root when any module is FSDP-sharded")
+            self.tracker: MemTracker = _FSDPPartsTracker(roots, optimizers)
+        else:
+            self.tracker = _PartsTracker(model_parts)
+            self.tracker.track_external(*model_parts, *optimizers)
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        with self.tracker:
+            yield
+
+    def track_inputs(self, *tensors: Any) -> None:
+        if isinstance(self.tracker, FSDPMemTracker):
+            self.tracker.track_inputs(tensors)
+        else:
+            self.tracker.track_external(*tensors)
+
+    def result(self) -> StepMemory:
+        raw: dict[str, int] = {}
+        for snapshot in self.tracker.get_tracker_snapshot("peak").values():  # one device in practice
+            for kind, nbytes in snapshot.items():
+                name = getattr(kind, "value", kind)
+                raw[name] = raw.get(name, 0) + nbytes
+        raw.pop("Total", None)
+        host = sum(raw.get(k, 0) for k in _OFFLOADED) if self.offload else 0
+        at_peak = dict.fromkeys(CATEGORIES, 0)
+        for name, nbytes in raw.items():
+            if self.offload and name in _OFFLOADED:
+                continue
+            at_peak[_CATEGORY_OF.get(name, "temporaries")] += nbytes
+        category_max = dict.fromkeys(CATEGORIES, 0)
+        for name, nbytes in self._category_maxima().items():
+            category_max[_CATEGORY_OF.get(name, "temporaries")] += nbytes
+        return StepMemory(sum(at_peak.values()), at_peak, category_max, host, raw)
+
+    def _category_maxima(self) -> dict[str, int]:
+        """Each reference type's largest value over the step, from the tracker's per-module
+        snapshots (taken before and after every module's forward and backward)."""
+        maxima: dict[str, int] = {}
+        for stats in self.tracker.memory_tracking.values():
+            for snapshots in stats.snapshots.values():
+                for snapshot in snapshots:
+                    for per_device in snapshot.values():
+                        for kind, nbytes in per_device.items():
+                            name = getattr(kind, "value", kind)
+                            if name != "Total":
+                                maxima[name] = max(maxima.get(name, 0), nbytes)
+        return maxima

@@ -1,0 +1,105 @@
+"""The checks and builds a job passes before any process group exists: the layout, the model's
+TrainSpec and arguments, the model on the meta device. One line and exit code 2 for each mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, NamedTuple
+
+import torch
+
+from torchtitan.checkpoint.hf_training import check_export_target
+from torchtitan.config_manager import validate_world_size
+from torchtitan.errors import ConfigError
+from torchtitan.job_config import JobConfig
+from torchtitan.memory_floor import check_step_fits
+from torchtitan.models import TrainSpec, get_train_spec
+from torchtitan.output_locations import check_output_locations
+from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms.float8 import check_float8_support
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan, plan_pipeline
+
+
+def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
+    if flavor not in train_spec.config:
+        raise ConfigError(
+            f"unknown model.flavor {flavor!r} for model {train_spec.name!r}; choose from {', '.join(train_spec.config)}"
+        )
+
+
+def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: int):
+    m = job_config.model
+    flavor = train_spec.config[m.flavor]
+    # vocab_size is required of every model's args; the others are set where the model has them.
+    updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": m.norm_type,
+               "moe_aux_loss_coef": job_config.moe.aux_loss_coef, "moe_bias_update_rate": job_config.moe.bias_update_rate}
+    padding = -vocab_size % m.vocab_size_divisible_by
+    if padding:
+        if not hasattr(flavor, "vocab_padding"):
+            raise ConfigError(f"model.vocab_size_divisible_by: model {m.name!r} cannot pad its vocabulary (its args have "
+                              "no vocab_padding field); leave it at 1")
+        updates["vocab_padding"] = padding
+    return dataclasses.replace(flavor, **{k: v for k, v in updates.items() if k == "vocab_size" or hasattr(flavor, k)})
+
+
+class Preflight(NamedTuple):
+    """What a job is checked and built from before any process group exists."""
+
+    parallel_dims: ParallelDims
+    pipeline_plan: PipelinePlan | None  # built once here, passed to validate_fn and pipelining_fn
+    train_spec: TrainSpec
+    tokenizer: Any
+    model_args: Any
+    model: torch.nn.Module  # on the meta device: shapes only, no memory
+
+
+def preflight(job_config: JobConfig, world_size: int, device_type: str | None = None,
+              check_memory: bool = True, tokenizer: Any = None) -> Preflight:
+    """Every check that needs no process group, in the order a run meets them; raises ConfigError
+    (or another user error) with one line. Runs on every rank before start-up, and in-process
+    wherever a layout must be judged without starting it (the layout matrix, the dry run).
+
+    `device_type`: the device the job runs on (this machine's by default; a dry run names the
+    cluster's). `check_memory` False leaves out the start-up memory floor (a dry run measures).
+    `tokenizer`: one already built (the dry run's stand-in where the file is on the cluster only)."""
+    parallel_dims = validate_world_size(job_config, world_size)
+    check_output_locations(job_config)
+    if job_config.experimental.custom_import:
+        module = job_config.experimental.custom_import
+        try:
+            importlib.import_module(module)  # registers extra models
+        except ModuleNotFoundError as e:
+            if e.name is None or not module.startswith(e.name):
+                raise  # the module exists but imports something missing: its own bug
+            raise ConfigError(f"experimental.custom_import {module!r}: no module named {e.name!r} on the Python path "
+                              f"(run from the folder that holds it, or add that folder to PYTHONPATH)") from None
+    train_spec = get_train_spec(job_config.model.name)
+    check_flavor(train_spec, job_config.model.flavor)
+    tokenizer = tokenizer or train_spec.build_tokenizer_fn(job_config)
+    model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
+    if parallel_dims.pp_enabled and train_spec.pipelining_fn is None:
+        raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
+                          "must stay 1")
+    plan = plan_pipeline(job_config) if parallel_dims.pp_enabled else None
+    if job_config.checkpoint.last_save_in_hf and train_spec.hf_adapter is None:
+        raise ConfigError(f"checkpoint.last_save_in_hf: model {train_spec.name!r} has no Hugging Face conversion "
+                          "(TrainSpec.hf_adapter)")
+    check_export_target(job_config)
+    if job_config.validation.enabled and train_spec.build_validation_dataloader_fn is None:
+        raise ConfigError(f"model {train_spec.name!r} has no build_validation_dataloader_fn, so validation.enabled "
+                          "must stay false")
+    if train_spec.validate_fn is not None:
+        train_spec.validate_fn(model_args, parallel_dims, plan, job_config)
+    device_type = device_type or tt_dist.device_type()
+    tt_dist.check_device_features(job_config, device_type)
+    check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
+    with torch.device("meta"):
+        model = train_spec.model_cls.from_model_args(model_args)
+    if parallel_dims.ep > 1 and not any(hasattr(m, "num_experts") for m in model.modules()):
+        raise ConfigError(f"training.expert_parallel_degree {parallel_dims.ep} needs a mixture-of-experts model; "
+                          f"{job_config.model.name} {job_config.model.flavor} has no experts (leave it at 1)")
+    if check_memory:
+        check_step_fits(job_config, parallel_dims, model_args, device_type, sum(p.numel() for p in model.parameters()))
+    return Preflight(parallel_dims, plan, train_spec, tokenizer, model_args, model)
