@@ -350,6 +350,8 @@ def _validate_dry_run(config: JobConfig) -> None:
     j, e = config.job, config.memory_estimation
     if j.dry_run_world_size < 0:
         raise ConfigError(f"job.dry_run_world_size must be a number of ranks (0: the launcher's), got {j.dry_run_world_size}")
+    if j.dry_run_vocab_size < 0:
+        raise ConfigError(f"job.dry_run_vocab_size must be a number of tokens (0: the tokenizer's), got {j.dry_run_vocab_size}")
     if j.dry_run_rank < -1:
         raise ConfigError(f"job.dry_run_rank must be a rank, or -1 (one of each pipeline stage), got {j.dry_run_rank}")
     if e.device_memory_gib < 0:

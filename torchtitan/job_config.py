@@ -41,8 +41,12 @@ class Job:
                                       "else cuda for a world given by job.dry_run_world_size, a cluster's, and "
                                       "this CPU for the launcher's own job).",
                               choices=["auto", "cuda", "cpu"])
-    dry_run_rank: int = opt(-1, "The rank the dry run simulates; -1: one rank of each pipeline stage (ranks differ "
-                                "in memory only by the stages they hold), reporting the most loaded.")
+    dry_run_vocab_size: int = opt(0, "The dry run's vocabulary size: 0, that of model.tokenizer_path (or the flavor's "
+                                     "where the file is not on this machine); else this many tokens, without a "
+                                     "tokenizer file (planning a model whose tokenizer lives on the cluster).")
+    dry_run_rank: int = opt(-1, "The rank the dry run simulates; -1: a rank of the first and one of the last "
+                                "pipeline rank (ranks differ in memory by the stages they hold; those two hold the "
+                                "most), reporting the most loaded.")
 
 
 @dataclass

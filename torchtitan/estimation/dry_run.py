@@ -8,8 +8,9 @@ the model family's real parallelize and pipelining functions, the materialised p
 optimizer. Then it runs two training steps of rank r's share (the second one has optimizer state,
 as every later step does) under PyTorch's memory tracker (tracker.py), and reports the peak.
 
-Pipeline ranks are replayed in their schedule's order (pipeline_replay.py); ranks of one stage hold
-the same shapes, so by default one rank of each stage is simulated and the most loaded is reported.
+Pipeline ranks are replayed in their schedule's order (pipeline_replay.py); ranks of one pipeline
+rank hold the same shapes, so by default the first and the last pipeline rank are simulated
+(ranks_to_simulate) and the most loaded is reported.
 
 What it cannot see: the device's caching allocator (fragmentation, reserved but unused blocks),
 the CUDA context and the communication library's own buffers (NCCL: several hundred MiB), and
@@ -164,13 +165,16 @@ def _coordinates(parallel_dims: ParallelDims, rank: int) -> dict[str, int]:
 
 
 def ranks_to_simulate(parallel_dims: ParallelDims, requested: int) -> list[int]:
-    """The requested rank, or the first rank of each pipeline stage (pp is the outermost mesh dim)."""
+    """The requested rank; else the first rank of the first and of the last pipeline rank (pp is
+    the outermost mesh dim). Ranks of one pipeline rank hold the same shapes; the first pipeline
+    rank keeps the embedding and the most microbatches in flight, the last the output and the
+    loss (V-shaped schedules give the first both ends), so the ranks between need no more."""
     if requested >= 0:
         if requested >= parallel_dims.world_size:
             raise ConfigError(f"job.dry_run_rank {requested} is no rank of a world of {parallel_dims.world_size}")
         return [requested]
     per_stage = parallel_dims.world_size // parallel_dims.pp
-    return [k * per_stage for k in range(parallel_dims.pp)]
+    return sorted({0, (parallel_dims.pp - 1) * per_stage})
 
 
 def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str, fake: bool = True,
@@ -316,6 +320,8 @@ def _tokenizer(job_config: JobConfig, notes: list[str]) -> Any:
     """The job's tokenizer; where its file is not on this machine (a cluster's path), a stand-in
     of the flavor's vocabulary size, with a note: the real job still needs the file."""
     spec = get_train_spec(job_config.model.name)
+    if job_config.job.dry_run_vocab_size:
+        return _Vocabulary(job_config.job.dry_run_vocab_size)
     try:
         return spec.build_tokenizer_fn(job_config)
     except TokenizerError as e:
@@ -425,6 +431,7 @@ def _measure_real(job_config: JobConfig) -> None:
     world_size = tt_dist.world_size()
     config, notes = for_this_machine(job_config, target, world_size)
     tt_dist.init_distributed(target, 600)
+    clean = False
     try:
         estimate = simulate_rank(config, world_size, tt_dist.rank(), target, fake=False)
         mine = {"memory": dataclasses.asdict(estimate.memory), "stages": list(estimate.stages),
@@ -443,5 +450,6 @@ def _measure_real(job_config: JobConfig) -> None:
                 logger.info(line.replace("dry run:", "measured:").replace("simulated in one process on fake tensors",
                                                                          "each rank on real tensors"))
             print("MEASURED " + json.dumps([r.as_record() for r in ranks]), flush=True)
+        clean = True
     finally:
-        tt_dist.shutdown(True)
+        tt_dist.shutdown(clean)  # a rank that failed does not wait for the others at a barrier

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common import trunc_normal
-from torchtitan.shapes_only import balanced_counts, is_fake
+from torchtitan.shapes_only import balanced_counts, grouped_matmul_shapes, is_fake
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +96,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_
     `use_grouped`: one `torch._grouped_mm` call; otherwise a loop of one matmul per expert (the
     exact fallback: the same products, one group at a time)."""
     if use_grouped:
+        if is_fake(x) and x.dtype != torch.bfloat16:  # the dry run standing for a CPU job
+            return grouped_matmul_shapes(x, weight.transpose(-2, -1))
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     # split / unbind / cat, not `weight[e]` and writes into a buffer: their backward gathers the

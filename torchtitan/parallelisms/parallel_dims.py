@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torchtitan.errors import ConfigError
@@ -58,6 +58,8 @@ class ParallelDims:
     world_size: int
     enable_loss_parallel: bool
     ep: int = 1  # expert parallelism: borrowed from dp_shard x cp, so not part of the product below
+    # What set the world size, for the error lines: the launcher's NGPU, or a dry run's option.
+    world_size_from: str = field(default="NGPU", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -73,7 +75,8 @@ class ParallelDims:
                 named = ", ".join(f"{_OPTION[n]} {getattr(self, n)}" for n in MESH_DIM_ORDER
                                   if n != "dp_shard" and getattr(self, n) > 1)
                 raise ConfigError(
-                    f"{named} multiply to {others}, which does not divide the world size {self.world_size} (NGPU); "
+                    f"{named} multiply to {others}, which does not divide the world size {self.world_size} "
+                    f"({self.world_size_from}); "
                     "change those degrees or the number of processes"
                 )
             self.dp_shard = self.world_size // others
@@ -82,7 +85,7 @@ class ParallelDims:
             degrees = " x ".join(f"{name} {getattr(self, name)}" for name in MESH_DIM_ORDER)
             raise ConfigError(
                 f"parallel degrees {degrees} = {product} must equal the world size {self.world_size}; "
-                "change the degrees or the number of processes (NGPU), or set "
+                f"change the degrees or the number of processes ({self.world_size_from}), or set "
                 "training.data_parallel_shard_degree = -1 to use the remaining ranks"
             )
         self._validate_ep()
@@ -325,6 +328,7 @@ def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> Paralle
         world_size=world_size,
         enable_loss_parallel=t.enable_loss_parallel and not t.disable_loss_parallel,
         ep=t.expert_parallel_degree,
+        world_size_from="job.dry_run_world_size" if job_config.job.dry_run and job_config.job.dry_run_world_size else "NGPU",
     )
 
 

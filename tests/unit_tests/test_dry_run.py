@@ -1,0 +1,103 @@
+"""The dry run in this process (PyTorch's fake process group and fake tensors): what it builds and
+counts for a rank of a larger world, the pipeline replay's reading of a schedule, its refusals.
+That its estimates equal what real ranks measure is tests/integration/test_memory_estimate.py."""
+
+import types
+
+import pytest
+import torch
+
+from torchtitan.config_manager import parse_args
+from torchtitan.errors import ConfigError, UserError
+from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_simulate
+from torchtitan.estimation.pipeline_replay import _compute_actions
+from torchtitan.estimation.tracker import CATEGORIES
+
+DEBUG = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--training.seq_len", "128", "--job.dry_run",
+         "--job.dry_run_device", "cpu"]
+
+
+def estimate(*args: str, world: int):
+    return dry_run(parse_args([*DEBUG, "--job.dry_run_world_size", str(world), *args]))
+
+
+def test_a_rank_of_eight_holds_an_eighth_of_the_state():
+    """FSDP over 8 ranks: the sharded fp32 parameters and Adam's two moments are those of 1/8 of
+    the model (to FSDP's padding), counted by PyTorch's tracker on fake tensors."""
+    one = estimate(world=1).ranks[0].memory.raw
+    eight = estimate(world=8)
+    rank = eight.ranks[0]
+    assert [r.rank for r in eight.ranks] == [0] and rank.coordinates == {"dp_shard": 0}
+    params = one["Parameter"]  # one process: plain parameters, fp32
+    assert rank.memory.raw["Sharded Param"] == pytest.approx(params / 8, rel=0.01)
+    assert rank.memory.raw["OptState"] == pytest.approx(2 * params / 8, rel=0.01)
+    assert set(rank.memory.at_peak) == set(CATEGORIES) and rank.memory.peak == sum(rank.memory.at_peak.values())
+
+
+def test_pipeline_ranks_simulated_are_the_first_and_the_last():
+    result = estimate("--experimental.pipeline_parallel_degree", "4", "--training.data_parallel_shard_degree", "2",
+                      world=8)
+    assert [(r.rank, r.stages) for r in result.ranks] == [(0, (0,)), (6, (3,))]
+    assert all(r.memory.peak > 0 for r in result.ranks)
+    dims = types.SimpleNamespace(world_size=8, pp=4)
+    assert ranks_to_simulate(dims, -1) == [0, 6] and ranks_to_simulate(dims, 3) == [3]
+    with pytest.raises(ConfigError, match="job.dry_run_rank 8 is no rank of a world of 8"):
+        ranks_to_simulate(dims, 8)
+
+
+def _action(text: str):
+    from torch.distributed.pipelining.schedules import _Action
+
+    return _Action.from_str(text)
+
+
+def test_the_replay_numbers_microbatches_by_occurrence():
+    """PyTorch 2.13's 1F1B order numbers the last stage's microbatches from 1 (1F1, 1B0, 1F2, 1B1);
+    the replay keeps what the order says about memory (one microbatch in flight) and renumbers."""
+    order = [_action(a) for a in ("1F1", "1B0", "1F2", "1B1", "1REDUCE_GRAD")]
+    assert _compute_actions(order) == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)]
+    zero_bubble = [_action(a) for a in ("0F0", "0I0", "0W0")] + [None]
+    assert _compute_actions(zero_bubble) == [("F", 0, 0), ("W", 0, 0)]  # I is run with its W
+
+
+def test_a_rank_that_would_not_fit_is_one_line(capsys):
+    with pytest.raises(DoesNotFit) as raised:
+        main(parse_args([*DEBUG, "--job.dry_run_world_size", "2", "--memory_estimation.device_memory_gib", "0.01"]))
+    assert str(raised.value).startswith("rank 0 would need ") and "more than the device's 0.0 GiB" in str(raised.value)
+
+
+def test_mistakes_the_real_job_would_make_are_its_lines():
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        estimate("--training.tensor_parallel_degree", "2", world=3)
+    with pytest.raises(ConfigError, match="job.dry_run_world_size must be a number of ranks"):
+        parse_args([*DEBUG, "--job.dry_run_world_size", "-1"])
+    with pytest.raises(UserError, match="unknown training.dataset 'nope'"):
+        estimate("--training.dataset", "nope", world=2)
+
+
+def test_a_tokenizer_only_the_cluster_has_stands_in_with_the_flavors_vocabulary():
+    result = estimate("--model.tokenizer_path", "no/such/tokenizer.model", "--training.batch_size", "1", world=2)
+    assert any("tokenizer file not found: no/such/tokenizer.model" in n and "128,256 tokens" in n for n in result.notes)
+    sized = estimate("--job.dry_run_vocab_size", "128256", "--training.batch_size", "1", world=2)
+    assert sized.ranks[0].memory.peak == result.ranks[0].memory.peak
+
+
+def test_a_gpu_job_is_simulated_in_its_compute_dtype():
+    """Standing for CUDA, FSDP computes in bf16 (`auto`) and the attention kernel runs in it: the
+    activations are smaller than those of the CPU's fp32."""
+    cpu = estimate(world=2).ranks[0].memory.at_peak["activations"]
+    cuda = dry_run(parse_args([*DEBUG, "--job.dry_run_world_size", "2", "--job.dry_run_device", "cuda"]))
+    assert cuda.compute_dtype == "bfloat16" and cuda.ranks[0].memory.at_peak["activations"] < 0.7 * cpu
+
+
+def test_balanced_routing_stands_for_moe_on_fake_tensors():
+    args = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--training.seq_len", "128",
+            "--job.dry_run", "--job.dry_run_device", "cpu", "--training.expert_parallel_degree", "2"]
+    result = dry_run(parse_args([*args, "--job.dry_run_world_size", "2"]))
+    assert result.ranks[0].memory.peak > 0 and result.ranks[0].parallelisms["moe"] is not None
+
+
+def test_the_process_group_and_patches_are_gone_afterwards():
+    estimate(world=2)
+    assert not torch.distributed.is_initialized()
+    assert torch.nn.init.trunc_normal_.__module__ == "torch.nn.init"

@@ -1,0 +1,293 @@
+"""The layout planner: which parallel layouts of a model fit a cluster, and which is fastest.
+
+It enumerates the layouts a job could use (tensor parallel within a node, pipeline stages, FSDP or
+HSDP, context parallel for long sequences, activation checkpointing, gradient accumulation),
+drops those the stack refuses (the config checks of a real start-up), ranks the rest by the
+analytic step-time model below, and asks the dry run (dry_run.py, fake tensors in this process)
+whether the fastest fit in the device's memory, until it has the requested number that do.
+
+The step-time model (per optimizer step, per rank; every figure a stated assumption):
+
+    compute   = FLOPs of the rank's tokens (6 x parameters + attention, per token; x4/3 with full
+                activation checkpointing, x1.1 with selective) / (peak FLOP/s x efficiency),
+                for 1/(tp x pp x cp) of the model's work on the rank's share of the batch
+    tp        = 4 all-gathers and 4 reduce-scatters of a block's activations per block, forward
+                and backward (sequence parallelism), each moving (tp-1)/tp of the bytes, over
+                the intra-node bandwidth; on the critical path
+    cp        = each block's keys and values passed around the ring, (cp-1)/cp of them, forward
+                and backward twice; intra- or inter-node by where the cp ranks sit; exposed
+    fsdp      = parameters gathered twice per micro-step (forward, backward) and gradients
+                reduce-scattered once per step, (n-1)/n of the rank's bf16 parameters each, over the
+                bandwidth of the slowest link
+                the shard group spans; HSDP adds an all-reduce of the fp32 gradient shard across
+                replicas (inter-node); overlapped with compute: only what exceeds it counts
+    bubble    = compute x (pp - 1) / (microbatches x stages per rank) (1F1B-like schedules)
+
+    step      = max(compute, fsdp) + tp + cp + bubble; tokens/s = global batch tokens / step
+
+What it leaves out: the schedule's own overheads, kernel launch and Python time, imperfect
+overlap, stragglers. Its figures rank layouts; they are no promise of throughput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from torchtitan.config_manager import parse_args
+from torchtitan.errors import UserError
+from torchtitan.estimation.dry_run import DryRunResult, dry_run
+from torchtitan.models import get_train_spec
+
+GB = 10**9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cluster the plan is for; defaults: H100 SXM nodes of 8 with NVLink and 400 Gb/s links."""
+
+    gpus_per_node: int = 8
+    device_memory_gib: float = 80.0
+    peak_tflops: float = 989.0  # dense bf16 per GPU
+    efficiency: float = 0.5  # share of the peak that the model's matmuls reach
+    intra_node_gbps: float = 360.0  # GB/s per GPU that a collective moves within a node (NVLink)
+    inter_node_gbps: float = 45.0  # GB/s per GPU across nodes (one 400 Gb/s NIC per GPU)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    ac: str  # none, selective, full
+    batch_size: int  # sequences per data-parallel rank and micro-step
+    accum: int  # gradient accumulation steps
+    microbatches: int  # pipeline microbatches per micro-step (0 without PP)
+    schedule: str = "1F1B"
+
+    def overrides(self) -> list[str]:
+        """Ready-to-paste trainer options."""
+        args = ["--training.data_parallel_replicate_degree", str(self.dp_replicate),
+                "--training.data_parallel_shard_degree", str(self.dp_shard),
+                "--training.tensor_parallel_degree", str(self.tp),
+                "--experimental.context_parallel_degree", str(self.cp),
+                "--experimental.pipeline_parallel_degree", str(self.pp),
+                "--activation_checkpoint.mode", self.ac,
+                "--training.batch_size", str(self.batch_size),
+                "--training.gradient_accumulation_steps", str(self.accum)]
+        if self.pp > 1:
+            args += ["--experimental.pipeline_parallel_schedule", self.schedule,
+                     "--experimental.pipeline_parallel_microbatches", str(self.microbatches)]
+        return args
+
+    def text(self) -> str:
+        dims = [f"{name} {value}" for name, value in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                                                      ("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if value > 1]
+        pp = f", {self.schedule} x{self.microbatches}" if self.pp > 1 else ""
+        return (f"{' x '.join(dims) or '1 rank'}, AC {self.ac}, batch {self.batch_size}"
+                + (f" x accum {self.accum}" if self.accum > 1 else "") + pp)
+
+
+@dataclass
+class Timing:
+    compute: float
+    tp: float
+    cp: float
+    fsdp: float
+    bubble: float
+    tokens: int  # per optimizer step, whole job
+
+    @property
+    def step(self) -> float:
+        return max(self.compute, self.fsdp) + self.tp + self.cp + self.bubble
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step
+
+
+@dataclass
+class Choice:
+    layout: Layout
+    timing: Timing
+    screened_bytes: int  # the analytic screen's memory figure
+    estimate: DryRunResult | None = None  # the dry run's, once asked
+    refused: str = ""  # the stack's one line, if it refuses the layout
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.estimate is None else self.estimate.largest.memory.peak
+
+
+@dataclass
+class Model:
+    """What the plan needs of a model, read from its flavor on the meta device."""
+
+    name: str
+    flavor: str
+    n_params: int
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    vocab_size: int
+    flops_per_token: Callable[[int], int] = field(repr=False)
+
+    @classmethod
+    def from_flavor(cls, name: str, flavor: str, vocab_size: int = 0) -> Model:
+        """`vocab_size`: the tokenizer's (the vocabulary always comes from it); 0: the flavor's."""
+        import torch
+
+        spec = get_train_spec(name)
+        if flavor not in spec.config:
+            raise UserError(f"unknown flavor {flavor!r} of model {name!r}; choose from {', '.join(spec.config)}")
+        args = spec.config[flavor]
+        if vocab_size:
+            args = dataclasses.replace(args, vocab_size=vocab_size)
+        with torch.device("meta"):
+            model = spec.model_cls.from_model_args(args)
+        heads = args.n_heads
+        head_dim = getattr(args, "head_dim", None) or args.dim // heads
+        hidden = max((m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)
+                      and m.in_features == args.dim and m.out_features != args.vocab_size), default=4 * args.dim)
+        return cls(name, flavor, sum(p.numel() for p in model.parameters()), args.n_layers, args.dim, heads,
+                   args.n_kv_heads or heads, head_dim, hidden, args.vocab_size, model.flops_per_token)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= limit and n % d == 0]
+
+
+def enumerate_layouts(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
+                      ac_modes: tuple[str, ...] = ("none", "selective", "full")) -> Iterator[Layout]:
+    """Every layout of the model on `ngpu` devices that the plan considers (before the stack's checks)."""
+    for tp in _powers_of_two_dividing(ngpu, hw.gpus_per_node):
+        if model.n_heads % tp or model.n_kv_heads % tp:
+            continue
+        for cp in _powers_of_two_dividing(ngpu // tp, hw.gpus_per_node):
+            # Context parallelism for long sequences: each rank keeps at least 4K tokens of each.
+            if cp > 1 and seq_len // cp < 4096:
+                continue
+            for pp in [d for d in _divisors(ngpu // (tp * cp)) if d <= model.n_layers and d <= 64]:
+                dp = ngpu // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                local = global_batch // dp
+                replicas = [1]
+                within_node = max(1, hw.gpus_per_node // (tp * cp))
+                if dp > within_node and dp % within_node == 0:
+                    replicas.append(dp // within_node)  # HSDP: shards within a node, replicas across
+                for dp_replicate in replicas:
+                    for accum in (a for a in _divisors(local) if a <= 8):
+                        batch = local // accum
+                        if pp > 1 and batch < pp:
+                            continue  # fewer microbatches than stages: most of the pipeline idles
+                        for ac in ac_modes:
+                            yield Layout(dp_replicate, dp // dp_replicate, tp, pp, cp, ac, batch, accum,
+                                         batch if pp > 1 else 0)
+
+
+def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batch: int) -> Timing:
+    """The analytic step time of the module docstring."""
+    tokens = global_batch * seq_len
+    local_tokens = layout.batch_size * layout.accum * seq_len  # per data-parallel rank and step
+    flops = model.flops_per_token(seq_len) * local_tokens / (layout.tp * layout.pp * layout.cp)
+    flops *= {"none": 1.0, "selective": 1.1, "full": 4 / 3}[layout.ac]
+    compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+    layers = model.n_layers / layout.pp
+    bf16 = 2
+    intra, inter = hw.intra_node_gbps * GB, hw.inter_node_gbps * GB
+    tp = 0.0
+    if layout.tp > 1:
+        block_bytes = local_tokens / layout.cp * model.dim * bf16
+        tp = 8 * layers * block_bytes * (layout.tp - 1) / layout.tp / intra
+    cp = 0.0
+    if layout.cp > 1:
+        kv_bytes = local_tokens / layout.cp * 2 * model.n_kv_heads * model.head_dim * bf16 / layout.tp
+        link = intra if layout.tp * layout.cp <= hw.gpus_per_node else inter
+        cp = 3 * layers * kv_bytes * (layout.cp - 1) / link
+    fsdp = 0.0
+    shard = layout.dp_shard * layout.cp  # FSDP shards over dp_shard x cp
+    params = model.n_params / (layout.tp * layout.pp)
+    if shard > 1:
+        span = layout.tp * shard  # ranks from the first of a shard group to its last
+        link = intra if span <= hw.gpus_per_node else inter
+        # Gathered for every micro-step's forward and backward, reduced once per step.
+        fsdp += (2 * layout.accum + 1) * params * bf16 * (shard - 1) / shard / link
+    if layout.dp_replicate > 1:
+        fsdp += 2 * params / shard * 4 * (layout.dp_replicate - 1) / layout.dp_replicate / inter
+    bubble = compute * (layout.pp - 1) / max(1, layout.microbatches) if layout.pp > 1 else 0.0
+    return Timing(compute, tp, cp, fsdp, bubble, tokens)
+
+
+def screened_bytes(model: Model, layout: Layout, seq_len: int) -> int:
+    """A quick, rough per-rank memory figure for ordering the dry runs (not the estimate): fp32
+    parameters, gradients and Adam state of the rank's share; two gathered bf16 blocks; activations
+    per block and token by AC mode (bf16, flash attention, sequence parallel under TP) for the
+    microbatches the first pipeline rank keeps; the fp32 logits the loss reads."""
+    shard = layout.dp_shard * layout.cp
+    state = model.n_params / (layout.tp * layout.pp * shard) * 16
+    gathered = 2 * model.n_params / model.n_layers / layout.tp * 2
+    tokens = layout.batch_size * seq_len / layout.cp / (layout.microbatches or 1)
+    per_token_block = {"none": 16 * model.dim + 6 * model.hidden_dim, "selective": 10 * model.dim + 4 * model.hidden_dim,
+                       "full": model.dim}[layout.ac] * 2 / layout.tp
+    in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
+    activations = tokens * per_token_block * model.n_layers / layout.pp * in_flight
+    logits = tokens * model.vocab_size / layout.tp * 4 * 3
+    return int(state + gathered + activations + logits)
+
+
+def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int, base_args: list[str],
+         top: int = 3, max_dry_runs: int = 8, log: Callable[[str], None] = print) -> list[Choice]:
+    """The `top` fastest layouts that fit, each confirmed by the dry run. `base_args`: trainer
+    options every layout shares (the model, a config file, the tokenizer...)."""
+    choices = []
+    for layout in enumerate_layouts(model, ngpu, hw, seq_len, global_batch):
+        choices.append(Choice(layout, timing(model, layout, hw, seq_len, global_batch),
+                              screened_bytes(model, layout, seq_len)))
+    choices.sort(key=lambda c: -c.timing.tokens_per_second)
+    budget = hw.device_memory_gib * GiB
+    log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices; dry-running the fastest whose "
+        "rough memory figure is under 1.5x the device's")
+    fitting, dry_runs = [], 0
+    for choice in choices:
+        if len(fitting) == top or dry_runs == max_dry_runs:
+            break
+        if choice.screened_bytes > 1.5 * budget:
+            continue
+        args = [*base_args, *choice.layout.overrides(), "--training.seq_len", str(seq_len), "--job.dry_run",
+                "--job.dry_run_world_size", str(ngpu), "--job.dry_run_device", "cuda",
+                "--memory_estimation.device_memory_gib", str(hw.device_memory_gib)]
+        try:
+            job_config = parse_args(args)
+            dry_runs += 1
+            choice.estimate = dry_run(job_config)
+        except UserError as e:
+            choice.refused = str(e)
+            log(f"  refused: {choice.layout.text()}: {e}")
+            continue
+        peak = choice.peak_bytes / GiB
+        log(f"  dry run: {choice.layout.text()}: {peak:.1f} GiB at the peak "
+            f"({'fits' if choice.estimate.fits else 'does not fit'}); predicted "
+            f"{choice.timing.tokens_per_second / ngpu:,.0f} tokens/s per device")
+        if choice.estimate.fits:
+            fitting.append(choice)
+    return fitting
+
+
+def as_record(choice: Choice) -> dict[str, Any]:
+    """A choice as a record (for tests and JSON output)."""
+    return {"layout": dataclasses.asdict(choice.layout), "overrides": choice.layout.overrides(),
+            "tokens_per_second": choice.timing.tokens_per_second, "step_seconds": choice.timing.step,
+            "peak_gib": None if choice.peak_bytes is None else choice.peak_bytes / GiB}
+
