@@ -6,7 +6,7 @@ run as a real job of that many processes, each rank measuring its own second tra
 the same tracker. Prints a markdown table: the most loaded simulated rank's estimate, measurement
 and error, and the worst error over every rank the dry run simulated (one per pipeline stage).
 
-  python scripts/memory_accuracy.py                       # every layout, debug model and 100M
+  python scripts/memory_accuracy.py                       # every layout, debug, 100M and MoE models
   python scripts/memory_accuracy.py --only fsdp2 pp2_1f1b --models debug
 
 On this project's CPU machine it runs the real jobs on gloo; on a GPU machine, on the GPUs (the
@@ -25,9 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's t
 from torchtitan.estimation.accuracy import HEADER, compare  # noqa: E402
 from torchtitan.logging import init_logger  # noqa: E402
 
+DENSE = ["--job.config_file", "bundled:train_configs/debug_model.toml"]
 MODELS = {
-    "debug": ["--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.batch_size", "4"],
-    "100M": ["--model.flavor", "100M", "--training.seq_len", "512", "--training.batch_size", "2"],
+    "debug": [*DENSE, "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.batch_size", "4"],
+    "100M": [*DENSE, "--model.flavor", "100M", "--training.seq_len", "512", "--training.batch_size", "2"],
+    # Qwen3 MoE debug: routing on fake tensors is balanced, the real run's is what the router picks.
+    "moe": ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--training.seq_len", "512",
+            "--training.batch_size", "4"],
 }
 FSDP2 = ["--training.data_parallel_shard_degree", "2"]
 PP2 = ["--experimental.pipeline_parallel_degree", "2"]
@@ -49,13 +53,16 @@ LAYOUTS = {
     "fsdp2_ac_selective": (2, [*FSDP2, "--activation_checkpoint.mode", "selective"]),
     "fsdp2_accum2": (2, [*FSDP2, "--training.gradient_accumulation_steps", "2"]),
     "fsdp2_offload": (2, [*FSDP2, "--training.enable_cpu_offload"]),
+    "fsdp2_ep2": (2, [*FSDP2, "--training.expert_parallel_degree", "2"]),
 }
+# The layouts each model is measured in (the MoE model in those that place its experts differently).
+MODEL_LAYOUTS = {"moe": ["fsdp2", "fsdp2_ep2", "tp2"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", choices=sorted(LAYOUTS), help="these layouts (default: all)")
-    p.add_argument("--models", nargs="*", choices=sorted(MODELS), default=sorted(MODELS))
+    p.add_argument("--models", nargs="*", choices=sorted(MODELS), default=list(MODELS))
     ns = p.parse_args(argv)
     init_logger()
     import logging
@@ -64,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, flush=True)
     start = time.perf_counter()
     for model in ns.models:
-        for name in ns.only or LAYOUTS:
+        default = MODEL_LAYOUTS.get(model, [n for n in LAYOUTS if n != "fsdp2_ep2"])
+        for name in ns.only or default:
             nproc, options = LAYOUTS[name]
-            args = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--metrics.disable_color_printing",
-                    *MODELS[model], *options]
+            args = ["--metrics.disable_color_printing", *MODELS[model], *options]
             print(compare(f"{model} {name}", args, nproc).row(), flush=True)
     print(f"\n{time.perf_counter() - start:.0f} s in all", flush=True)
     return 0

@@ -26,13 +26,25 @@ from torchtitan.estimation.planner import GiB, Hardware, Model, as_record, plan 
 from torchtitan.logging import init_logger  # noqa: E402
 
 
+def gib(text: str) -> float:
+    """A memory size in GiB: `80`, `80GiB` or `141 GiB`."""
+    number = text.strip().removesuffix("GiB").removesuffix("gib").strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB, like 80 or 80GiB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     hw = Hardware()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3", help="registered model name (model.name)")
     p.add_argument("--flavor", required=True, help="its flavor (model.flavor), e.g. 8B, 70B, 405B")
     p.add_argument("--ngpu", type=int, required=True, help="devices in the job")
-    p.add_argument("--device-memory", type=float, default=hw.device_memory_gib, help="GiB per device")
+    p.add_argument("--device-memory", type=gib, default=hw.device_memory_gib, help="GiB per device")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (default: --ngpu)")
     p.add_argument("--gpus-per-node", type=int, default=hw.gpus_per_node)

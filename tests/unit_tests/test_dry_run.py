@@ -35,9 +35,11 @@ def test_a_rank_of_eight_holds_an_eighth_of_the_state():
 
 
 def test_pipeline_ranks_simulated_are_the_first_and_the_last():
-    result = estimate("--experimental.pipeline_parallel_degree", "4", "--training.data_parallel_shard_degree", "2",
-                      world=8)
-    assert [(r.rank, r.stages) for r in result.ranks] == [(0, (0,)), (6, (3,))]
+    """One process simulates both; the second builds meshes equal to the first's over new process
+    groups (with TP, DTensor's cached sharding decisions would name the first's, destroyed)."""
+    result = estimate("--experimental.pipeline_parallel_degree", "2", "--training.data_parallel_shard_degree", "2",
+                      "--training.tensor_parallel_degree", "2", world=8)
+    assert [(r.rank, r.stages) for r in result.ranks] == [(0, (0,)), (4, (1,))]
     assert all(r.memory.peak > 0 for r in result.ranks)
     dims = types.SimpleNamespace(world_size=8, pp=4)
     assert ranks_to_simulate(dims, -1) == [0, 6] and ranks_to_simulate(dims, 3) == [3]

@@ -248,6 +248,21 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     finally:
         if fake:
             dist.destroy_process_group()
+            _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions by mesh; the next rank simulated builds equal meshes over
+    new process groups, and a cached decision would name the destroyed ones."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # the C++ dispatch's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
 
 
 @contextlib.contextmanager

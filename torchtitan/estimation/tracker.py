@@ -139,11 +139,11 @@ class StepTracker:
 
     def __init__(self, model_parts: list[nn.Module], optimizers: list[Any], offload: bool = False):
         self.offload = offload
-        if any(isinstance(m, FSDPModule) for part in model_parts for m in part.modules()):
-            roots = [part for part in model_parts if isinstance(part, FSDPModule)]
-            if len(roots) != len(model_parts):
-                raise ValueError("every model part must be an FSDP root when any module is FSDP-sharded")
-            self.tracker: MemTracker = _FSDPPartsTracker(roots, optimizers)
+        # FSDP's tracker needs every part to be an FSDP root. Where only some submodules are sharded
+        # (MoE experts over their own mesh in a layout without FSDP), the plain tracker still sees
+        # every allocation; their gathered parameters then count as temporaries.
+        if all(isinstance(part, FSDPModule) for part in model_parts):
+            self.tracker: MemTracker = _FSDPPartsTracker(model_parts, optimizers)
         else:
             self.tracker = _PartsTracker(model_parts)
             self.tracker.track_external(*model_parts, *optimizers)
