@@ -254,8 +254,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
 def _forget_meshes() -> None:
     """DTensor caches sharding decisions by mesh; the next rank simulated builds equal meshes over
     new process groups, and a cached decision would name the destroyed ones."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # the C++ dispatch's
     propagator = DTensor._op_dispatcher.sharding_propagator
