@@ -71,7 +71,7 @@ mode=$(WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.config_manager --la
 
 if [[ "$mode" == "dry_run" ]]; then
   # job.dry_run: one process stands for every rank of the job (docs/memory.md); no torchrun.
-  exec env TORCHTITAN_DRY_RUN_WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.train \
+  exec env TORCHTITAN_DRY_RUN_WORLD_SIZE="$(( NGPU * NNODES ))" TORCHTITAN_DRY_RUN_LOCAL_WORLD_SIZE="$NGPU" "$py" -m torchtitan.train \
     --job.config_file "$CONFIG_FILE" "$@"
 fi
 

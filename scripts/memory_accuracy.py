@@ -42,9 +42,11 @@ LAYOUTS = {
     "ddp2": (2, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"]),
     "tp2": (2, ["--training.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": (4, [*FSDP2, "--training.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2_ac_full": (4, [*FSDP2, "--training.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
     "cp2": (2, ["--experimental.context_parallel_degree", "2"]),
     "pp2_1f1b": (2, PP2),
-    "pp2_interleaved": (2, [*PP2, "--experimental.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2_interleaved": (2, [*PP2, "--experimental.pipeline_parallel_schedule", "Interleaved1F1B",
+                            "--experimental.pipeline_parallel_microbatches", "2"]),
     # Zero-bubble schedules are estimated (the replay runs their weight halves as full backwards)
     # but cannot be measured: PyTorch's module tracker fails inside their autograd.grad calls.
     "fsdp2_pp2": (4, [*FSDP2, *PP2]),
@@ -53,6 +55,8 @@ LAYOUTS = {
     "fsdp2_ac_selective": (2, [*FSDP2, "--activation_checkpoint.mode", "selective"]),
     "fsdp2_accum2": (2, [*FSDP2, "--training.gradient_accumulation_steps", "2"]),
     "fsdp2_offload": (2, [*FSDP2, "--training.enable_cpu_offload"]),
+    # On a GPU the float8 matmuls run on float8 units; on the CPU emulated, with the same tensors kept.
+    "fsdp2_float8": (2, [*FSDP2, "--float8.enable_float8_linear", "--float8.emulate"]),
     "fsdp2_ep2": (2, [*FSDP2, "--training.expert_parallel_degree", "2"]),
 }
 # The layouts each model is measured in (the MoE model in those that place its experts differently).

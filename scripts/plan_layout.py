@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -25,39 +26,67 @@ from torchtitan.errors import UserError  # noqa: E402
 from torchtitan.estimation.planner import GiB, Hardware, Model, as_record, plan  # noqa: E402
 from torchtitan.logging import init_logger  # noqa: E402
 
+MAX_NGPU = 1 << 20  # beyond any cluster; keeps a mistyped count from enumerating for hours
 
-def gib(text: str) -> float:
-    """A memory size in GiB: `80`, `80GiB` or `141 GiB`."""
-    number = text.strip().removesuffix("GiB").removesuffix("gib").strip()
-    try:
-        value = float(number)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GiB, like 80 or 80GiB, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a mistake as one `error:` line (exit 2), as the trainer does."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _number(kind: type, low: float, high: float = math.inf, low_inclusive: bool = False):
+    def parse(text: str):
+        try:
+            value = kind(text.strip().removesuffix("GiB").removesuffix("gib").strip() if kind is float else text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value > high or (value < low if low_inclusive else value <= low):
+            bound = f">= {low:g}" if low_inclusive else f"> {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{f' and <= {high:,.10g}' if high < math.inf else ''}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number(int, 0)
+gib = _number(float, 0)  # 80, 80GiB or 141 GiB
 
 
 def parser() -> argparse.ArgumentParser:
     hw = Hardware()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3", help="registered model name (model.name)")
     p.add_argument("--flavor", required=True, help="its flavor (model.flavor), e.g. 8B, 70B, 405B")
-    p.add_argument("--ngpu", type=int, required=True, help="devices in the job")
-    p.add_argument("--device-memory", type=gib, default=hw.device_memory_gib, help="GiB per device")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (default: --ngpu)")
-    p.add_argument("--gpus-per-node", type=int, default=hw.gpus_per_node)
-    p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops, help="dense bf16 TFLOP/s per device")
-    p.add_argument("--efficiency", type=float, default=hw.efficiency, help="share of the peak the matmuls reach")
-    p.add_argument("--intra-node-gbps", type=float, default=hw.intra_node_gbps, help="GB/s per device within a node")
-    p.add_argument("--inter-node-gbps", type=float, default=hw.inter_node_gbps, help="GB/s per device across nodes")
+    p.add_argument("--ngpu", type=_number(int, 0, MAX_NGPU), required=True, help="devices in the job")
+    p.add_argument("--device-memory", type=gib, default=hw.device_memory_gib, help="GiB per device (80 or 80GiB)")
+    p.add_argument("--seq-len", type=positive_int, default=8192)
+    p.add_argument("--global-batch", type=_number(int, 0, low_inclusive=True), default=0,
+                   help="sequences per optimizer step (default: --ngpu)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=hw.gpus_per_node)
+    p.add_argument("--peak-tflops", type=_number(float, 0), default=hw.peak_tflops, help="dense bf16 TFLOP/s per device")
+    p.add_argument("--efficiency", type=_number(float, 0, 1), default=hw.efficiency,
+                   help="share of the peak the matmuls reach (0 to 1)")
+    p.add_argument("--intra-node-gbps", type=_number(float, 0), default=hw.intra_node_gbps,
+                   help="GB/s per device within a node")
+    p.add_argument("--inter-node-gbps", type=_number(float, 0), default=hw.inter_node_gbps,
+                   help="GB/s per device across nodes")
     p.add_argument("--config", default="", help="a TOML config whose other options the job uses")
     p.add_argument("--tokenizer", default="", help="tokenizer file (default: the flavor's vocabulary size, no file)")
-    p.add_argument("--top", type=int, default=3, help="layouts to print")
-    p.add_argument("--max-dry-runs", type=int, default=8, help="dry runs to spend at most")
+    p.add_argument("--top", type=positive_int, default=3, help="layouts to print")
+    p.add_argument("--max-dry-runs", type=positive_int, default=8, help="dry runs to spend at most")
     p.add_argument("--json", action="store_true", help="also print the choices as one JSON line")
     return p
+
+
+def job_options(ns: argparse.Namespace) -> list[str]:
+    """What the printed layouts assume of the job besides the layout: model, sequence, config and
+    tokenizer (the plan is for GPUs: mixed_precision_param auto computes in bf16 there)."""
+    options = ["--job.config_file", ns.config] if ns.config else []
+    options += ["--model.name", ns.model, "--model.flavor", ns.flavor, "--training.seq_len", str(ns.seq_len)]
+    return options + (["--model.tokenizer_path", ns.tokenizer] if ns.tokenizer else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         vocab = 0
+        if ns.config:
+            from torchtitan.assets import resolve_path
+
+            if not Path(resolve_path(ns.config, "--config", UserError)).is_file():
+                raise UserError(f"--config file not found: {ns.config}")
         if ns.tokenizer:
             from torchtitan.assets import resolve_path
             from torchtitan.datasets.tokenizer import tokenizer_from_file
@@ -90,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(choices)} layouts that fit ({time.perf_counter() - start:.0f}s)")
     for i, c in enumerate(choices, 1):
         t = c.timing
-        print(f"\n{i}. {c.layout.text()}: {c.peak_bytes / GiB:.1f} GiB at the peak; predicted "
-              f"{t.tokens_per_second / ns.ngpu:,.0f} tokens/s per device (step {t.step:.2f}s: compute {t.compute:.2f}, "
-              f"TP {t.tp:.2f}, CP {t.cp:.2f}, FSDP {t.fsdp:.2f}, bubble {t.bubble:.2f})")
-        print("   " + " ".join(c.layout.overrides()))
+        print(f"\n{i}. {c.layout.text()}: {c.peak_bytes / GiB:.3g} GiB at the peak; predicted "
+              f"{t.tokens_per_second / ns.ngpu:,.0f} tokens/s per device (step {t.step:.3g}s: compute {t.compute:.3g}, "
+              f"TP {t.tp:.3g}, CP {t.cp:.3g}, FSDP {t.fsdp:.3g}, bubble {t.bubble:.3g})")
+        print("   " + " ".join(job_options(ns) + c.layout.overrides()))
     if ns.json:
-        print(json.dumps([as_record(c) for c in choices]))
+        print(json.dumps([{**as_record(c), "options": job_options(ns) + c.layout.overrides()} for c in choices]))
     if not choices:
         print("error: no layout considered fits; raise --ngpu or --device-memory, or lower --seq-len or --global-batch",
               file=sys.stderr)

@@ -353,9 +353,16 @@ def _validate_dry_run(config: JobConfig) -> None:
     if j.dry_run_vocab_size < 0:
         raise ConfigError(f"job.dry_run_vocab_size must be a number of tokens (0: the tokenizer's), got {j.dry_run_vocab_size}")
     if j.dry_run_rank < -1:
-        raise ConfigError(f"job.dry_run_rank must be a rank, or -1 (one of each pipeline stage), got {j.dry_run_rank}")
-    if e.device_memory_gib < 0:
-        raise ConfigError(f"memory_estimation.device_memory_gib must be >= 0 (0: this machine's GPU), got "
+        raise ConfigError(f"job.dry_run_rank must be a rank, or -1 (the first and the last pipeline rank), got {j.dry_run_rank}")
+    if not j.dry_run:
+        given = [name for name, value in (("job.dry_run_world_size", j.dry_run_world_size),
+                                          ("job.dry_run_vocab_size", j.dry_run_vocab_size),
+                                          ("job.dry_run_rank", j.dry_run_rank + 1),
+                                          ("memory_estimation.disable_fake_mode", e.disable_fake_mode)) if value]
+        if given:
+            raise ConfigError(f"{given[0]} needs job.dry_run (without it the job trains for real)")
+    if e.device_memory_gib < 0 or e.device_memory_gib != e.device_memory_gib or e.device_memory_gib == float("inf"):
+        raise ConfigError(f"memory_estimation.device_memory_gib must be a finite number >= 0 (0: this machine's GPU), got "
                           f"{e.device_memory_gib}")
 
 

@@ -303,8 +303,9 @@ class Validation:
 
 @dataclass
 class MemoryEstimation:
-    enabled: bool = opt(False, "Before training, rank 0 estimates every rank's peak memory with the dry run "
-                               "(job.dry_run) and warns when it exceeds the device's memory.")
+    enabled: bool = opt(False, "Before training, each rank estimates its own peak memory with the dry run "
+                               "(job.dry_run, in-process, before the process group exists), logs it by category and "
+                               "warns when it exceeds the device's memory.")
     disable_fake_mode: bool = opt(False, "Dry run on real tensors: under torchrun with the real process group, each "
                                          "rank measures its own step with the same tracker (how docs/memory.md "
                                          "checks the estimates).")

@@ -65,7 +65,7 @@ def test_the_replay_numbers_microbatches_by_occurrence():
 def test_a_rank_that_would_not_fit_is_one_line(capsys):
     with pytest.raises(DoesNotFit) as raised:
         main(parse_args([*DEBUG, "--job.dry_run_world_size", "2", "--memory_estimation.device_memory_gib", "0.01"]))
-    assert str(raised.value).startswith("rank 0 would need ") and "more than the device's 0.0 GiB" in str(raised.value)
+    assert str(raised.value).startswith("rank 0 would need ") and "more than the device's 0.01 GiB (memory_estimation.device_memory_gib)" in str(raised.value)
 
 
 def test_mistakes_the_real_job_would_make_are_its_lines():
@@ -103,3 +103,33 @@ def test_the_process_group_and_patches_are_gone_afterwards():
     estimate(world=2)
     assert not torch.distributed.is_initialized()
     assert torch.nn.init.trunc_normal_.__module__ == "torch.nn.init"
+
+
+def test_ddp_options_that_mean_something_across_replicas_are_accounted_for():
+    """Plain DDP runs as one replica; ZeRO-1 and a bf16 gradient reduction (checked against the
+    replicas) are not refused for it: ZeRO-1 keeps 1/replicas of the optimizer state."""
+    ddp = ["--training.data_parallel_replicate_degree", "4", "--training.data_parallel_shard_degree", "1",
+           "--training.batch_size", "1"]
+    plain = estimate(*ddp, world=4).ranks[0].memory
+    zero1 = estimate(*ddp, "--optimizer.zero1", "--training.mixed_precision_reduce", "bfloat16", world=4).ranks[0].memory
+    assert zero1.at_peak["optimizer"] == pytest.approx(plain.at_peak["optimizer"] / 4, rel=0.01)
+    assert zero1.peak < plain.peak
+
+
+def test_a_cpu_job_is_judged_as_the_cpu_runs_it():
+    """Standing for this CPU, what the CPU refuses is refused (float8 without emulation), the
+    tokenizer must be here, and a layout without FSDP computes in fp32 also when standing for CUDA."""
+    with pytest.raises(UserError, match="float8.enable_float8_linear needs CUDA"):
+        estimate("--float8.enable_float8_linear", world=2)
+    with pytest.raises(UserError, match="no/such/tokenizer.model"):
+        dry_run(parse_args([*DEBUG, "--model.tokenizer_path", "no/such/tokenizer.model"]))
+    tp = dry_run(parse_args([*DEBUG, "--job.dry_run_world_size", "2", "--job.dry_run_device", "cuda",
+                             "--training.tensor_parallel_degree", "2", "--training.batch_size", "1"]))
+    assert tp.compute_dtype == "float32"
+
+
+def test_dry_run_options_need_the_dry_run():
+    base = ["--job.config_file", "bundled:train_configs/debug_model.toml"]
+    for option in (["--job.dry_run_world_size", "64"], ["--memory_estimation.disable_fake_mode"]):
+        with pytest.raises(ConfigError, match=f"{option[0].removeprefix('--')} needs job.dry_run"):
+            parse_args([*base, *option])

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ WORLD_SIZE_ENV = "TORCHTITAN_DRY_RUN_WORLD_SIZE"  # the launcher's NGPU x NNODES
 # The dry run's own notes: what it changed to run on this machine, said once per run.
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+# FSDP2 warns of in-place ops on a view output (MoE blocks return one); a dry run changes no values.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass
@@ -132,10 +135,13 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
         t.compile = False
         notes.append("torch.compile is not simulated: the estimate is of eager execution (compiled blocks usually "
                      "keep fewer temporaries)")
-    if config.experimental.enable_async_tensor_parallel:
+    # Standing for a GPU job on a machine without one; a CPU job keeps the options, and their
+    # checks refuse them as the real job would.
+    if config.experimental.enable_async_tensor_parallel and target == "cuda":
         config.experimental.enable_async_tensor_parallel = False
         notes.append("async tensor parallelism is simulated as plain tensor parallelism (the same tensors)")
-    if config.float8.enable_float8_linear and not config.float8.emulate and not torch.cuda.is_available():
+    if (config.float8.enable_float8_linear and not config.float8.emulate and target == "cuda"
+            and not torch.cuda.is_available()):
         config.float8.emulate = True
         notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
     return config, notes
@@ -185,6 +191,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     start = time.perf_counter()
     parallel_dims, plan, spec, tokenizer, model_args, model = preflight(job_config, world_size, target,
                                                                         check_memory=False, tokenizer=tokenizer)
+    hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]" prefix, once per simulated rank
     if fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -249,6 +256,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
         if fake:
             dist.destroy_process_group()
             _forget_meshes()
+            sys.excepthook = hook
 
 
 def _forget_meshes() -> None:
@@ -297,12 +305,20 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
     tokenizer = _tokenizer(config, notes)
     pre = preflight(config, world_size, target, check_memory=False, tokenizer=tokenizer)
     parallel_dims, simulated, world, buckets = pre.parallel_dims, config, world_size, 0
+    zero1_replicas = 1
     if _plain_ddp(parallel_dims):
+        # One replica computes what a DDP rank does; the options that only mean something across
+        # replicas (checked against them) are taken out of the simulation and accounted for here.
         simulated = copy.deepcopy(config)
         simulated.training.data_parallel_replicate_degree = 1
+        simulated.training.mixed_precision_reduce = "float32"  # the buckets hold fp32 gradients either way
+        if simulated.optimizer.zero1:
+            simulated.optimizer.zero1 = False
+            zero1_replicas = parallel_dims.dp_replicate
         world = world_size // parallel_dims.dp_replicate
         buckets = sum(p.numel() for p in pre.model.parameters()) * 4  # fp32 gradients
-        notes.append(f"DDP is simulated as one replica plus its gradient buckets ({buckets / GiB:.3f} GiB)")
+        notes.append(f"DDP is simulated as one replica plus its gradient buckets ({buckets / GiB:.3f} GiB)"
+                     + (f"; ZeRO-1 as 1/{zero1_replicas} of its optimizer state" if zero1_replicas > 1 else ""))
     ranks = []
     log = logging.getLogger("torchtitan")
     level = log.level
@@ -312,12 +328,23 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
             estimate.rank = rank
             if buckets:
                 estimate.memory.add("gradients", buckets)
+            if zero1_replicas > 1:  # each replica keeps the state of the parameters it owns
+                state = estimate.memory.at_peak["optimizer"]
+                estimate.memory.add("optimizer", -(state - state // zero1_replicas))
             ranks.append(estimate)
             log.setLevel(max(level, logging.WARNING))  # the build's lines once, for the first rank
     finally:
         log.setLevel(level)
-    dtype = str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
-    return DryRunResult(world_size, target, dtype, notes, ranks, device_memory_bytes(job_config, target))
+    return DryRunResult(world_size, target, compute_dtype(config, world_size, target), notes, ranks,
+                        device_memory_bytes(job_config, target, world_size))
+
+
+def compute_dtype(config: JobConfig, world_size: int, target: str) -> str:
+    """The dtype the blocks compute in: FSDP's mixed-precision policy where FSDP shards the model;
+    fp32 elsewhere (single device, DDP, TP or PP without FSDP: the trainer's rule)."""
+    if not _shards(config, world_size):
+        return "float32"
+    return str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -331,8 +358,9 @@ class _Vocabulary:
 
 
 def _tokenizer(job_config: JobConfig, notes: list[str]) -> Any:
-    """The job's tokenizer; where its file is not on this machine (a cluster's path), a stand-in
-    of the flavor's vocabulary size, with a note: the real job still needs the file."""
+    """The job's tokenizer. For another world (job.dry_run_world_size: a cluster's job) whose file
+    is not on this machine, a stand-in of the flavor's vocabulary size, with a note: the real job
+    still needs the file. The job of this machine (the launcher's world) needs it here."""
     spec = get_train_spec(job_config.model.name)
     if job_config.job.dry_run_vocab_size:
         return _Vocabulary(job_config.job.dry_run_vocab_size)
@@ -341,13 +369,16 @@ def _tokenizer(job_config: JobConfig, notes: list[str]) -> Any:
     except TokenizerError as e:
         flavor = spec.config.get(job_config.model.flavor)
         vocab = getattr(flavor, "vocab_size", None)
-        if not vocab or "not found" not in str(e):
+        if not vocab or "not found" not in str(e) or not job_config.job.dry_run_world_size:
             raise
         notes.append(f"{e}: estimated with the flavor's vocabulary ({vocab:,} tokens); the real job needs the file")
         return _Vocabulary(vocab)
 
 
-def device_memory_bytes(job_config: JobConfig, target: str) -> int | None:
+LOCAL_WORLD_SIZE_ENV = "TORCHTITAN_DRY_RUN_LOCAL_WORLD_SIZE"  # the launcher's NGPU: ranks on this host
+
+
+def device_memory_bytes(job_config: JobConfig, target: str, world_size: int) -> int | None:
     """What one rank may use: memory_estimation.device_memory_gib; else this machine's GPU (for a
     CUDA target), or its available host memory shared by the ranks it starts (for a CPU one)."""
     given = job_config.memory_estimation.device_memory_gib
@@ -355,7 +386,17 @@ def device_memory_bytes(job_config: JobConfig, target: str) -> int | None:
         return int(given * GiB)
     if target == "cuda":
         return rank_memory_bytes("cuda") if torch.cuda.is_available() else None
-    return rank_memory_bytes("cpu")
+    if "LOCAL_WORLD_SIZE" in os.environ:  # a rank of a real job (memory_estimation.enabled)
+        return rank_memory_bytes("cpu")
+    available = rank_memory_bytes("cpu")  # this process alone
+    local = int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "0")) or world_size
+    return None if available is None else available // max(1, local)
+
+
+def _device_memory_source(job_config: JobConfig, target: str) -> str:
+    if job_config.memory_estimation.device_memory_gib > 0:
+        return "memory_estimation.device_memory_gib"
+    return "this GPU's" if target == "cuda" else "this host's available memory shared by its ranks"
 
 
 def estimate_before_training(job_config: JobConfig) -> None:
@@ -432,8 +473,9 @@ def main(job_config: JobConfig) -> None:
         logger.info(line)
     if result.fits is False:
         big = result.largest
-        raise DoesNotFit(f"rank {big.rank} would need {big.memory.peak / GiB:.2f} GiB at its peak, more than the "
-                         f"device's {result.device_memory / GiB:.1f} GiB (memory_estimation.device_memory_gib); lower "
+        raise DoesNotFit(f"rank {big.rank} would need {big.memory.peak / GiB:.3g} GiB at its peak, more than the "
+                         f"device's {result.device_memory / GiB:.3g} GiB "
+                         f"({_device_memory_source(job_config, result.device_type)}); lower "
                          "training.batch_size or training.seq_len, use activation_checkpoint.mode full, or shard over "
                          "more ranks (FSDP, tensor, pipeline or context parallel)")
 
@@ -443,6 +485,10 @@ def _measure_real(job_config: JobConfig) -> None:
     prints every rank's row, and a `MEASURED <json>` line for tools (scripts/memory_accuracy.py)."""
     target = tt_dist.device_type()
     world_size = tt_dist.world_size()
+    if job_config.job.dry_run_world_size not in (0, world_size):
+        raise ConfigError(f"job.dry_run_world_size {job_config.job.dry_run_world_size} is not this job's "
+                          f"{world_size} ranks: memory_estimation.disable_fake_mode measures the ranks the launcher "
+                          "started (set NGPU)")
     config, notes = for_this_machine(job_config, target, world_size)
     tt_dist.init_distributed(target, 600)
     clean = False
@@ -458,8 +504,9 @@ def _measure_real(job_config: JobConfig) -> None:
         if tt_dist.rank() == 0:
             ranks = [RankEstimate(r, {}, tuple(rec["stages"]), StepMemory(**rec["memory"]), {}, rec["seconds"])
                      for r, rec in enumerate(records)]
-            dtype = str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
-            result = DryRunResult(world_size, target, dtype, notes, ranks, device_memory_bytes(job_config, target))
+            dtype = compute_dtype(config, world_size, target)
+            result = DryRunResult(world_size, target, dtype, notes, ranks,
+                                  device_memory_bytes(job_config, target, world_size))
             for line in report_lines(result, layout_text(config, world_size, target)):
                 logger.info(line.replace("dry run:", "measured:").replace("simulated in one process on fake tensors",
                                                                          "each rank on real tensors"))

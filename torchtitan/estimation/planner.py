@@ -255,6 +255,10 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
     for layout in enumerate_layouts(model, ngpu, hw, seq_len, global_batch):
         choices.append(Choice(layout, timing(model, layout, hw, seq_len, global_batch),
                               screened_bytes(model, layout, seq_len)))
+    if not choices:
+        raise UserError(f"no layout of {model.name} {model.flavor} on {ngpu} devices (nodes of {hw.gpus_per_node}) "
+                        f"takes a global batch of {global_batch} sequences of {seq_len}: the batch must divide by the "
+                        "data-parallel degree, with at least as many sequences per rank as pipeline stages")
     choices.sort(key=lambda c: -c.timing.tokens_per_second)
     budget = hw.device_memory_gib * GiB
     log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices; dry-running the fastest whose "
