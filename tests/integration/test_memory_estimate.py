@@ -23,11 +23,13 @@ DEBUG = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--train
 FSDP2 = ["--training.data_parallel_shard_degree", "2"]
 
 # Layouts whose estimate must be within 5 % of the real ranks' measurement: a pipeline of sharded
-# stages (the replay of 1F1B, FSDP under PP), context parallelism with selective checkpointing.
+# stages (the replay of 1F1B, FSDP under PP), context parallelism with selective checkpointing, TP.
 # scripts/memory_accuracy.py measures the rest (docs/memory.md).
 ACCURACY = {
     "fsdp2 x pp2": (4, [*FSDP2, "--experimental.pipeline_parallel_degree", "2"]),
     "cp2 selective AC": (2, ["--experimental.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
+    # Loss parallelism: DTensor's shape propagation must not count whole-vocabulary fake logits.
+    "tp2 full AC": (2, ["--training.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
 }
 
 

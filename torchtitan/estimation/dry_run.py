@@ -286,6 +286,14 @@ def _fake_mode():
     # in a world of one real process there is nothing to compare.
     verify = ddp._verify_param_shape_across_processes
     ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    # DTensor derives an op's global output shape by running it on fake tensors of global shape, in
+    # the fake mode it finds active, else a fresh one. Finding the dry run's, it would allocate
+    # them where the tracker counts them (a whole vocabulary's logits in loss parallelism's
+    # handlers): a fresh mode, as in a real run, keeps them out of the count.
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    detect = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
     try:
         # Tensors made before the mode (the meta model's, the tokenizer's) may meet fake ones.
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -293,6 +301,7 @@ def _fake_mode():
     finally:
         torch.nn.init.trunc_normal_ = truncated
         ddp._verify_param_shape_across_processes = verify
+        sharding_prop.detect_fake_mode = detect
 
 
 def dry_run(job_config: JobConfig) -> DryRunResult:
