@@ -139,7 +139,7 @@ CASES: list[Case] = [
     config("dry run degrees do not divide its world", "--job.dry_run --job.dry_run_world_size 6 --training.tensor_parallel_degree 4",
            "does not divide the world size 6 (job.dry_run_world_size)"),
     config("device memory negative", "--memory_estimation.enabled --memory_estimation.device_memory_gib -1",
-           "memory_estimation.device_memory_gib must be >= 0"),
+           "memory_estimation.device_memory_gib must be a finite number >= 0"),
     config("degrees do not multiply to world size", "--training.tensor_parallel_degree 3", "training.tensor_parallel_degree",
            env={"WORLD_SIZE": "2"}),
     config("shard degree does not fit world size", "--training.data_parallel_shard_degree 4",

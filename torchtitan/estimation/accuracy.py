@@ -51,7 +51,7 @@ class Comparison:
     def row(self) -> str:
         top = self.most_loaded
         return (f"| {self.name} | {self.nproc} | {top.rank} | {top.estimated / GiB:.3f} | {top.measured / GiB:.3f} | "
-                f"{100 * top.error:+.2f}% | {100 * self.worst_error:+.2f}% ({len(self.ranks)} ranks) | "
+                f"{100 * top.error:+.2f}% | {100 * self.worst_error:+.2f}% ({len(self.ranks)} rank{'s' * (len(self.ranks) > 1)}) | "
                 f"{self.estimate_seconds:.1f} |")
 
 

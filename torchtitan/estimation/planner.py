@@ -231,7 +231,7 @@ def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batc
 
 
 def screened_bytes(model: Model, layout: Layout, seq_len: int) -> int:
-    """A quick, rough per-rank memory figure for ordering the dry runs (not the estimate): fp32
+    """A quick, rough per-rank memory figure, low rather than high, for skipping dry runs (not the estimate): fp32
     parameters, gradients and Adam state of the rank's share; two gathered bf16 blocks; activations
     per block and token by AC mode (bf16, flash attention, sequence parallel under TP) for the
     microbatches the first pipeline rank keeps; the fp32 logits the loss reads."""
@@ -262,12 +262,14 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
     choices.sort(key=lambda c: -c.timing.tokens_per_second)
     budget = hw.device_memory_gib * GiB
     log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices; dry-running the fastest whose "
-        "rough memory figure is under 1.5x the device's")
+        "rough memory figure is under the device's")
     fitting, dry_runs = [], 0
     for choice in choices:
         if len(fitting) == top or dry_runs == max_dry_runs:
             break
-        if choice.screened_bytes > 1.5 * budget:
+        # The rough figure errs low (it leaves out temporaries and the loss's buffers): a layout
+        # it already puts over the device's memory would only spend a dry run.
+        if choice.screened_bytes > budget:
             continue
         args = [*base_args, *choice.layout.overrides(), "--training.seq_len", str(seq_len), "--job.dry_run",
                 "--job.dry_run_world_size", str(ngpu), "--job.dry_run_device", "cuda",
