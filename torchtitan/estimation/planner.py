@@ -190,11 +190,11 @@ def enumerate_layouts(model: Model, ngpu: int, hw: Hardware, seq_len: int, globa
                 for dp_replicate in replicas:
                     for accum in (a for a in _divisors(local) if a <= 8):
                         batch = local // accum
-                        if pp > 1 and batch < pp:
-                            continue  # fewer microbatches than stages: most of the pipeline idles
+                        if pp > 1 and batch % pp:
+                            continue  # the trainer's default: one microbatch per stage, of equal size
                         for ac in ac_modes:
                             yield Layout(dp_replicate, dp // dp_replicate, tp, pp, cp, ac, batch, accum,
-                                         batch if pp > 1 else 0)
+                                         pp if pp > 1 else 0)
 
 
 def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batch: int) -> Timing:
