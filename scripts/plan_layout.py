@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         print(json.dumps([{**as_record(c), "options": job_options(ns) + c.layout.overrides()} for c in choices]))
     if not choices:
-        print("error: no layout considered fits; raise --ngpu or --device-memory, or lower --seq-len or --global-batch",
-              file=sys.stderr)
+        print(f"error: none of the layouts dry-run (at most --max-dry-runs {ns.max_dry_runs}) fits; raise --max-dry-runs, "
+              "--ngpu or --device-memory, or lower --seq-len or --global-batch", file=sys.stderr)
         return 2
     return 0
 
