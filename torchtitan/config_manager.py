@@ -361,7 +361,7 @@ def _validate_dry_run(config: JobConfig) -> None:
                                           ("memory_estimation.disable_fake_mode", e.disable_fake_mode)) if value]
         if given:
             raise ConfigError(f"{given[0]} needs job.dry_run (without it the job trains for real)")
-    if e.device_memory_gib < 0 or e.device_memory_gib != e.device_memory_gib or e.device_memory_gib == float("inf"):
+    if not math.isfinite(e.device_memory_gib) or e.device_memory_gib < 0:
         raise ConfigError(f"memory_estimation.device_memory_gib must be a finite number >= 0 (0: this machine's GPU), got "
                           f"{e.device_memory_gib}")
 
