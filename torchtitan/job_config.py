@@ -140,7 +140,12 @@ class Training:
     lr_min: float = opt(0.0, "Learning rate at the end of decay, as a fraction of optimizer.lr.")
     max_norm: float = opt(1.0, "Clip the global gradient norm to this value (<= 0 disables clipping).")
     steps: int = opt(10000, "Optimizer steps to train.")
-    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step; gradients sync on the last only.")
+    gradient_accumulation_steps: int = opt(
+        1, "Micro-batches per optimizer step. FSDP reduce-scatters each micro-step's gradients into the shards "
+        "(HSDP all-reduces across replicas on the last only); DDP reduces on the last only.")
+    defer_sharded_gradient_reduction: bool = opt(
+        False, "With FSDP/HSDP and gradient accumulation: keep the unsharded gradients of the micro-steps and "
+        "reduce-scatter once per step (less communication, a whole unsharded gradient copy more memory).")
     data_parallel_replicate_degree: int = opt(1, "Replicas (DDP, or HSDP's outer dim when sharding too).")
     data_parallel_shard_degree: int = opt(-1, "FSDP shard degree; -1 = every rank not used by another degree.")
     enable_cpu_offload: bool = opt(False, "Offload FSDP parameters, gradients and optimizer state to CPU.")

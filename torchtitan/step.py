@@ -57,11 +57,30 @@ def materialize(job_config: JobConfig, model_parts: list[torch.nn.Module], devic
         part.train()
 
 
+def _skip_reductions(parallel_dims: ParallelDims, model_parts: list[torch.nn.Module], last: bool,
+                     defer_sharded: bool) -> None:
+    """Which gradient reductions a micro-step of gradient accumulation runs. Unsharded data
+    parallelism (DDP, or replication beside TP/PP) keeps whole gradients anyway: it reduces on the
+    last micro-step only. FSDP reduce-scatters every micro-step into the gradient shards, since
+    skipping it would keep a whole unsharded copy of the gradients across micro-steps (a 70B model
+    over TP 4 holds 33 GiB of them), unless `defer_sharded` asks for exactly that; HSDP's all-reduce
+    across replicas runs on the last micro-step only (FSDP keeps the partial sums until then)."""
+    if not parallel_dims.wraps_data_parallel:
+        return
+    sharded = parallel_dims.fsdp_enabled
+    for part in model_parts:
+        if not sharded or defer_sharded:
+            part.set_requires_gradient_sync(last)
+        elif parallel_dims.dp_replicate_enabled:
+            part.set_requires_all_reduce(last)
+
+
 def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_parts: list[torch.nn.Module],
                      pipeline: Pipeline | None, micro_batches: list, device: torch.device,
-                     window: LogWindow | None = None) -> torch.Tensor:
+                     window: LogWindow | None = None, defer_sharded_reduction: bool = False) -> torch.Tensor:
     """One optimizer step's forwards and backwards over its micro-batches (gradient accumulation);
-    returns the step's loss on this rank (a pipeline's last stage holds it, the others zero)."""
+    returns the step's loss on this rank (a pipeline's last stage holds it, the others zero).
+    `defer_sharded_reduction`: training.defer_sharded_gradient_reduction."""
     accum = len(micro_batches)
     # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
     loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
@@ -71,10 +90,8 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
         if window is not None:
             window.tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
         inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
-        if accum > 1 and parallel_dims.wraps_data_parallel:
-            # Reduce gradients only after the last micro-batch (FSDP, HSDP and DDP alike).
-            for part in model_parts:
-                part.set_requires_gradient_sync(micro == accum - 1)
+        if accum > 1:
+            _skip_reductions(parallel_dims, model_parts, micro == accum - 1, defer_sharded_reduction)
         with loss_context():
             if pipeline is not None:
                 loss = pipeline.forward_backward(inputs, labels, device)

@@ -251,7 +251,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             gc.collect(1)
         optimizers.zero_grad()
         watchdog.enter("forward/backward")
-        step_loss = forward_backward(train_spec, parallel_dims, model_parts, pipeline, micro_batches, device, window)
+        step_loss = forward_backward(train_spec, parallel_dims, model_parts, pipeline, micro_batches, device, window,
+                                     t.defer_sharded_gradient_reduction)
         tied = pipeline.tied if pipeline is not None else None
         if tied is not None:
             tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients

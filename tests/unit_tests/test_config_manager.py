@@ -200,7 +200,8 @@ def test_main_accepts_every_data_parallel_layout(monkeypatch, capsys):
     assert main(["--training.data_parallel_replicate_degree", "4"]) == 0  # dp_shard -1 -> 1: DDP
     assert main(["--training.data_parallel_replicate_degree", "2"]) == 0  # HSDP 2 x 2
     assert main(["--training.data_parallel_shard_degree", "4", "--training.enable_cpu_offload",
-                 "--training.fsdp_reshard_after_forward", "never"]) == 0  # FSDP 4
+                 "--training.fsdp_reshard_after_forward", "never", "--training.defer_sharded_gradient_reduction",
+                 "--training.gradient_accumulation_steps", "2"]) == 0  # FSDP 4
     assert main(["--training.data_parallel_replicate_degree", "4", "--training.mixed_precision_reduce", "bfloat16",
                  "--training.compile"]) == 0  # DDP with bf16 all-reduce
 
@@ -215,6 +216,8 @@ FSDP_ONLY = [
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_param", "bfloat16"],
      ["training.mixed_precision_param bfloat16", "'auto'"]),
     (1, ["--training.mixed_precision_reduce", "bfloat16"], ["training.mixed_precision_reduce", "one rank"]),
+    (2, ["--training.data_parallel_replicate_degree", "2", "--training.defer_sharded_gradient_reduction"],
+     ["training.defer_sharded_gradient_reduction", "is DDP", "leave it off"]),
 ]
 
 

@@ -380,6 +380,9 @@ def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
     if t.mixed_precision_param == "bfloat16":
         raise ConfigError(f"training.mixed_precision_param bfloat16 is FSDP's mixed-precision policy; {layout} and "
                           "computes in float32; use 'auto' or 'float32', or shard (data_parallel_shard_degree > 1)")
+    if t.defer_sharded_gradient_reduction:
+        raise ConfigError(f"training.defer_sharded_gradient_reduction defers FSDP's reduce-scatter; {layout}, whose "
+                          "gradients are whole and reduced on the last micro-step anyway; leave it off")
     if t.mixed_precision_reduce == "bfloat16" and not dims.ddp_enabled:
         raise ConfigError(f"training.mixed_precision_reduce bfloat16 has no effect on one rank: {layout}; leave it at float32")
 

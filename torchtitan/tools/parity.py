@@ -117,6 +117,11 @@ SUITES: dict[str, list[Layout]] = {
         L("ddp2_bucket1mb_accum2", 2, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 1 "
           "--training.ddp_bucket_cap_mb 1 --training.gradient_accumulation_steps 2",
           {"ddp.kind": "ddp", "ddp.mesh": {"dp_replicate": 2}, "ddp.bucket_cap_mb": 1}),
+        # Gradients kept unsharded across the micro-steps and reduce-scattered once (the default
+        # reduce-scatters each micro-step; the matrix's accumulation points run that).
+        L("fsdp2_defer_reduction_accum2", 2, "--training.data_parallel_shard_degree 2 "
+          "--training.gradient_accumulation_steps 2 --training.defer_sharded_gradient_reduction",
+          {"fsdp.mesh": {"dp_shard_cp": 2}}),
         L("fsdp2_reshard_never", 2, "--training.data_parallel_shard_degree 2 --training.fsdp_reshard_after_forward never",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "fsdp.reshard_after_forward": "never"}),
         L("fsdp2_cpu_offload", 2, "--training.data_parallel_shard_degree 2 --training.enable_cpu_offload",
