@@ -54,6 +54,9 @@ LAYOUTS = {
     "fsdp2_ac_full": (2, [*FSDP2, "--activation_checkpoint.mode", "full"]),
     "fsdp2_ac_selective": (2, [*FSDP2, "--activation_checkpoint.mode", "selective"]),
     "fsdp2_accum2": (2, [*FSDP2, "--training.gradient_accumulation_steps", "2"]),
+    # The dry run simulates 2 of these 4 micro-steps (the first and the last); the real run takes all 4.
+    "fsdp2_accum4": (2, [*FSDP2, "--training.gradient_accumulation_steps", "4"]),
+    "pp2_accum3": (2, [*PP2, "--training.gradient_accumulation_steps", "3"]),
     "fsdp2_offload": (2, [*FSDP2, "--training.enable_cpu_offload"]),
     # On a GPU the float8 matmuls run on float8 units; on the CPU emulated, with the same tensors kept.
     "fsdp2_float8": (2, [*FSDP2, "--float8.enable_float8_linear", "--float8.emulate"]),

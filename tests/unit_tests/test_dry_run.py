@@ -133,3 +133,17 @@ def test_dry_run_options_need_the_dry_run():
     for option in (["--job.dry_run_world_size", "64"], ["--memory_estimation.disable_fake_mode"]):
         with pytest.raises(ConfigError, match=f"{option[0].removeprefix('--')} needs job.dry_run"):
             parse_args([*base, *option])
+
+
+def test_fsdp_accumulation_keeps_gradients_sharded_unless_deferred():
+    """FSDP 8 with 4 micro-steps: by default each micro-step's gradients are reduce-scattered into
+    the shards, so no unsharded copy outlives a micro-step; deferring the reduction keeps one of
+    the whole model (fp32 here) across them. The dry run simulates 2 of the 4 micro-steps (the
+    first and the last) and says so."""
+    accum = ["--training.gradient_accumulation_steps", "4"]
+    default = estimate(*accum, world=8)
+    deferred = estimate(*accum, "--training.defer_sharded_gradient_reduction", world=8)
+    params = estimate(world=1).ranks[0].memory.raw["Parameter"]
+    extra = deferred.ranks[0].memory.peak - default.ranks[0].memory.peak
+    assert 0.8 * params < extra < 1.2 * params
+    assert any("2 of the step's 4 micro-steps are simulated" in note for note in default.notes)

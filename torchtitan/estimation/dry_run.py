@@ -144,6 +144,10 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
             and not torch.cuda.is_available()):
         config.float8.emulate = True
         notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
+    accumulation = t.gradient_accumulation_steps
+    if simulated_micro_steps(accumulation) < accumulation:
+        notes.append(f"{simulated_micro_steps(accumulation)} of the step's {accumulation} micro-steps are simulated "
+                     "(the first and the last; those between repeat a part of the last's work)")
     return config, notes
 
 
@@ -223,7 +227,8 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
             vocab = model_args.vocab_size
             batches = [(torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device),
                         torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device))
-                       for _ in range(t.gradient_accumulation_steps)]
+                       for _ in range(simulated_micro_steps(t.gradient_accumulation_steps) if fake
+                                      else t.gradient_accumulation_steps)]
             if replayed:
                 tokens = shard_batch(batches[0], parallel_dims.cp_mesh)[0].tensor_split(pipeline.microbatches)[0]
                 replay = PipelineReplay(pipeline, parallel_dims.pp_mesh.get_local_rank(), first_stage, tokens)
@@ -233,15 +238,21 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
 
             def step() -> None:
                 optimizers.zero_grad()
-                forward_backward(spec, parallel_dims, model_parts, pipeline, batches, device)
+                forward_backward(spec, parallel_dims, model_parts, pipeline, batches, device,
+                                 defer_sharded_reduction=t.defer_sharded_gradient_reduction)
                 if not job_config.optimizer.early_step_in_backward:
                     tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.pp_mesh,
                                             uncounted=pipeline.tied.uncounted if pipeline and pipeline.tied else ())
                 optimizers.step()
                 lr_schedulers.step()
 
-            # The first step creates the optimizer state; the second, tracked, is every later step.
-            step()
+            # The tracked step stands for every later step: the optimizer state must exist before
+            # it. A real run (the accuracy measurement) takes a whole first step; on fake tensors
+            # only the state is made, by an update with zero gradients, which halves the dry run.
+            if fake:
+                _create_optimizer_state(optimizers)
+            else:
+                step()
             optimizers.zero_grad()
             tracker = StepTracker(model_parts, optimizers.optimizers, offload=t.enable_cpu_offload)
             tracker.track_inputs(*[x for batch in batches for x in batch])
@@ -257,6 +268,25 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
             dist.destroy_process_group()
             _forget_meshes()
             sys.excepthook = hook
+
+
+def simulated_micro_steps(accumulation_steps: int) -> int:
+    """How many of a step's micro-steps the dry run runs. The first makes the unsharded gradients
+    that accumulation keeps; the last holds them and reduces them; those between hold them and add
+    to them, a subset of the last's work, so two show the peak of any number."""
+    return min(accumulation_steps, 2)
+
+
+def _create_optimizer_state(optimizers: Any) -> None:
+    """The optimizer state a first step would create (Adam's moments are made lazily by the first
+    update of a parameter with a gradient), made by one update with zero gradients."""
+    for optimizer in optimizers.optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        optimizer.step()
+    optimizers.zero_grad()
 
 
 def _forget_meshes() -> None:
