@@ -9,17 +9,17 @@ whether the fastest fit in the device's memory, until it has the requested numbe
 The step-time model (per optimizer step, per rank; every figure a stated assumption):
 
     compute   = FLOPs of the rank's tokens (6 x parameters + attention, per token; x4/3 with full
-                activation checkpointing, x1.1 with selective) / (peak FLOP/s x efficiency),
+                activation checkpointing, x7/6 with selective: every 2nd block recomputed) /
+                (peak FLOP/s x efficiency),
                 for 1/(tp x pp x cp) of the model's work on the rank's share of the batch
     tp        = 4 all-gathers and 4 reduce-scatters of a block's activations per block, forward
                 and backward (sequence parallelism), each moving (tp-1)/tp of the bytes, over
                 the intra-node bandwidth; on the critical path
     cp        = each block's keys and values passed around the ring, (cp-1)/cp of them, forward
                 and backward twice; intra- or inter-node by where the cp ranks sit; exposed
-    fsdp      = parameters gathered twice per micro-step (forward, backward) and gradients
-                reduce-scattered once per step, (n-1)/n of the rank's bf16 parameters each, over the
-                bandwidth of the slowest link
-                the shard group spans; HSDP adds an all-reduce of the fp32 gradient shard across
+    fsdp      = parameters gathered twice (forward, backward) and gradients reduce-scattered once
+                per micro-step, (n-1)/n of the rank's bf16 parameters each, over the bandwidth of the
+                slowest link the shard group spans; HSDP adds an all-reduce of the fp32 gradient shard across
                 replicas (inter-node); overlapped with compute: only what exceeds it counts
     bubble    = compute x (pp - 1) / (microbatches x stages per rank) (1F1B-like schedules)
 
@@ -42,6 +42,9 @@ from torchtitan.models import get_train_spec
 
 GB = 10**9
 GiB = 2**30
+# The rough memory figure (screened_bytes) lands within -20 % to +5 % of the dry run's in its
+# calibration (docs/memory.md); layouts up to this factor over the device's memory are dry-run.
+SCREEN_MARGIN = 1.05
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batc
     tokens = global_batch * seq_len
     local_tokens = layout.batch_size * layout.accum * seq_len  # per data-parallel rank and step
     flops = model.flops_per_token(seq_len) * local_tokens / (layout.tp * layout.pp * layout.cp)
-    flops *= {"none": 1.0, "selective": 1.1, "full": 4 / 3}[layout.ac]
+    flops *= {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}[layout.ac]
     compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
     layers = model.n_layers / layout.pp
     bf16 = 2
@@ -222,8 +225,10 @@ def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batc
     if shard > 1:
         span = layout.tp * shard  # ranks from the first of a shard group to its last
         link = intra if span <= hw.gpus_per_node else inter
-        # Gathered for every micro-step's forward and backward, reduced once per step.
-        fsdp += (2 * layout.accum + 1) * params * bf16 * (shard - 1) / shard / link
+        # Gathered for every micro-step's forward and backward and reduce-scattered after its
+        # backward (training.defer_sharded_gradient_reduction, which the plan leaves off, would
+        # reduce once per step for a whole unsharded copy of the gradients).
+        fsdp += 3 * layout.accum * params * bf16 * (shard - 1) / shard / link
     if layout.dp_replicate > 1:
         fsdp += 2 * params / shard * 4 * (layout.dp_replicate - 1) / layout.dp_replicate / inter
     bubble = compute * (layout.pp - 1) / max(1, layout.microbatches) if layout.pp > 1 else 0.0
@@ -231,20 +236,36 @@ def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batc
 
 
 def screened_bytes(model: Model, layout: Layout, seq_len: int) -> int:
-    """A quick, rough per-rank memory figure, low rather than high, for skipping dry runs (not the estimate): fp32
-    parameters, gradients and Adam state of the rank's share; two gathered bf16 blocks; activations
-    per block and token by AC mode (bf16, flash attention, sequence parallel under TP) for the
-    microbatches the first pipeline rank keeps; the fp32 logits the loss reads."""
+    """A quick per-rank memory figure, for skipping dry runs (not the estimate). Calibrated against dry runs of Llama 3 8B and 70B (bf16 compute, docs/memory.md):
+    - state: the rank's fp32 parameter shard and Adam's two moments, plus the fp32 gradient shard
+      that gradient accumulation keeps between micro-steps;
+    - the root module's embedding and output, which FSDP keeps gathered (bf16) through the step,
+      and two gathered bf16 blocks;
+    - activations per token and block, in bytes: 4 x dim for the two sequence-parallel inputs TP
+      gathers (saved whole by every TP rank) and (18 x dim + 8 x hidden) / tp for the rest, with
+      AC none; 2 x dim / tp (the block's input) with full AC; every other block each way with
+      selective AC (checkpointing every 2nd block); times the microbatches the first pipeline
+      rank keeps in flight;
+    - the loss: 12 bytes per token and vocabulary entry / tp (bf16 logits, fp32 logits and their
+      gradient);
+    - with FSDP under PP, the stage's bf16 parameters and gradients, unsharded: PyTorch's pipeline
+      stage reshards and reduces them only after the last microbatch's backward (5 bytes per
+      parameter of the stage, calibrated on Llama 3 405B over FSDP 8 x TP 8 x PP 8).
+    It leaves out the recomputation's transients and most other temporaries: 0 to 20 % under the
+    dry run's figure in the calibration runs, up to 5 % over for small models under PP."""
     shard = layout.dp_shard * layout.cp
-    state = model.n_params / (layout.tp * layout.pp * shard) * 16
-    gathered = 2 * model.n_params / model.n_layers / layout.tp * 2
+    state = model.n_params / (layout.tp * layout.pp * shard) * (16 if layout.accum > 1 else 12)
+    ends = model.vocab_size * model.dim * (2 if layout.pp == 1 else 1)  # embedding, output
+    gathered = (ends + 2 * (model.n_params - 2 * model.vocab_size * model.dim) / model.n_layers) / layout.tp * 2
     tokens = layout.batch_size * seq_len / layout.cp / (layout.microbatches or 1)
-    per_token_block = {"none": 16 * model.dim + 6 * model.hidden_dim, "selective": 10 * model.dim + 4 * model.hidden_dim,
-                       "full": model.dim}[layout.ac] * 2 / layout.tp
+    none = 4 * model.dim + (18 * model.dim + 8 * model.hidden_dim) / layout.tp
+    full = 2 * model.dim / layout.tp
+    per_token_block = {"none": none, "selective": (none + full) / 2, "full": full}[layout.ac]
     in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
     activations = tokens * per_token_block * model.n_layers / layout.pp * in_flight
-    logits = tokens * model.vocab_size / layout.tp * 4 * 3
-    return int(state + gathered + activations + logits)
+    logits = tokens * model.vocab_size / layout.tp * 12
+    stage = model.n_params / (layout.tp * layout.pp) * 5 if layout.pp > 1 and shard > 1 else 0
+    return int(state + gathered + activations + logits + stage)
 
 
 def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int, base_args: list[str],
@@ -267,9 +288,9 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
     for choice in choices:
         if len(fitting) == top or dry_runs == max_dry_runs:
             break
-        # The rough figure errs low (it leaves out temporaries and the loss's buffers): a layout
-        # it already puts over the device's memory would only spend a dry run.
-        if choice.screened_bytes > budget:
+        # A layout the rough figure already puts over the device's memory (with its margin of
+        # error) would only spend a dry run.
+        if choice.screened_bytes > budget * SCREEN_MARGIN:
             continue
         args = [*base_args, *choice.layout.overrides(), "--training.seq_len", str(seq_len), "--job.dry_run",
                 "--job.dry_run_world_size", str(ngpu), "--job.dry_run_device", "cuda",
