@@ -206,7 +206,7 @@ def test_main_accepts_every_data_parallel_layout(monkeypatch, capsys):
                  "--training.compile"]) == 0  # DDP with bf16 all-reduce
 
 
-# Options only FSDP can honour, on layouts without FSDP: (world size, argv, fragments of the line).
+# Options only FSDP can honour, on layouts that cannot honour them: (world size, argv, fragments of the line).
 FSDP_ONLY = [
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.enable_cpu_offload"],
      ["training.enable_cpu_offload", "data_parallel_shard_degree > 1", "is DDP"]),
@@ -218,6 +218,8 @@ FSDP_ONLY = [
     (1, ["--training.mixed_precision_reduce", "bfloat16"], ["training.mixed_precision_reduce", "one rank"]),
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.defer_sharded_gradient_reduction"],
      ["training.defer_sharded_gradient_reduction", "is DDP", "leave it off"]),
+    (4, ["--training.data_parallel_shard_degree", "2", "--experimental.pipeline_parallel_degree", "2",
+         "--training.defer_sharded_gradient_reduction"], ["defer_sharded_gradient_reduction", "pipeline parallelism"]),
 ]
 
 

@@ -357,6 +357,9 @@ def check_options(config: JobConfig) -> None:
 def check_layout(config: JobConfig, dims: ParallelDims) -> None:
     """What a layout of the known world size can honour."""
     _check_fsdp_only_options(config.training, dims)
+    if config.training.defer_sharded_gradient_reduction and dims.pp_enabled:
+        raise ConfigError("training.defer_sharded_gradient_reduction cannot hold under pipeline parallelism: PyTorch's "
+                          "pipeline stage reduces FSDP's gradients at the end of every schedule step; leave it off")
     if config.checkpoint.create_seed_checkpoint and dims.world_size > 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {dims.world_size} (set NGPU=1)")
 
