@@ -72,12 +72,13 @@ class ParallelDims:
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others or self.world_size < others:
-                named = ", ".join(f"{_OPTION[n]} {getattr(self, n)}" for n in MESH_DIM_ORDER
-                                  if n != "dp_shard" and getattr(self, n) > 1)
+                given = [f"{_OPTION[n]} {getattr(self, n)}" for n in MESH_DIM_ORDER
+                        if n != "dp_shard" and getattr(self, n) > 1]
+                named = given[0] if len(given) == 1 else f"{', '.join(given)} multiply to {others}, which"
                 raise ConfigError(
-                    f"{named} multiply to {others}, which does not divide the world size {self.world_size} "
+                    f"{named} does not divide the world size {self.world_size} "
                     f"({self.world_size_from}); "
-                    "change those degrees or the number of processes"
+                    f"change {'that degree' if len(given) == 1 else 'those degrees'} or the number of processes"
                 )
             self.dp_shard = self.world_size // others
         product = others * self.dp_shard
