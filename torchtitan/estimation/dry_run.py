@@ -271,9 +271,9 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
 
 
 def simulated_micro_steps(accumulation_steps: int) -> int:
-    """How many of a step's micro-steps the dry run runs. The first makes the unsharded gradients
-    that accumulation keeps; the last holds them and reduces them; those between hold them and add
-    to them, a subset of the last's work, so two show the peak of any number."""
+    """How many of a step's micro-steps the dry run runs. The first makes the gradients that
+    accumulation keeps; the last adds to them and runs every reduction; those between add to them
+    and run a subset of the last's reductions, so two show the peak of any number."""
     return min(accumulation_steps, 2)
 
 
