@@ -53,6 +53,8 @@ LAYOUTS = {
     "pp2_gpipe": (2, [*PP2, "--experimental.pipeline_parallel_schedule", "GPipe"]),
     "fsdp2_ac_full": (2, [*FSDP2, "--activation_checkpoint.mode", "full"]),
     "fsdp2_ac_selective": (2, [*FSDP2, "--activation_checkpoint.mode", "selective"]),
+    "tp2_ac_op": (2, ["--training.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+                      "--activation_checkpoint.selective_ac_option", "op"]),
     "fsdp2_accum2": (2, [*FSDP2, "--training.gradient_accumulation_steps", "2"]),
     # The dry run simulates 2 of these 4 micro-steps (the first and the last); the real run takes all 4.
     "fsdp2_accum4": (2, [*FSDP2, "--training.gradient_accumulation_steps", "4"]),

@@ -28,8 +28,11 @@ FSDP2 = ["--training.data_parallel_shard_degree", "2"]
 ACCURACY = {
     "fsdp2 x pp2": (4, [*FSDP2, "--experimental.pipeline_parallel_degree", "2"]),
     "cp2 selective AC": (2, ["--experimental.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
-    # Loss parallelism: DTensor's shape propagation must not count whole-vocabulary fake logits.
-    "tp2 full AC": (2, ["--training.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
+    # Loss parallelism: DTensor's shape propagation must not count whole-vocabulary fake logits;
+    # op-level selective AC: nor may its policy save the global-shape outputs that propagation
+    # computes the first time an op meets a sharding (the tracked step is not a first step).
+    "tp2 op-selective AC": (2, ["--training.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+                                "--activation_checkpoint.selective_ac_option", "op"]),
 }
 
 
