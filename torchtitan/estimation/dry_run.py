@@ -248,7 +248,8 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
 
             # The tracked step stands for every later step: the optimizer state must exist before
             # it. A real run (the accuracy measurement) takes a whole first step; on fake tensors
-            # only the state is made, by an update with zero gradients, which halves the dry run.
+            # only the state is made, by an update with zero gradients (a forward and backward fewer;
+            # at 70B and 405B the build, not the step, takes most of a dry run's time).
             if fake:
                 _create_optimizer_state(optimizers)
             else:
