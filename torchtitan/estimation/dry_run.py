@@ -5,8 +5,8 @@ PyTorch's fake process group as rank r of N (collectives return at once and move
 builds everything under FakeTensorMode (tensors with shapes, dtypes and devices but no storage):
 the config checks of a real start-up (preflight), the named mesh, the model on the meta device,
 the model family's real parallelize and pipelining functions, the materialised parameters and the
-optimizer. Then it runs two training steps of rank r's share (the second one has optimizer state,
-as every later step does) under PyTorch's memory tracker (tracker.py), and reports the peak.
+optimizer and its state (what a first step leaves). Then it runs one training step of rank r's
+share, as every later step runs, under PyTorch's memory tracker (tracker.py), and reports the peak.
 
 Pipeline ranks are replayed in their schedule's order (pipeline_replay.py); ranks of one pipeline
 rank hold the same shapes, so by default the first and the last pipeline rank are simulated
@@ -189,7 +189,8 @@ def ranks_to_simulate(parallel_dims: ParallelDims, requested: int) -> list[int]:
 
 def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str, fake: bool = True,
                   tokenizer: Any = None) -> RankEstimate:
-    """Builds rank `rank` of a world of `world_size` and runs two steps under the memory tracker.
+    """Builds rank `rank` of a world of `world_size` and runs a step under the memory tracker
+    after the optimizer state exists (fake: made directly; real: by a whole first step).
     With `fake`, alone in this process (fake process group, fake tensors); without, as a rank of a
     real job (the process group must already exist)."""
     start = time.perf_counter()
