@@ -19,8 +19,9 @@ The step-time model (per optimizer step, per rank; every figure a stated assumpt
                 and backward twice; intra- or inter-node by where the cp ranks sit; exposed
     fsdp      = parameters gathered twice (forward, backward) and gradients reduce-scattered once
                 per micro-step, (n-1)/n of the rank's bf16 parameters each, over the bandwidth of the
-                slowest link the shard group spans; HSDP adds an all-reduce of the fp32 gradient shard across
-                replicas (inter-node); overlapped with compute: only what exceeds it counts
+                slowest link the shard group spans; HSDP adds an all-reduce of the fp32 gradient
+                shard across replicas (inter-node); overlapped with compute: only what exceeds it
+                counts
     bubble    = compute x (pp - 1) / (microbatches x stages per rank) (1F1B-like schedules)
 
     step      = max(compute, fsdp) + tp + cp + bubble; tokens/s = global batch tokens / step
@@ -236,7 +237,8 @@ def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batc
 
 
 def screened_bytes(model: Model, layout: Layout, seq_len: int) -> int:
-    """A quick per-rank memory figure, for skipping dry runs (not the estimate). Calibrated against dry runs of Llama 3 8B and 70B (bf16 compute, docs/memory.md):
+    """A quick per-rank memory figure, for skipping dry runs (not the estimate). Calibrated against
+    dry runs of Llama 3 8B to 405B (bf16 compute, docs/memory.md):
     - state: the rank's fp32 parameter shard and Adam's two moments, plus the fp32 gradient shard
       that gradient accumulation keeps between micro-steps;
     - the root module's embedding and output, which FSDP keeps gathered (bf16) through the step,
