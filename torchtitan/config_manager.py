@@ -265,6 +265,19 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"training.data_parallel_shard_degree must be >= 1 or -1, got {t.data_parallel_shard_degree}")
     if t.dataset_shards == 0 or t.dataset_shards < -1:
         raise ConfigError(f"training.dataset_shards must be >= 1 or -1, got {t.dataset_shards}")
+    if t.dataset_num_workers < 0:
+        raise ConfigError(f"training.dataset_num_workers must be >= 0 (0 reads in the training process), got "
+                          f"{t.dataset_num_workers}")
+    if t.dataset_mix:
+        from torchtitan.datasets.mixture import parse_mix
+
+        try:
+            parse_mix(t.dataset_mix)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if t.dataset_path:
+            raise ConfigError("training.dataset_mix and training.dataset_path both name the training data; set one "
+                              "(a mixture entry can be a path)")
     if not o.lr > 0:
         raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
     if not 0 <= o.beta1 < 1 or not 0 <= o.beta2 < 1:

@@ -69,6 +69,10 @@ class ConfigError(UserError, ValueError):
     raise it without importing the config parser (and the parser can collect the features' rules)."""
 
 
+class DatasetError(UserError, ValueError):
+    """A dataset name, file or line the user can fix; the message names it."""
+
+
 class CheckpointError(UserError, ValueError):
     """A checkpoint the run cannot use (missing, incomplete, damaged, or from another model);
     the message is one line naming the folder and, where there is one, the option to change.

@@ -129,10 +129,18 @@ class Training:
     dataset_skip_bad_lines: bool = opt(False, "Skip and count malformed lines (bad JSON, invalid UTF-8) instead of stopping.")
     dataset_shards: int = opt(
         -1,
-        "Document shards the dataset is split into; -1 = one per data-parallel rank. Each rank reads "
-        "dataset_shards / dp shards and takes an equal slice of its batch from each, so two runs with the "
-        "same dataset_shards and global batch see identical data whatever their data-parallel degree.",
+        "Data shards the dataset is split into (contiguous byte ranges of the files; row groups of Parquet; token "
+        "ranges of pre-tokenized shards); -1 = one per data-parallel rank. Each rank reads only its "
+        "dataset_shards / dp shards and takes an equal slice of its batch from each, so two runs with the same "
+        "dataset_shards and global batch see identical data whatever their data-parallel degree.",
     )
+    dataset_mix: str = opt(
+        "", "A mixture of sources with weights, 'source:weight,...' (a source is a registered name, a file, folder "
+        "or glob, or a folder of pre-tokenized shards), e.g. 'stdlib_docs:0.7,data/code:0.3'. Each batch row comes "
+        "from one source, drawn per seed; replaces training.dataset / dataset_path.")
+    dataset_num_workers: int = opt(
+        0, "Worker processes that read and tokenize each of the rank's data shards (0: in the training process). "
+        "The data and its resume position do not depend on it.")
     batch_size: int = opt(8, "Batch size per data-parallel rank and micro-step.")
     seq_len: int = opt(2048, "Tokens per sequence.")
     warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.")

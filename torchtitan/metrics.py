@@ -302,6 +302,8 @@ class StepMetrics:
     steps: int = 1  # steps since the last log line
     total_steps: int = 0  # training.steps, for `step: 10/100`; 0 leaves it out
     progress: str = ""  # elapsed and estimated time left (progress.py), ending the console line
+    # A mixture of sources: training tokens taken from each so far, all data-parallel ranks together.
+    source_tokens: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -381,7 +383,11 @@ class MetricsLogger:
         if s.pp_bubble is not None:
             values["pp_bubble_percent"] = 100 * s.pp_bubble
         values.update(s.model_values)
+        values.update({f"data_tokens/{name}": count for name, count in s.source_tokens.items()})
         bubble = f"  bubble: {100 * s.pp_bubble:.1f}%" if s.pp_bubble is not None else ""
+        if s.source_tokens:
+            total = sum(s.source_tokens.values()) or 1
+            bubble += "  mix: " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in s.source_tokens.items())
         bubble += f"  {s.model_summary}" if s.model_summary else ""
         if s.own_seconds is not None:
             rank, slowest, median = s.own_seconds

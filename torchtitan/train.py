@@ -27,7 +27,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -158,7 +158,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
             with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
                 ended = train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                                    iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler,
-                                   pipeline, stops, setup, validator, progress)
+                                   pipeline, stops, setup, validator, progress, dataloader.dataset)
         checkpoint.close()  # waits for a save still being written in the background
         log_summary(job_config, metrics, progress, train_state, tokens_before, ended)
     except (Stopped, TrainingDiverged) as e:
@@ -210,7 +210,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
                pipeline: Pipeline | None = None, stops: StopRequests | None = None,
                setup: SetupRecord | None = None, validator: Validator | None = None,
-               progress: Progress | None = None) -> str:
+               progress: Progress | None = None, dataset: Any = None) -> str:
     """Trains up to training.steps; returns how the loop ended ("done", or "data ran out")."""
     t = job_config.training
     accum = t.gradient_accumulation_steps
@@ -240,7 +240,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                         "(training.dataset_infinite is false)")
             if step_loss is not None and logged < train_state.step:
                 log_step(job_config, parallel_dims, metrics, pipeline, progress, window, train_state.step, step_loss,
-                         grad_norm, lr, report)
+                         grad_norm, lr, report, dataset)
             checkpoint.save(train_state.step, last=True, loss=step_loss, grad_norm=grad_norm)
             if validator is not None and step_loss is not None and validated < train_state.step:
                 validate(validator, metrics, progress, window, train_state.step)
@@ -300,7 +300,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
             setup.write(metrics, parallel_dims, model_parts, optimizers, pipeline)
         if log_this_step:
             step_loss = log_step(job_config, parallel_dims, metrics, pipeline, progress, window, step, step_loss,
-                                 grad_norm, lr, report)
+                                 grad_norm, lr, report, dataset)
             logged = step
         # SIGTERM or SIGUSR1 (preemption, a time limit coming) saves the step all ranks agreed on.
         preempted = stop_signal in PREEMPTION_SIGNALS and step < t.steps and checkpoint.enabled
@@ -334,7 +334,7 @@ def validate_if_missing(validator: Validator, metrics: MetricsLogger, step: int)
 
 def log_step(job_config: JobConfig, parallel_dims: ParallelDims, metrics: MetricsLogger, pipeline: Pipeline | None,
              progress: Progress | None, window: LogWindow, step: int, step_loss: torch.Tensor, grad_norm: torch.Tensor,
-             lr: float, report: tuple | None) -> torch.Tensor:
+             lr: float, report: tuple | None, dataset: Any = None) -> torch.Tensor:
     """One step line (console, TensorBoard, metrics.jsonl) over the steps since the last one; returns
     the step's loss as every rank holds it afterwards (summed over the pipeline's stages)."""
     pp_mesh = parallel_dims.pp_mesh
@@ -352,9 +352,20 @@ def log_step(job_config: JobConfig, parallel_dims: ParallelDims, metrics: Metric
     metrics.log(StepMetrics(step, loss_value, grad_norm.item(), lr, tokens, elapsed, window.data_seconds, bubble,
                             *(report or ()), own_seconds=stragglers, steps=steps,
                             total_steps=job_config.training.steps,
-                            progress=progress.text(step) if progress is not None else ""))
+                            progress=progress.text(step) if progress is not None else "",
+                            source_tokens=source_tokens(dataset, parallel_dims, step_loss.device)))
     window.restart(step + 1)
     return step_loss
+
+
+def source_tokens(dataset: Any, parallel_dims: ParallelDims, device: torch.device) -> dict[str, float]:
+    """With a mixture of sources: the training tokens taken from each, over all data-parallel ranks."""
+    counts = dataset.tokens_by_source() if hasattr(dataset, "tokens_by_source") else {}
+    if len(counts) < 2:
+        return {}
+    total = tt_dist.sum_across(torch.tensor(list(counts.values()), dtype=torch.float64, device=device),
+                               parallel_dims.data_mesh)
+    return dict(zip(counts, total.tolist()))
 
 
 def validate(validator: Validator, metrics: MetricsLogger, progress: Progress | None, window: LogWindow | None,

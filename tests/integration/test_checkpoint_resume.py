@@ -70,6 +70,15 @@ def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
     assert folders.problem_with(str(tmp_path / "checkpoint" / "step-12")) is None
 
 
+def test_a_job_reading_with_worker_processes_resumes_exactly_with_any_number_of_them(tmp_path, uninterrupted):
+    """Two data-loading workers per rank deliver the batches the training process reads itself,
+    and their data position resumes without them (the position is worker-independent)."""
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "9"}, "--training.dataset_num_workers", "2")
+    resumed(tmp_path, FSDP2, 2)
+    assert resumed_after(tmp_path) == 8
+    assert losses(tmp_path) == uninterrupted
+
+
 def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
     # Killed while DCP writes step 8: step-4 stays the newest checkpoint.
     killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "8:write"})

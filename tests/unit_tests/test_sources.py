@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from tests.unit_tests.test_text_dataset import CharTokenizer
-from torchtitan.datasets.sources import BadLineCounter, DatasetError, StreamPosition, read_documents, read_from, resolve_source
+from torchtitan.datasets.chunks import ShardItems, plan_shard
+from torchtitan.datasets.sources import BadLineCounter, ByteCount, DatasetError, read_documents, read_jsonl, resolve_source
 from torchtitan.datasets.text_dataset import PackedTextDataset
 
 
@@ -106,46 +107,51 @@ def _mixed_folder(tmp_path):
     return resolve_source("", str(tmp_path))
 
 
-def test_reading_resumes_from_every_position(tmp_path):
+def test_byte_ranges_that_tile_a_file_give_each_line_once(tmp_path):
+    """Whatever the cut points (inside a line, on a newline, on a line's first byte), the lines
+    starting in each range are read by that range alone."""
+    path = _jsonl(tmp_path / "d.jsonl", [f"line {i} " + "x" * (i * 7 % 23) for i in range(40)])
+    size = path.stat().st_size
+    full = list(read_jsonl(path, 0, size, BadLineCounter()))
+    assert [t for t, _ in full] == [f"line {i} " + "x" * (i * 7 % 23) for i in range(40)]
+    for step in (1, 7, 31, 64, 1000):
+        cuts = list(range(0, size, step)) + [size]
+        got, read = [], ByteCount()
+        for a, b in zip(cuts, cuts[1:]):
+            got += list(read_jsonl(path, a, b, BadLineCounter(), read))
+        assert got == full
+        assert read.bytes >= size
+
+
+def test_folders_mix_formats_in_shard_plans(tmp_path):
     files = _mixed_folder(tmp_path)
-    full = list(read_from(files, BadLineCounter(skip_bad_lines=True)))
-    assert [d for d, _ in full] == ["the whole file", "b0", "b1", "b2", "b3", "b4", "b5", "c0", "c1", "c2"]
-    assert [p.index for _, p in full] == list(range(1, 11))
-    for k, (_, position) in enumerate(full):
-        state = json.loads(json.dumps(position.state_dict()))  # plain values, as checkpoints keep them
-        rest = list(read_from(files, BadLineCounter(skip_bad_lines=True), StreamPosition.from_state_dict(state)))
-        assert rest == full[k + 1:]
+    counter = BadLineCounter(skip_bad_lines=True)
+    every = [d for d in read_documents(files, counter)]
+    assert every == ["the whole file", "b0", "b1", "b2", "b3", "b4", "b5", "c0", "c1", "c2"]
+    for num_shards in (1, 2, 3, 5):
+        docs = []
+        for shard in range(num_shards):
+            items = ShardItems(files, shard, num_shards, CharTokenizer(), infinite=False, skip_bad_lines=True)
+            for item in items.items():
+                docs.append(CharTokenizer().decode(item["tokens"].tolist()))
+        assert "".join(docs) == "".join(every), num_shards
 
 
-def test_resumed_reading_seeks_instead_of_rereading(tmp_path):
-    """Lines before the position are never parsed again: garbling them changes nothing."""
-    files = _mixed_folder(tmp_path)
-    full = list(read_from(files, BadLineCounter(skip_bad_lines=True)))
-    position = full[5][1]  # just after b4
-    assert (position.file, position.name) == (1, "b.jsonl")
-    path = tmp_path / "b.jsonl"
-    data = path.read_bytes()
-    path.write_bytes(b"".join(b"#" * (len(line) - 1) + b"\n" for line in data[:position.offset].splitlines(True))
-                     + data[position.offset:])
-    assert list(read_from(files, BadLineCounter(), position)) == full[6:]
-    with pytest.raises(DatasetError, match="b.jsonl:1"):  # counting would have to read them
-        list(read_documents(files))
+def test_parquet_is_split_by_row_group(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
 
-
-def test_changed_files_fall_back_to_counting_documents(tmp_path, caplog):
-    files = _mixed_folder(tmp_path)
-    full = list(read_from(files, BadLineCounter(skip_bad_lines=True)))
-    position = full[8][1]  # after c1
-    (tmp_path / "c.jsonl").rename(tmp_path / "d.jsonl")
-    renamed = resolve_source("", str(tmp_path))
-    with caplog.at_level("WARNING"):
-        rest = [d for d, _ in read_from(renamed, BadLineCounter(skip_bad_lines=True), position)]
-    assert rest == ["c2"]
-    assert "files changed since this data position was saved (file 2 was 'c.jsonl')" in caplog.text
-    # An offset that no longer ends a line (the file was rewritten) is noticed too.
-    _jsonl(tmp_path / "d.jsonl", ["a much longer first line", "c1", "c2"])
-    moved = StreamPosition(index=9, file=2, offset=position.offset, line=3, name="d.jsonl")
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        assert [d for d, _ in read_from(renamed, BadLineCounter(skip_bad_lines=True), moved)] == ["c2"]
-    assert "counting 9 documents" in caplog.text
+    texts = [f"row {i} " + "y" * (i % 11) for i in range(100)]
+    pq.write_table(pa.table({"text": texts, "id": list(range(100))}), tmp_path / "d.parquet", row_group_size=10)
+    files = resolve_source("", str(tmp_path / "d.parquet"))
+    assert list(read_documents(files)) == texts
+    seen = []
+    for shard in range(4):
+        plan = plan_shard(files, shard, 4)
+        assert all(c.end == c.begin + 1 for c in plan if c.file >= 0)  # whole row groups
+        items = ShardItems(files, shard, 4, CharTokenizer(), infinite=False)
+        seen += [CharTokenizer().decode(i["tokens"].tolist()) for i in items.items()]
+    assert "".join(seen) == "".join(texts)
+    pq.write_table(pa.table({"text": list(range(5))}), tmp_path / "ints.parquet")
+    with pytest.raises(DatasetError, match="the 'text' column holds int64, not strings"):
+        list(read_documents(resolve_source("", str(tmp_path / "ints.parquet"))))

@@ -1,8 +1,9 @@
-"""Text sources: where documents come from (registered names, local files, optional HF streaming).
+"""Text sources: where documents come from (registered names, local files, pre-tokenized shards,
+optional HF streaming), and the readers that take one piece of a file at a time.
 
-A source is read as one ordered stream of document strings; sharding and packing happen later,
-in text_dataset.py. Local files: JSON lines (`text` field), plain text (one document per file)
-and Parquet (`text` column, needs pyarrow), given as a file, a folder or a glob.
+Local files: JSON lines (`text` field), plain text (one document per file), Parquet (`text` column,
+needs pyarrow) and folders of pre-tokenized shards (tokenized.py), given as a file, a folder or a
+glob. Which pieces a data shard reads is decided in chunks.py; packing happens in text_dataset.py.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from torchtitan.assets import resolve_path
-from torchtitan.errors import UserError
+from torchtitan.datasets.tokenized import MANIFEST, TokenizedSource
+from torchtitan.errors import DatasetError
+
+__all__ = ["DatasetError", "resolve_source", "read_documents"]
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
-
-
-class DatasetError(UserError, ValueError):
-    """A dataset name, file or line the user can fix; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ class BadLineCounter:
             logger.warning(f"skipped {self.skipped} bad line(s) so far; latest {where}: {why}")
 
 
-def resolve_source(name: str, dataset_path: str, option: str = "training") -> list[Path] | HFSource:
-    """The files (sorted) or hub dataset that <option>.dataset / <option>.dataset_path name
-    (`option` is the config section: training, or validation for its own data)."""
+def resolve_source(name: str, dataset_path: str, option: str = "training"):
+    """The files (sorted), pre-tokenized shards or hub dataset that <option>.dataset / dataset_path
+    name (`option` is the config section: training, or validation for its own data)."""
     if not dataset_path:
         if name not in DATASETS:
             raise DatasetError(f"unknown {option}.dataset {name!r}; known: {', '.join(sorted(DATASETS))} "
@@ -72,8 +72,18 @@ def resolve_source(name: str, dataset_path: str, option: str = "training") -> li
         source = DATASETS[name]
         if isinstance(source, HFSource):
             return dataclasses.replace(source, option=option)
-        return _local_files(resolve_path(source, f"{option}.dataset {name!r}", DatasetError))
-    return _local_files(resolve_path(dataset_path, f"{option}.dataset_path", DatasetError))
+        return local_source(resolve_path(source, f"{option}.dataset {name!r}", DatasetError))
+    return local_source(resolve_path(dataset_path, f"{option}.dataset_path", DatasetError))
+
+
+def local_source(dataset_path: str):
+    """A folder of pre-tokenized shards (it holds their manifest), else the supported text files."""
+    path = Path(dataset_path)
+    if path.name == MANIFEST and path.is_file():
+        return TokenizedSource.open(path.parent)
+    if path.is_dir() and (path / MANIFEST).is_file():
+        return TokenizedSource.open(path)
+    return _local_files(dataset_path)
 
 
 def _local_files(dataset_path: str) -> list[Path]:
@@ -88,144 +98,180 @@ def _local_files(dataset_path: str) -> list[Path]:
         raise DatasetError(f"dataset file not found: {dataset_path}")
     files = [f for f in files if f.suffix in SUPPORTED_SUFFIXES]
     if not files:
-        raise DatasetError(f"no {', '.join(SUPPORTED_SUFFIXES)} files in {dataset_path}")
+        raise DatasetError(f"no {', '.join(SUPPORTED_SUFFIXES)} files in {dataset_path} (nor a folder of "
+                           "pre-tokenized shards: scripts/tokenize_dataset.py)")
     return files
 
 
-@dataclass(frozen=True)
-class StreamPosition:
-    """A point between two documents of a source's stream: `index` documents come before it.
-
-    For local files it also says where reading continues, so that a resumed run seeks there rather
-    than reading everything before it again: file number `file` of the sorted list (named `name`),
-    at byte `offset` of a JSON-lines file (whose next line is number `line`), or row `offset` of a
-    Parquet file; a plain-text file is one document, and offset 1 means it was read. A hub stream
-    has no such place and is resumed by skipping `index` documents.
-    """
-
-    index: int = 0
-    file: int = 0
-    offset: int = 0
-    line: int = 1
-    name: str = ""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "file": self.file, "offset": self.offset, "line": self.line, "name": self.name}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> StreamPosition:
-        return cls(int(state["index"]), int(state["file"]), int(state["offset"]), int(state["line"]), str(state["name"]))
-
-
-def read_documents(source: Path | list[Path] | HFSource, counter: BadLineCounter | None = None) -> Iterator[str]:
-    """All documents of a source, in a fixed order (files sorted by path)."""
-    for doc, _ in read_from(source, counter):
-        yield doc
-
-
-def read_from(source: Path | list[Path] | HFSource, counter: BadLineCounter | None = None,
-              start: StreamPosition | None = None) -> Iterator[tuple[str, StreamPosition]]:
-    """The documents after `start` (default: all), each with the position just after it."""
+def read_documents(source, counter: BadLineCounter | None = None) -> Iterator[str]:
+    """All documents of a text source, in its fixed order (files sorted by path); for tools and
+    tests. Training reads its shards' pieces instead (chunks.py)."""
     counter = counter or BadLineCounter()
-    start = start or StreamPosition()
     if isinstance(source, HFSource):
-        for i, doc in enumerate(_read_hf(source)):  # a stream cannot seek: skip by count
-            if i >= start.index:
-                yield doc, StreamPosition(index=i + 1)
+        yield from read_hf(source)
         return
-    files = [source] if isinstance(source, Path) else source
-    if start.index and not _can_seek(files, start):
-        logger.warning(f"the dataset's files changed since this data position was saved (file {start.file} was "
-                       f"{start.name!r}); finding the position by counting {start.index} documents instead")
-        for doc, position in read_from(source, counter):
-            if position.index > start.index:
-                yield doc, position
-        return
-    index = start.index
-    for n in range(start.file, len(files)):
-        path = files[n]
-        begin = (start.offset, start.line) if n == start.file else (0, 1)
-        for doc, offset, line in _READERS.get(path.suffix, _read_text)(path, counter, *begin):
-            index += 1
-            yield doc, StreamPosition(index, n, offset, line, path.name)
+    for path in [source] if isinstance(source, Path) else source:
+        if path.suffix == ".jsonl":
+            for text, _ in read_jsonl(path, 0, path.stat().st_size, counter):
+                yield text
+        elif path.suffix == ".parquet":
+            for group in range(len(parquet_row_groups(path))):
+                for text, _ in read_parquet(path, group):
+                    yield text
+        else:
+            text = read_text_file(path, counter)
+            if text:
+                yield text
 
 
-def _can_seek(files: list[Path], start: StreamPosition) -> bool:
-    """Whether `start` still points between two documents of the same file."""
-    if start.file >= len(files) or files[start.file].name != start.name:
-        return False
-    path = files[start.file]
-    if path.suffix != ".jsonl" or start.offset == 0:
-        return True
-    if start.offset > path.stat().st_size:
-        return False
-    with path.open("rb") as f:  # a line must end right before the offset
-        f.seek(start.offset - 1)
-        return f.read(1) == b"\n"
+class ByteCount:
+    """Bytes taken from the operating system by the readers of one chunk (read amplification)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
 
 
-def _read_jsonl(path: Path, counter: BadLineCounter, offset: int, line_no: int) -> Iterator[tuple[str, int, int]]:
+def read_jsonl(path: Path, begin: int, end: int, counter: BadLineCounter,
+               read: ByteCount | None = None) -> Iterator[tuple[str, int]]:
+    """The documents of the lines of a JSON-lines file that START at a byte in [begin, end), each
+    with its start byte: a line crossing `end` is read whole by this range and skipped by the next,
+    so ranges that tile a file give each line to exactly one of them. Reads the range and the rest
+    of its last line, nothing more."""
+    first = max(begin - 1, 0)
+    with path.open("rb", buffering=0) as f:
+        f.seek(first)
+        data = _read_up_to(f, end - first)
+        # The line holding byte begin - 1 belongs to an earlier range; a line starting exactly at
+        # `begin` (byte begin - 1 is its predecessor's newline) is ours.
+        at = 0 if begin == 0 else data.find(b"\n") + 1
+        if at == 0 and begin > 0:  # no line starts in this range (it lies inside one long line)
+            data = b""
+        elif len(data) == end - first and not data.endswith(b"\n"):
+            data += _rest_of_line(f, min(max((end - first) // 64, 64), 4096))
+        if read is not None:
+            read.bytes += f.tell() - first
+    lines = data[at:].split(b"\n")
+    start = first + at
+    for line in lines:
+        if start >= end or start >= first + len(data):
+            break
+        line_start, start = start, start + len(line) + 1
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line.decode("utf-8"))["text"]
+        except UnicodeDecodeError as e:
+            counter.bad(_where(path, line_start), f"invalid UTF-8 at byte {e.start} of the line")
+            continue
+        except (json.JSONDecodeError, KeyError, TypeError):
+            counter.bad(_where(path, line_start), "not a JSON object with a 'text' field")
+            continue
+        if not isinstance(text, str):
+            counter.bad(_where(path, line_start), f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string")
+            continue
+        yield text, line_start
+
+
+def _read_up_to(f, size: int) -> bytes:
+    parts = []
+    while size > 0:
+        block = f.read(size)
+        if not block:
+            break
+        parts.append(block)
+        size -= len(block)
+    return b"".join(parts)
+
+
+def _rest_of_line(f, block_size: int) -> bytes:
+    """From the file's position through the next newline (or the end), in growing blocks."""
+    parts = []
+    while True:
+        block = f.read(block_size)
+        if not block:
+            break
+        newline = block.find(b"\n")
+        if newline >= 0:
+            parts.append(block[:newline + 1])
+            break
+        parts.append(block)
+        block_size = min(block_size * 2, 1 << 20)
+    return b"".join(parts)
+
+
+def _where(path: Path, start: int) -> str:
+    """`path:line` for the line starting at byte `start`: counted only for a line that is reported."""
+    lines = 1
     with path.open("rb") as f:
-        f.seek(offset)
-        for raw in f:
-            offset, line_no = offset + len(raw), line_no + 1
-            if not raw.strip():
-                continue
-            where = f"{path}:{line_no - 1}"
-            try:
-                text = json.loads(raw.decode("utf-8"))["text"]
-            except UnicodeDecodeError as e:
-                counter.bad(where, f"invalid UTF-8 at byte {e.start} of the line")
-                continue
-            except (json.JSONDecodeError, KeyError, TypeError):
-                counter.bad(where, "not a JSON object with a 'text' field")
-                continue
-            if not isinstance(text, str):
-                counter.bad(where, f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string")
-                continue
-            yield text, offset, line_no
+        remaining = start
+        while remaining > 0:
+            block = f.read(min(remaining, 1 << 20))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            remaining -= len(block)
+    return f"{path}:{lines}"
 
 
-def _read_text(path: Path, counter: BadLineCounter, offset: int, line_no: int) -> Iterator[tuple[str, int, int]]:
-    if offset:  # already read
-        return
+def read_text_file(path: Path, counter: BadLineCounter, read: ByteCount | None = None) -> str:
+    """A plain-text file: one document (empty when the file holds only whitespace)."""
     data = path.read_bytes()
+    if read is not None:
+        read.bytes += len(data)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         counter.bad(f"{path}", f"invalid UTF-8 at byte {e.start}")
         text = data.decode("utf-8", errors="replace")
-    if text.strip():
-        yield text, 1, 1
+    return text if text.strip() else ""
 
 
-def _read_parquet(path: Path, counter: BadLineCounter, row: int, line_no: int) -> Iterator[tuple[str, int, int]]:
+def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise DatasetError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
-    table = pq.ParquetFile(path)
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error kinds for a file that is not Parquet
+        raise DatasetError(f"{path} is not a readable Parquet file: {e}") from None
     if "text" not in table.schema_arrow.names:
         raise DatasetError(f"{path} has no 'text' column (columns: {', '.join(table.schema_arrow.names)})")
-    # Whole row groups before `row` are never read; within the first one, rows before it are dropped.
-    first, before = 0, 0
-    while first < table.num_row_groups and before + table.metadata.row_group(first).num_rows <= row:
-        before += table.metadata.row_group(first).num_rows
-        first += 1
-    groups = list(range(first, table.num_row_groups))
-    if not groups:
-        return
-    for batch in table.iter_batches(columns=["text"], row_groups=groups):
-        for text in batch.column(0).to_pylist():
-            before += 1
-            if before > row and text:
-                yield text, before, 1
+    kind = table.schema_arrow.field("text").type
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise DatasetError(f"{path}: the 'text' column holds {kind}, not strings")
+    return table
 
 
-_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+def parquet_row_groups(path: Path) -> list[tuple[int, int]]:
+    """(start byte in the file, rows) of each row group, from the footer alone."""
+    metadata = _parquet_file(path).metadata
+    groups = []
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        starts = []
+        for c in range(group.num_columns):
+            column = group.column(c)
+            starts += [o for o in (column.dictionary_page_offset, column.data_page_offset) if o]
+        groups.append((min(starts) if starts else 0, group.num_rows))
+    return groups
 
 
-def _read_hf(source: HFSource) -> Iterator[str]:
+def read_parquet(path: Path, group: int, read: ByteCount | None = None) -> Iterator[tuple[str, int]]:
+    """The non-empty `text` values of one row group, each with its row number in the file."""
+    table = _parquet_file(path)
+    metadata = table.metadata
+    first_row = sum(metadata.row_group(g).num_rows for g in range(group))
+    column = table.schema_arrow.names.index("text")
+    if read is not None:  # the footer, and the one column chunk read
+        read.bytes += metadata.serialized_size + metadata.row_group(group).column(column).total_compressed_size
+    values = table.read_row_group(group, columns=["text"]).column(0).to_pylist()
+    for row, text in enumerate(values, start=first_row):
+        if text:
+            yield text, row
+
+
+def read_hf(source: HFSource) -> Iterator[str]:
     try:
         import datasets
     except ImportError:

@@ -1,188 +1,252 @@
-"""Packed text batches: documents -> tokens with BOS/EOS -> fixed windows, sharded by data rank.
+"""Packed text batches: each data shard's tokenized chunks -> fixed windows -> batches.
 
-The document stream is split into `num_shards` shards (document i belongs to shard i % num_shards).
-A data-parallel rank owns `num_shards / dp_degree` consecutive shards and builds each batch from
-an equal slice of every shard it owns. Hence the global batch of a step depends only on
-`num_shards` and the global batch size, not on how many ranks share it: one process reading
-2 shards sees exactly what two ranks reading one shard each see together.
+The data is split into `num_shards` data shards (chunks.py: byte ranges of the files, Parquet row
+groups, token ranges of pre-tokenized shards). A data-parallel rank owns `num_shards / dp_degree`
+consecutive shards, reads only those, and builds each batch from an equal slice of every shard it
+owns. Hence the global batch of a step depends only on `num_shards` and the global batch size, not
+on how many ranks share it: one process reading 2 shards sees exactly what two ranks reading one
+shard each see together. With a mixture each row comes from one of several sources (mixture.py).
+
+Reading and tokenizing can run in worker processes (`training.dataset_num_workers` per shard and
+source): worker w of W reads items w, w + W, ... of the shard's stream and the loader hands them
+over in turn, so the stream, and every batch, is the same with any number of workers. Packing
+stays in the training process, and the position it saves (the item its buffer starts with and
+the tokens already used from it) is worker-independent too.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
+from collections import deque
 from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.datasets.chunks import ShardItems, Split, describe
+from torchtitan.datasets.mixture import Mixture, build_mixture
 from torchtitan.datasets.shards import DataShards
-from torchtitan.datasets.sources import BadLineCounter, DatasetError, HFSource, StreamPosition, read_from, resolve_source
+from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
+from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
-Source = Any  # a Path, a list of Paths or an HFSource (see sources.py)
+
+__all__ = ["PackedTextDataset", "Split", "build_text_dataloader", "build_validation_dataloader"]
 
 
-class _ShardPacker:
-    """Packs the documents of one shard into windows of seq_len + 1 tokens.
+class _WorkerItems(IterableDataset):
+    """A shard's items from `start` on, dealt to the loader's workers in turn."""
+
+    def __init__(self, items: ShardItems, start: int):
+        self.items, self.start = items, start
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        yield from self.items.items(self.start + worker, workers)
+
+
+class _Packer:
+    """Packs one shard's item stream (of one source) into windows of seq_len + 1 tokens.
 
     Consecutive windows overlap by one token (stride seq_len), so every token except the very
     first is a training target exactly once.
     """
 
-    def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, shard: int, num_shards: int,
-                 infinite: bool = True, counter: BadLineCounter | None = None, split: Split | None = None):
-        self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
-        self.shard, self.num_shards, self.infinite = shard, num_shards, infinite
-        self.split = split
-        self.counter = counter or BadLineCounter()
-        self.docs_done = 0  # documents of this shard consumed in the current epoch
-        self.epoch = 0
-        self.position = StreamPosition()  # in the source's stream, just after the last of them
-        self.buffer: list[int] = []
-        self._docs: Iterator[str] | None = None
-        # Tokens one epoch of this shard must give to fill the shard's rows of one batch; an epoch
-        # seen whole (not resumed midway) that gives fewer means the data is too small to train on.
-        self.min_epoch_tokens = 0
-        self._epoch_tokens, self._whole_epoch = 0, True
-        self.exhausted = False  # a finite source came to its end: every later call says so too
+    def __init__(self, items: ShardItems, seq_len: int, workers: int, min_epoch_tokens: int):
+        self.items, self.seq_len, self.workers = items, seq_len, workers
+        # Tokens one epoch of this shard must give to fill the shard's rows of one batch; fewer
+        # means the data is too small to train on (rather than looping over thousands of epochs).
+        self.min_epoch_tokens = min_epoch_tokens
+        self.parts: deque[tuple[int, torch.Tensor]] = deque()  # items whose tokens are not all used
+        self.head = 0  # tokens of parts[0] already used
+        self.next_item = 0  # the next item to fetch
+        self.counted = 0  # items before this one are in the epoch counts (a resumed run fetches some again)
+        self.epoch, self.epoch_tokens, self.epoch_documents = 0, 0, 0
+        self.rows = 0  # windows taken from this shard of this source
+        self.bytes_read = 0  # by the reads of this process's items (read amplification)
+        self.exhausted = False  # a finite source came to its end
+        self._stream: Iterator[dict[str, Any]] | None = None
+        self._available = 0
 
-    def _next_document(self) -> str | None:
-        """The shard's next document; None when a finite source is used up."""
-        while not self.exhausted:
-            if self._docs is None:
-                # Reading continues right after this shard's last document (a resumed run seeks there).
-                self._docs = ((d, p) for d, p in read_from(self.source, self.counter, self.position)
-                              if (p.index - 1) % self.num_shards == self.shard
-                              and (self.split is None or self.split.reads(p.index)))
-            doc, position = next(self._docs, (None, None))
-            if doc is not None:
-                self.docs_done, self.position = self.docs_done + 1, position
-                return doc
-            if self.docs_done == 0:
-                raise DatasetError(self._no_documents())
-            if self._whole_epoch and self._epoch_tokens < self.min_epoch_tokens:
-                held_out = (f"; training skips the documents validation holds out (validation.held_out_fraction "
-                            f"{self.split.fraction:g})" if self.split is not None else "")
-                raise DatasetError(
-                    f"{_describe(self.source)} gives data shard {self.shard} of {self.num_shards} only "
-                    f"{self._epoch_tokens} tokens, fewer than its share of one batch ({self.min_epoch_tokens}){held_out}; "
-                    "use more data, or lower training.batch_size, training.seq_len or training.dataset_shards")
-            self._epoch_tokens, self._whole_epoch = 0, True
-            if not self.infinite:
-                self.exhausted = True
-                return None
-            self.epoch, self.docs_done, self.position, self._docs = self.epoch + 1, 0, StreamPosition(), None
-            logger.info(f"data shard {self.shard}: starting epoch {self.epoch} over {_describe(self.source)}")
-        return None
+    def _fetch(self) -> bool:
+        """One more item into the buffer; False when a finite source is used up."""
+        if self.exhausted:
+            return False
+        if self._stream is None:
+            self._stream = self._open(self.next_item)
+        item = next(self._stream, None)
+        if item is None:
+            self.exhausted = True
+            return False
+        if "error" in item:
+            raise DatasetError(item["error"])
+        if item["k"] != self.next_item:  # the loader hands the workers' items over in turn
+            raise RuntimeError(f"data item {item['k']} arrived where {self.next_item} was expected")
+        self.next_item += 1
+        self.bytes_read += item["bytes"]
+        if len(item["tokens"]):
+            self.parts.append((item["k"], item["tokens"]))
+            self._available += len(item["tokens"])
+        if item["k"] >= self.counted:
+            self.counted = item["k"] + 1
+            self.epoch_tokens += len(item["tokens"])
+            self.epoch_documents += item["documents"]
+            if item["last"]:
+                self._end_epoch()
+        if item["last"] and not self.items.infinite:
+            self.exhausted = True
+        return True
+
+    def _open(self, start: int) -> Iterator[dict[str, Any]]:
+        if self.workers == 0:
+            return self.items.items(start)
+        if isinstance(self.items.source, HFSource):
+            raise DatasetError(f"training.dataset_num_workers {self.workers}: the hub stream "
+                               f"{self.items.source.path} is read in order by the training process; set it to 0")
+        loader = StatefulDataLoader(_WorkerItems(self.items, start), batch_size=None, num_workers=self.workers,
+                                    prefetch_factor=2)
+        return iter(loader)
+
+    def _end_epoch(self) -> None:
+        where = f"data shard {self.items.shard} of {self.items.num_shards}"
+        if self.epoch_documents == 0:
+            raise DatasetError(self._no_documents())
+        if self.epoch_tokens < self.min_epoch_tokens:
+            held_out = (f"; training skips the documents validation holds out (validation.held_out_fraction "
+                        f"{self.items.split.fraction:g})" if self.items.split is not None else "")
+            raise DatasetError(
+                f"{describe(self.items.source)} gives {where} only {self.epoch_tokens} tokens, fewer than its share "
+                f"of one batch ({self.min_epoch_tokens}){held_out}; use more data, or lower training.batch_size, "
+                "training.seq_len or training.dataset_shards")
+        self.epoch, self.epoch_tokens, self.epoch_documents = self.epoch + 1, 0, 0
+        if self.items.infinite:
+            logger.info(f"{where}: starting epoch {self.epoch} over {describe(self.items.source)}")
 
     def _no_documents(self) -> str:
-        """Why this shard got no document at all, in the words of the option to change."""
-        validation = self.split is not None and self.split.validation
-        files = self.source if isinstance(self.source, list) else []
-        if 0 < len(files) < self.num_shards and all(Path(f).suffix == ".txt" for f in files):
-            why = (f"each .txt file is one document, and {len(files)} cannot feed {self.num_shards} data shards (one per "
-                   "training.dataset_shards): give more files, or a .jsonl file with one document per line")
+        """Why this shard got no document in a whole epoch, in the words of the option to change."""
+        source, split = self.items.source, self.items.split
+        validation = split is not None and split.validation
+        files = source if isinstance(source, list) else []
+        if files and all(f.suffix == ".txt" for f in files):
+            why = (f"each .txt file is one document, and {len(files)} cannot feed {self.items.num_shards} data shards "
+                   "(training.dataset_shards): give more files, or a .jsonl file with one document per line")
+        elif files and all(f.suffix == ".parquet" for f in files):
+            why = ("Parquet files are split by row group, and too few start in this shard's byte range: write "
+                   "smaller row groups, or lower training.dataset_shards")
         elif validation:
             why = "give more validation data, or lower training.dataset_shards"
-        elif self.split is not None:
+        elif split is not None:
             why = (f"training skips the documents validation holds out (validation.held_out_fraction "
-                   f"{self.split.fraction:g}); lower it, or give more data")
+                   f"{split.fraction:g}); lower it, or give more data")
         else:
-            why = "it is empty, or has fewer documents than training.dataset_shards"
-        data = _describe(self.source)
-        if validation and self.split.fraction < 1:
-            data = f"the held-out split of {data} (validation.held_out_fraction {self.split.fraction:g})"
-        return (f"{'validation: ' if validation else ''}{data} has no documents for data shard {self.shard} of "
-                f"{self.num_shards} ({why})")
+            why = "it is empty, or too small for training.dataset_shards"
+        data = describe(source)
+        if validation and split.fraction < 1:
+            data = f"the held-out split of {data} (validation.held_out_fraction {split.fraction:g})"
+        return (f"{'validation: ' if validation else ''}{data} has no documents for data shard {self.items.shard} of "
+                f"{self.items.num_shards} ({why})")
 
-    def next_window(self) -> list[int] | None:
-        """seq_len + 1 tokens; None when a finite source cannot fill another window."""
-        while len(self.buffer) < self.seq_len + 1:
-            doc = self._next_document()
-            if doc is None:
+    def next_window(self) -> torch.Tensor | None:
+        """seq_len + 1 tokens (int32); None when a finite source cannot fill another window."""
+        need = self.seq_len + 1
+        while self._available - self.head < need:
+            if not self._fetch():
                 return None
-            tokens = self.tokenizer.encode(doc, bos=True, eos=True)
-            self._epoch_tokens += len(tokens)
-            self.buffer.extend(tokens)
-        window = self.buffer[: self.seq_len + 1]
-        self.buffer = self.buffer[self.seq_len :]
-        return window
+        pieces, missing, head = [], need, self.head
+        for _, tokens in self.parts:
+            pieces.append(tokens[head:head + missing])
+            missing, head = missing - len(pieces[-1]), 0
+            if missing == 0:
+                break
+        # Advance by seq_len: the window's last token starts the next one.
+        self.head += self.seq_len
+        while self.parts and self.head >= len(self.parts[0][1]):
+            _, done = self.parts.popleft()
+            self.head -= len(done)
+            self._available -= len(done)
+        self.rows += 1
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"docs_done": self.docs_done, "epoch": self.epoch, "buffer": list(self.buffer),
-                "position": self.position.state_dict()}
+        first = self.parts[0][0] if self.parts else self.next_item
+        return {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
+                "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.docs_done, self.epoch, self.buffer = state["docs_done"], state["epoch"], list(state["buffer"])
-        self.position = StreamPosition.from_state_dict(state["position"])
-        self._docs = None
-        self._epoch_tokens, self._whole_epoch = 0, self.docs_done == 0
-
-
-@dataclass(frozen=True)
-class Split:
-    """Which documents of a source one reader takes when validation holds some of them out.
-
-    Document i (its 1-based position in the source's stream) is held out when a multiplicative
-    hash of i falls below `fraction` of the hash range: the split depends only on the document's
-    position, so it is the same in every run, layout and data-parallel degree, and held-out
-    documents are spread evenly over the source instead of clustering in one shard or file.
-    Training reads the rest (`validation` False), validation the held-out ones.
-    """
-
-    fraction: float
-    validation: bool
-
-    def reads(self, index: int) -> bool:
-        held_out = (index * 0x9E3779B1) % 2**32 < self.fraction * 2**32
-        return held_out == self.validation
+        self.parts.clear()
+        self._available, self._stream, self.exhausted = 0, None, False
+        self.next_item, self.head, self.counted = int(state["item"]), int(state["offset"]), int(state["counted"])
+        self.epoch, self.epoch_tokens = int(state["epoch"]), int(state["epoch_tokens"])
+        self.epoch_documents, self.rows = int(state["epoch_documents"]), int(state["rows"])
 
 
 class PackedTextDataset(IterableDataset, Stateful):
     """Yields (inputs, labels) batches of shape (batch_size, seq_len): forever when infinite (each
-    shard starts a new epoch at its end), else until a shard cannot fill its part of a batch."""
+    shard starts a new epoch at its end), else until a shard cannot fill its part of a batch.
 
-    def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
-                 num_shards: int, infinite: bool = True, skip_bad_lines: bool = False, split: Split | None = None):
+    `source` is one source (files, pre-tokenized shards, a hub dataset) or a Mixture of several."""
+
+    def __init__(self, source: Any, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
+                 num_shards: int, infinite: bool = True, skip_bad_lines: bool = False, split: Split | None = None,
+                 num_workers: int = 0):
         if batch_size % len(shards):
             option = "validation.batch_size" if split is not None and split.validation else "training.batch_size"
             raise DatasetError(
                 f"{option} {batch_size} must be divisible by the {len(shards)} data shards each rank reads "
                 "(training.dataset_shards / data-parallel degree)"
             )
-        self.rows_per_shard = batch_size // len(shards)
-        counter = BadLineCounter(skip_bad_lines)
-        self.packers = [_ShardPacker(source, tokenizer, seq_len, s, num_shards, infinite, counter, split)
-                        for s in shards]
-        if split is None or not split.validation:  # validation reads its data once, as far as it goes
-            for packer in self.packers:
-                packer.min_epoch_tokens = self.rows_per_shard * seq_len + 1
+        self.mixture = source if isinstance(source, Mixture) else Mixture.single(source)
+        self.seq_len, self.rows_per_shard = seq_len, batch_size // len(shards)
+        # Validation reads its data once, as far as it goes: no minimum.
+        min_tokens = self.rows_per_shard * seq_len + 1 if split is None or not split.validation else 0
+        self.packers = {s: [_Packer(ShardItems(src, s, num_shards, tokenizer, infinite, skip_bad_lines, split), seq_len,
+                                    num_workers, min_tokens) for src in self.mixture.sources] for s in shards}
+        self.rows = dict.fromkeys(shards, 0)  # rows drawn in each shard: the mixture's draw counter
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             rows = []
-            for packer in self.packers:
+            for shard, packers in self.packers.items():
                 for _ in range(self.rows_per_shard):
+                    packer = packers[self.mixture.pick(shard, self.rows[shard])]
                     row = packer.next_window()
                     if row is None:  # a finite shard at its end: no more full batches
-                        logger.info(f"data exhausted: {_describe(packer.source)} has no full batch left")
+                        logger.info(f"data exhausted: {describe(packer.items.source)} has no full batch left")
                         return
+                    self.rows[shard] += 1
                     rows.append(row)
-            batch = torch.tensor(rows, dtype=torch.long)
+            batch = torch.stack(rows).long()
             yield batch[:, :-1], batch[:, 1:]
 
+    def tokens_by_source(self) -> dict[str, int]:
+        """Training tokens (labels) this rank took from each source so far."""
+        return {name: sum(packers[i].rows for packers in self.packers.values()) * self.seq_len
+                for i, name in enumerate(self.mixture.names)}
+
+    def bytes_read(self) -> int:
+        return sum(p.bytes_read for packers in self.packers.values() for p in packers)
+
     def state_dict(self) -> dict[str, Any]:
-        return {f"shard_{p.shard}": p.state_dict() for p in self.packers}
+        return {f"shard_{s}": {"rows": self.rows[s], "mix": self.mixture.describe(),
+                               **{f"source_{i}": p.state_dict() for i, p in enumerate(packers)}}
+                for s, packers in self.packers.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for p in self.packers:
-            p.load_state_dict(state_dict[f"shard_{p.shard}"])
+        for s, packers in self.packers.items():
+            state = state_dict[f"shard_{s}"]
+            if state["mix"] != self.mixture.describe():
+                raise DatasetError(f"the checkpoint's data position is for the sources {state['mix']!r}, but this run "
+                                   f"reads {self.mixture.describe()!r} (training.dataset_mix); resume with the same "
+                                   "sources and weights, or start the data over with --checkpoint.exclude_from_loading "
+                                   "dataloader")
+            self.rows[s] = int(state["rows"])
+            for i, packer in enumerate(packers):
+                packer.load_state_dict(state[f"source_{i}"])
 
 
 def held_out_split(job_config: JobConfig, validation: bool) -> Split | None:
@@ -194,13 +258,29 @@ def held_out_split(job_config: JobConfig, validation: bool) -> Split | None:
     return Split(v.held_out_fraction, validation)
 
 
+def training_source(job_config: JobConfig) -> Any:
+    """training.dataset_mix's Mixture, else the one source training.dataset / dataset_path name."""
+    t = job_config.training
+    if t.dataset_mix:
+        return build_mixture(t.dataset_mix, t.seed if t.seed >= 0 else 0)
+    return resolve_source(t.dataset, t.dataset_path)
+
+
+def _check_tokenized(source: Any, tokenizer: Tokenizer) -> None:
+    for s in source.sources if isinstance(source, Mixture) else [source]:
+        if isinstance(s, TokenizedSource):
+            s.check_tokenizer(tokenizer)
+
+
 def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
     t = job_config.training
-    source = resolve_source(t.dataset, t.dataset_path)
+    source = training_source(job_config)
+    _check_tokenized(source, tokenizer)
     dataset = PackedTextDataset(source, tokenizer, t.seq_len, t.batch_size, shards.owned, shards.count,
                                 infinite=t.dataset_infinite, skip_bad_lines=t.dataset_skip_bad_lines,
-                                split=held_out_split(job_config, validation=False))
-    # batch_size=None: the dataset yields whole batches (each assembled from its shards).
+                                split=held_out_split(job_config, validation=False), num_workers=t.dataset_num_workers)
+    # batch_size=None: the dataset yields whole batches (each assembled from its shards). Any worker
+    # processes belong to the dataset's shard readers; packing runs here.
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
 
 
@@ -214,22 +294,15 @@ def validation_batch_size(job_config: JobConfig) -> int:
 
 def build_validation_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
     """Batches of the validation data (validation.dataset or dataset_path, else the training
-    source's held-out split), read once from its start: finite, one shard per data-parallel rank."""
+    source's held-out split), read once from its start: finite, in the training process."""
     t, v = job_config.training, job_config.validation
     if v.dataset or v.dataset_path:
         source = resolve_source(v.dataset, v.dataset_path, option="validation")
         split = Split(1.0, validation=True)  # all of it
     else:
-        source = resolve_source(t.dataset, t.dataset_path)
+        source = training_source(job_config)
         split = held_out_split(job_config, validation=True)
+    _check_tokenized(source, tokenizer)
     dataset = PackedTextDataset(source, tokenizer, t.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
                                 infinite=False, skip_bad_lines=t.dataset_skip_bad_lines, split=split)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
-
-
-def _describe(source: Source) -> str:
-    if isinstance(source, HFSource):
-        return f"hub dataset {source.path}"
-    if isinstance(source, list):
-        return str(source[0]) if len(source) == 1 else f"{len(source)} files from {source[0].parent}"
-    return str(source)

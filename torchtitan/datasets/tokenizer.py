@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 from abc import ABC, abstractmethod
 
@@ -27,6 +28,16 @@ class Tokenizer(ABC):
     bos_id: int
     eos_id: int
     pad_id: int  # -1 where the tokenizer defines none
+    path: str  # the file it was read from
+
+    def fingerprint(self) -> str:
+        """The sha256 of the tokenizer's file: pre-tokenized data records it, so that token ids
+        are never read with a tokenizer other than the one that made them."""
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
 
     @abstractmethod
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]: ...
@@ -42,6 +53,7 @@ class SentencePieceTokenizer(Tokenizer):
         from sentencepiece import SentencePieceProcessor
 
         _check_file(path)
+        self.path = path
         self.sp = SentencePieceProcessor()
         try:
             self.sp.Load(path)
@@ -88,6 +100,7 @@ class TikTokenizer(Tokenizer):
         import tiktoken
 
         _check_file(path)
+        self.path = path
         ranks = _read_tiktoken_ranks(path)
         n_base = len(ranks)
         special = {token: n_base + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}

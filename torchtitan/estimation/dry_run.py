@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan.datasets.sources import resolve_source
+from torchtitan.datasets.text_dataset import training_source
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.errors import ConfigError, UserError
 from torchtitan.estimation.pipeline_replay import PipelineReplay, replayable
@@ -342,7 +342,7 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
     world_size = j.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or tt_dist.world_size()
     target = target_device_type(job_config)
     config, notes = for_this_machine(job_config, target, world_size)
-    resolve_source(config.training.dataset, config.training.dataset_path)  # the data must exist too
+    training_source(config)  # the data must exist too
     tokenizer = _tokenizer(config, notes)
     pre = preflight(config, world_size, target, check_memory=False, tokenizer=tokenizer)
     parallel_dims, simulated, world, buckets = pre.parallel_dims, config, world_size, 0
