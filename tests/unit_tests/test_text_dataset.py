@@ -268,3 +268,29 @@ def test_a_training_split_too_small_names_the_held_out_fraction(tmp_path):
     with pytest.raises(DatasetError, match=r"training skips the documents validation holds out "
                                            r"\(validation.held_out_fraction 0.999\)"):
         next(iter(ds))
+
+
+def test_changed_files_are_named_when_resuming(tmp_path, caplog):
+    path = _corpus(tmp_path, [f"doc {i} " + "text " * (i % 7) for i in range(30)])
+    first = PackedTextDataset(path, CharTokenizer(), 12, batch_size=2, shards=[0], num_shards=1)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    with path.open("a") as f:  # a growing corpus: new documents appended
+        f.write(json.dumps({"text": "appended later"}) + "\n")
+    resumed = PackedTextDataset(path, CharTokenizer(), 12, batch_size=2, shards=[0], num_shards=1)
+    with caplog.at_level("WARNING"):
+        resumed.load_state_dict(state)
+    assert "docs.jsonl changed since this data position was saved (data shard 0 of 1)" in caplog.text
+    assert next(iter(resumed))[0].shape == (2, 12)
+
+
+def test_a_changed_mixture_is_refused_when_resuming(tmp_path):
+    from torchtitan.datasets.mixture import Mixture
+
+    a, b = _corpus(tmp_path, ["a " * 50] * 20, "a.jsonl"), _corpus(tmp_path, ["b " * 50] * 20, "b.jsonl")
+    saved = PackedTextDataset(Mixture(("a", "b"), ([a], [b]), (0.5, 0.5)), CharTokenizer(), 12, 2, [0], 1)
+    other = PackedTextDataset(Mixture(("a", "b"), ([a], [b]), (0.9, 0.1)), CharTokenizer(), 12, 2, [0], 1)
+    with pytest.raises(DatasetError, match=r"data position is for the sources 'a:0.5,b:0.5', but this run reads "
+                                           r"'a:0.9,b:0.1' \(training.dataset_mix\)"):
+        other.load_state_dict(saved.state_dict())

@@ -15,6 +15,7 @@ every W-th item and still deliver the same stream.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,17 @@ def _plan_tokens(source: TokenizedSource, shard: int, num_shards: int) -> list[C
     return chunks
 
 
+def source_digest(source: Any) -> str:
+    """Names and sizes of a source's files: a saved position refers to the plan of those files."""
+    if isinstance(source, HFSource):
+        parts = [source.path, str(source.name), source.split]
+    elif isinstance(source, TokenizedSource):
+        parts = [f"{f.tokens}:{f.num_tokens}" for f in source.files]
+    else:
+        parts = [f"{p.name}:{p.stat().st_size}" for p in ([source] if isinstance(source, Path) else source)]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def describe(source: Any) -> str:
     if isinstance(source, HFSource):
         return f"hub dataset {source.path}"
@@ -154,6 +166,7 @@ class ShardItems:
         self.lengths = lengths  # items also list their documents' token counts (for writing token shards)
         self.counter = BadLineCounter(skip_bad_lines)
         self.plan = None if isinstance(source, HFSource) else plan_shard(self.source, shard, num_shards)
+        self.digest = source_digest(self.source)  # of the files the plan was made from
         self._token_files = TokenFiles(source) if isinstance(source, TokenizedSource) else None
 
     def items(self, start: int = 0, step: int = 1) -> Iterator[dict[str, Any]]:

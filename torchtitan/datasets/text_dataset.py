@@ -17,6 +17,7 @@ the tokens already used from it) is worker-independent too.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
 from typing import Any, Iterator
 
@@ -34,6 +35,8 @@ from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
+# torchdata's loader calls a deprecated torch function at every start; nothing for users to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 __all__ = ["PackedTextDataset", "Split", "build_text_dataloader", "build_validation_dataloader"]
 
@@ -175,9 +178,14 @@ class _Packer:
     def state_dict(self) -> dict[str, Any]:
         first = self.parts[0][0] if self.parts else self.next_item
         return {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
-                "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows}
+                "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
+                "files": self.items.digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["files"] != self.items.digest:
+            logger.warning(f"the files of {describe(self.items.source)} changed since this data position was saved "
+                           f"(data shard {self.items.shard} of {self.items.num_shards}); reading goes on at its chunk "
+                           f"{state['item']} of the files as they are now, which may hold other documents")
         self.parts.clear()
         self._available, self._stream, self.exhausted = 0, None, False
         self.next_item, self.head, self.counted = int(state["item"]), int(state["offset"]), int(state["counted"])
