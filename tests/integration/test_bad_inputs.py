@@ -62,6 +62,12 @@ class Link:
 PROSE = "The quick brown fox jumps over the lazy dog while the module reads its arguments. " * 80  # ~1,500 tokens
 
 
+# A manifest of pre-tokenized shards naming one part of 10 uint16 tokens in 1 document.
+TOKEN_MANIFEST = {"format": "torchtitan-tokens", "version": 1, "dtype": "uint16", "vocab_size": 2256,
+                  "tokenizer": {"name": "tokenizer.model", "sha256": "0" * 64},
+                  "files": [{"tokens": "p.bin", "index": "p.idx", "num_tokens": 10, "num_documents": 1}]}
+
+
 def jsonl(*docs: object) -> str:
     return "".join(json.dumps(d) + "\n" for d in docs)
 
@@ -123,6 +129,13 @@ CASES: list[Case] = [
     config("lr_min above 1", "--training.lr_min 2", "training.lr_min"),
     config("shard degree 0", "--training.data_parallel_shard_degree 0", "training.data_parallel_shard_degree must be >= 1 or -1"),
     config("dataset_shards 0", "--training.dataset_shards 0", "training.dataset_shards must be >= 1 or -1"),
+    config("dataset_num_workers negative", "--training.dataset_num_workers -1", "training.dataset_num_workers must be >= 0"),
+    config("dataset_mix without weights", "--training.dataset_mix stdlib_docs",
+           "training.dataset_mix entry 'stdlib_docs' is not 'source:weight'"),
+    config("dataset_mix weight not a number", "--training.dataset_mix stdlib_docs:lots",
+           "training.dataset_mix entry 'stdlib_docs:lots': weight 'lots' is not a number"),
+    config("dataset_mix and dataset_path", "--training.dataset_mix stdlib_docs:1 --training.dataset_path x.jsonl",
+           "training.dataset_mix and training.dataset_path both name the training data"),
     config("checkpoint interval 0", "--checkpoint.interval 0", "checkpoint.interval must be >= 1"),
     config("keep_latest_k negative", "--checkpoint.keep_latest_k -1", "checkpoint.keep_latest_k must be >= 0"),
     config("selective AC option bad", "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option x",
@@ -148,6 +161,9 @@ CASES: list[Case] = [
            env={"WORLD_SIZE": "2"}),
     config("context parallel odd sequence", "--experimental.context_parallel_degree 2 --training.seq_len 63",
            "training.seq_len 63 must divide by 2 x experimental.context_parallel_degree", env={"WORLD_SIZE": "2"}),
+    config("document mask with context parallelism", "--experimental.context_parallel_degree 2 --training.document_mask",
+           "training.document_mask does not compose with context parallelism (experimental.context_parallel_degree 2)",
+           env={"WORLD_SIZE": "2"}),
     config("expert parallel degree 0", "--training.expert_parallel_degree 0", "training.expert_parallel_degree must be >= 1, got 0"),
     config("expert parallel degree does not divide the ranks", "--training.expert_parallel_degree 3",
            "training.expert_parallel_degree 3 must divide the ranks it is taken from (dp_shard 2 = 2)", env={"WORLD_SIZE": "2"}),
@@ -266,6 +282,16 @@ CASES: list[Case] = [
          files={"data.parquet": b"PAR1 this is not a parquet file"}),
     case("fewer tokens than one batch", "data", "--training.dataset_path {in}/tiny.jsonl",
          "{in}/tiny.jsonl gives data shard 0 of 1 only", files={"tiny.jsonl": jsonl({"text": "hello world"})}),
+    case("mixture source missing", "data", "--training.dataset_mix stdlib_docs:1,{in}/nope.jsonl:1",
+         "dataset file not found: {in}/nope.jsonl"),
+    case("token shards truncated", "data", "--training.dataset_path {in}/tokens", "{in}/tokens/p.bin holds 4 bytes, but "
+         "{in}/tokens/manifest.json says 20 (truncated or rewritten? tokenize the data again)",
+         files={"tokens/manifest.json": json.dumps(TOKEN_MANIFEST), "tokens/p.bin": b"\0" * 4, "tokens/p.idx": b"\0" * 16}),
+    case("token shards of another format", "data", "--training.dataset_path {in}/tokens",
+         "{in}/tokens/manifest.json is not a manifest of pre-tokenized shards",
+         files={"tokens/manifest.json": json.dumps({**TOKEN_MANIFEST, "format": "megatron"})}),
+    case("hub stream with worker processes", "data", "--training.dataset c4 --training.dataset_num_workers 2",
+         "training.dataset_num_workers 2: the hub stream allenai/c4 is read in order by the training process; set it to 0"),
     case("shards do not divide the batch", "data", "--training.dataset_shards 3", "training.batch_size 8 must be divisible by the 3 data shards"),
 
     # --- tokenizer -----------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def _plan_files(files: list[Path], shard: int, num_shards: int) -> list[Chunk]:
             chunks += [Chunk(n, b, min(b + CHUNK_BYTES, end)) for b in range(begin, end, CHUNK_BYTES)]
         elif path.suffix == ".parquet":
             if begin < end:  # only files that overlap the range have their footer read
-                chunks += [Chunk(n, g, g + 1) for g, (at, _) in enumerate(sources.parquet_row_groups(path)) if begin <= at < end]
+                groups = sources.parquet_row_groups(sources.open_parquet(path))
+                chunks += [Chunk(n, g, g + 1) for g, (at, _) in enumerate(groups) if begin <= at < end]
         elif lo <= start < hi:  # a plain-text file is one document, starting at its first byte
             chunks.append(Chunk(n, 0, size))
         start += size
@@ -168,6 +169,7 @@ class ShardItems:
         self.plan = None if isinstance(source, HFSource) else plan_shard(self.source, shard, num_shards)
         self.digest = source_digest(self.source)  # of the files the plan was made from
         self._token_files = TokenFiles(source) if isinstance(source, TokenizedSource) else None
+        self._parquet: dict[Path, Any] = {}  # open Parquet files (their footers read)
 
     def items(self, start: int = 0, step: int = 1) -> Iterator[dict[str, Any]]:
         """Items start, start + step, ...: forever when infinite, else to the end of the first epoch."""
@@ -199,7 +201,9 @@ class ShardItems:
         if path.suffix == ".jsonl":
             documents = sources.read_jsonl(path, chunk.begin, chunk.end, self.counter, read)
         elif path.suffix == ".parquet":
-            documents = sources.read_parquet(path, chunk.begin, read)
+            if path not in self._parquet:  # each process reads a file's footer once
+                self._parquet[path] = sources.open_parquet(path, read)
+            documents = sources.read_parquet(self._parquet[path], chunk.begin, read)
         else:
             text = sources.read_text_file(path, self.counter, read)
             documents = iter([(text, 0)] if text else [])

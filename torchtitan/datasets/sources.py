@@ -115,8 +115,9 @@ def read_documents(source, counter: BadLineCounter | None = None) -> Iterator[st
             for text, _ in read_jsonl(path, 0, path.stat().st_size, counter):
                 yield text
         elif path.suffix == ".parquet":
-            for group in range(len(parquet_row_groups(path))):
-                for text, _ in read_parquet(path, group):
+            table = open_parquet(path)
+            for group in range(table.metadata.num_row_groups):
+                for text, _ in read_parquet(table, group):
                     yield text
         else:
             text = read_text_file(path, counter)
@@ -226,7 +227,8 @@ def read_text_file(path: Path, counter: BadLineCounter, read: ByteCount | None =
     return text if text.strip() else ""
 
 
-def _parquet_file(path: Path):
+def open_parquet(path: Path, read: ByteCount | None = None):
+    """A Parquet file with its footer read (counted in `read`); checked to have a string `text` column."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -235,6 +237,8 @@ def _parquet_file(path: Path):
         table = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error kinds for a file that is not Parquet
         raise DatasetError(f"{path} is not a readable Parquet file: {e}") from None
+    if read is not None:
+        read.bytes += table.metadata.serialized_size + 8  # the footer, its length and the magic number
     if "text" not in table.schema_arrow.names:
         raise DatasetError(f"{path} has no 'text' column (columns: {', '.join(table.schema_arrow.names)})")
     kind = table.schema_arrow.field("text").type
@@ -243,9 +247,9 @@ def _parquet_file(path: Path):
     return table
 
 
-def parquet_row_groups(path: Path) -> list[tuple[int, int]]:
-    """(start byte in the file, rows) of each row group, from the footer alone."""
-    metadata = _parquet_file(path).metadata
+def parquet_row_groups(table) -> list[tuple[int, int]]:
+    """(start byte in the file, rows) of each row group of an open Parquet file, from its footer."""
+    metadata = table.metadata
     groups = []
     for g in range(metadata.num_row_groups):
         group = metadata.row_group(g)
@@ -257,14 +261,14 @@ def parquet_row_groups(path: Path) -> list[tuple[int, int]]:
     return groups
 
 
-def read_parquet(path: Path, group: int, read: ByteCount | None = None) -> Iterator[tuple[str, int]]:
-    """The non-empty `text` values of one row group, each with its row number in the file."""
-    table = _parquet_file(path)
+def read_parquet(table, group: int, read: ByteCount | None = None) -> Iterator[tuple[str, int]]:
+    """The non-empty `text` values of one row group of an open Parquet file, each with its row
+    number in the file; only that row group's `text` column chunk is read."""
     metadata = table.metadata
     first_row = sum(metadata.row_group(g).num_rows for g in range(group))
     column = table.schema_arrow.names.index("text")
-    if read is not None:  # the footer, and the one column chunk read
-        read.bytes += metadata.serialized_size + metadata.row_group(group).column(column).total_compressed_size
+    if read is not None:
+        read.bytes += metadata.row_group(group).column(column).total_compressed_size
     values = table.read_row_group(group, columns=["text"]).column(0).to_pylist()
     for row, text in enumerate(values, start=first_row):
         if text:
