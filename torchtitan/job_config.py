@@ -141,6 +141,9 @@ class Training:
     dataset_num_workers: int = opt(
         0, "Worker processes that read and tokenize each of the rank's data shards (0: in the training process). "
         "The data and its resume position do not depend on it.")
+    document_mask: bool = opt(
+        False, "Keep attention inside each packed document: a token attends only to earlier tokens after the last "
+        "end-of-text token (block-causal). FlexAttention on CUDA, a masked SDPA on CPU; not with context parallelism.")
     batch_size: int = opt(8, "Batch size per data-parallel rank and micro-step.")
     seq_len: int = opt(2048, "Tokens per sequence.")
     warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.")

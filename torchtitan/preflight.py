@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +45,21 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
     return dataclasses.replace(flavor, **{k: v for k, v in updates.items() if k == "vocab_size" or hasattr(flavor, k)})
 
 
+def check_document_mask(job_config: JobConfig, tokenizer: Any, model_cls: type | None = None) -> None:
+    """training.document_mask cuts windows at end-of-text tokens, so the tokenizer must have one,
+    and hands the model `document_ids`, so its forward must take them."""
+    if not job_config.training.document_mask:
+        return
+    eos_id = getattr(tokenizer, "eos_id", None)
+    if eos_id is None or eos_id < 0:
+        raise ConfigError(f"training.document_mask needs an end-of-text token to tell where documents end; the "
+                          f"tokenizer {job_config.model.tokenizer_path} has none (eos_id {eos_id}); use a tokenizer "
+                          "with one, or leave training.document_mask off")
+    if model_cls is not None and "document_ids" not in inspect.signature(model_cls.forward).parameters:
+        raise ConfigError(f"training.document_mask: model {job_config.model.name!r} takes no document_ids in its "
+                          "forward (see torchtitan/models/llama/model.py); leave training.document_mask off for it")
+
+
 class Preflight(NamedTuple):
     """What a job is checked and built from before any process group exists."""
 
@@ -78,6 +94,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
     train_spec = get_train_spec(job_config.model.name)
     check_flavor(train_spec, job_config.model.flavor)
     tokenizer = tokenizer or train_spec.build_tokenizer_fn(job_config)
+    check_document_mask(job_config, tokenizer, train_spec.model_cls)
     model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
     if parallel_dims.pp_enabled and train_spec.pipelining_fn is None:
         raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.job_config import JobConfig
 from torchtitan.metrics import LogWindow
 from torchtitan.models import TrainSpec
+from torchtitan.models.common import document_ids
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
@@ -75,12 +76,27 @@ def _skip_reductions(parallel_dims: ParallelDims, model_parts: list[torch.nn.Mod
             part.set_requires_all_reduce(last)
 
 
+def document_mask_eos(job_config: JobConfig, tokenizer: Any) -> int | None:
+    """The end-of-text id that separates documents under training.document_mask; None when the
+    option is off (the preflight refused it for a tokenizer without one)."""
+    return tokenizer.eos_id if job_config.training.document_mask else None
+
+
+def model_kwargs(inputs: torch.Tensor, eos_id: int | None) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs beside the tokens: with document masking (`eos_id` given), the
+    document ids of the whole sequences, which every pipeline stage and tensor-parallel rank gets
+    alike; none otherwise, so the forward is exactly today's."""
+    return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
+
+
 def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_parts: list[torch.nn.Module],
                      pipeline: Pipeline | None, micro_batches: list, device: torch.device,
-                     window: LogWindow | None = None, defer_sharded_reduction: bool = False) -> torch.Tensor:
+                     window: LogWindow | None = None, defer_sharded_reduction: bool = False,
+                     eos_id: int | None = None) -> torch.Tensor:
     """One optimizer step's forwards and backwards over its micro-batches (gradient accumulation);
     returns the step's loss on this rank (a pipeline's last stage holds it, the others zero).
-    `defer_sharded_reduction`: training.defer_sharded_gradient_reduction."""
+    `defer_sharded_reduction`: training.defer_sharded_gradient_reduction. `eos_id`: document
+    masking's separator (`document_mask_eos`), None without it."""
     accum = len(micro_batches)
     # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
     loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
@@ -89,14 +105,15 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         if window is not None:
             window.tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
+        extra = model_kwargs(inputs, eos_id)  # (document masking does not compose with context parallelism)
         inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
         if accum > 1:
             _skip_reductions(parallel_dims, model_parts, micro == accum - 1, defer_sharded_reduction)
         with loss_context():
             if pipeline is not None:
-                loss = pipeline.forward_backward(inputs, labels, device)
+                loss = pipeline.forward_backward(inputs, labels, device, **extra)
             else:
-                loss = train_spec.loss_fn(model_parts[0](inputs), labels) / accum
+                loss = train_spec.loss_fn(model_parts[0](inputs, **extra), labels) / accum
                 loss.backward()
         step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
     return step_loss

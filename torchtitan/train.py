@@ -63,14 +63,12 @@ from torchtitan.preflight import preflight
 from torchtitan.profiling import maybe_enable_profiling
 from torchtitan.progress import Progress, summary
 from torchtitan.setup_record import SetupRecord
-from torchtitan.step import build_model_parts, forward_backward
+from torchtitan.step import build_model_parts, document_mask_eos, forward_backward
 from torchtitan.validation import Validator
 
 logger = logging.getLogger("torchtitan")
 
 DEFAULT_SEED = 0
-# torchdata calls an API that PyTorch has deprecated; nothing for users to act on.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 # DTensor's CPU random ops initialise each shard from the same generator state, so a sharded CPU
 # init differs from a single-process one; runs that must match start from a seed checkpoint
 # (docs/parity.md), which makes this warning noise.
@@ -158,7 +156,8 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
             with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
                 ended = train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                                    iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler,
-                                   pipeline, stops, setup, validator, progress, dataloader.dataset)
+                                   pipeline, stops, setup, validator, progress, dataloader.dataset,
+                                   eos_id=document_mask_eos(job_config, tokenizer))
         checkpoint.close()  # waits for a save still being written in the background
         log_summary(job_config, metrics, progress, train_state, tokens_before, ended)
     except (Stopped, TrainingDiverged) as e:
@@ -210,8 +209,9 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
                pipeline: Pipeline | None = None, stops: StopRequests | None = None,
                setup: SetupRecord | None = None, validator: Validator | None = None,
-               progress: Progress | None = None, dataset: Any = None) -> str:
-    """Trains up to training.steps; returns how the loop ended ("done", or "data ran out")."""
+               progress: Progress | None = None, dataset: Any = None, eos_id: int | None = None) -> str:
+    """Trains up to training.steps; returns how the loop ended ("done", or "data ran out").
+    `eos_id`: the end-of-text id documents are masked at (training.document_mask), else None."""
     t = job_config.training
     accum = t.gradient_accumulation_steps
     params = [p for part in model_parts for p in part.parameters()]
@@ -252,7 +252,7 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         optimizers.zero_grad()
         watchdog.enter("forward/backward")
         step_loss = forward_backward(train_spec, parallel_dims, model_parts, pipeline, micro_batches, device, window,
-                                     t.defer_sharded_gradient_reduction)
+                                     t.defer_sharded_gradient_reduction, eos_id)
         tied = pipeline.tied if pipeline is not None else None
         if tied is not None:
             tied.reduce_grads()  # a weight shared by the first and last stage gets both stages' gradients

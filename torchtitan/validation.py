@@ -35,6 +35,7 @@ from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
+from torchtitan.step import document_mask_eos, model_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Validator:
         # global batch size: every layout of a job validates on the same tokens.
         self.shards = shards
         self.batch_size = validation_batch_size(job_config)
+        self.eos_id = document_mask_eos(job_config, tokenizer)  # validation masks documents as training does
         # Its first batch is read here, so that a missing or empty file, an unknown source, a
         # missing package or a split too small stops the run at start-up rather than at the first
         # validation, validation.freq steps later.
@@ -90,10 +92,12 @@ class Validator:
         parts = []
         with self.loss_context():
             for x, y in zip(inputs.split(self.t.batch_size), labels.split(self.t.batch_size)):
+                extra = model_kwargs(x, self.eos_id)
                 if self.pipeline is not None:
-                    parts.append(self.pipeline.evaluate(x, y, self.device, self.t.gradient_accumulation_steps))
+                    parts.append(self.pipeline.evaluate(x, y, self.device, self.t.gradient_accumulation_steps,
+                                                        **extra))
                     continue
-                loss = self.loss_fn(self.model_parts[0](x), y)
+                loss = self.loss_fn(self.model_parts[0](x, **extra), y)
                 parts.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
         sizes = [len(x) for x in inputs.split(self.t.batch_size)]
         return sum(p.double() * n for p, n in zip(parts, sizes)) / sum(sizes)

@@ -7,7 +7,7 @@ baseline."""
 
 import pytest
 
-from torchtitan.tools.parity import SUITES, Layout, ParityError, all_layouts
+from torchtitan.tools.parity import DOCUMENT_MASK, SUITES, Layout, ParityError, all_layouts
 
 
 @pytest.mark.parametrize("name", [layout.name for suite in SUITES.values() for layout in suite])
@@ -26,6 +26,16 @@ def test_float8_all_gather_equals_the_high_precision_all_gather(parity):
     layouts = all_layouts()
     plain, float8_gather = parity.run(layouts["float8_fsdp2"]), parity.run(layouts["float8_fsdp2_float8_gather"])
     assert max(abs(a - b) for a, b in zip(plain.losses, float8_gather.losses)) <= 1e-6
+
+
+def test_document_mask_changes_the_losses(parity):
+    """The masked baseline (the document_mask suite's reference) must differ from the unmasked one
+    by far more than the parity tolerance: the mask is really applied, so each masked layout's
+    parity shows that the layout masks as one process does."""
+    masked, plain = parity.baseline((DOCUMENT_MASK,)), parity.baseline()
+    diffs = [abs(a - b) for a, b in zip(masked.losses, plain.losses)]
+    print(f"document mask vs none: per-step |loss diff| {[f'{d:.1e}' for d in diffs]}")
+    assert len(diffs) == parity.steps and max(diffs) > 10 * parity.loss_tolerance, diffs
 
 
 def test_harness_catches_a_different_run(parity):

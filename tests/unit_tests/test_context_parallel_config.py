@@ -16,6 +16,8 @@ def test_a_valid_cp_layout_parses():
     (["--training.seq_len", "66"], "training.seq_len 66 must divide by 2 x experimental.context_parallel_degree = 4"),
     (["--experimental.context_parallel_backend", "torch"], "context_parallel_backend 'torch'"),
     (["--training.compile"], "training.compile with context parallelism"),
+    (["--training.document_mask"], "training.document_mask does not compose with context parallelism "
+                                   "(experimental.context_parallel_degree 2) yet"),
 ])
 def test_cp_refusals(argv, fragment):
     with pytest.raises(ConfigError) as info:

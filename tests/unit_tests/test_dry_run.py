@@ -147,3 +147,17 @@ def test_fsdp_accumulation_keeps_gradients_sharded_unless_deferred():
     extra = deferred.ranks[0].memory.peak - default.ranks[0].memory.peak
     assert 0.8 * params < extra < 1.2 * params
     assert any("2 of the step's 4 micro-steps are simulated" in note for note in default.notes)
+
+
+def test_document_masking_is_simulated_on_both_targets():
+    """training.document_mask runs through the dry run's step (the pipeline replay hands every
+    stage the document ids): standing for the CPU, its (batch, 1, seq, seq) fp32 mask is counted;
+    standing for CUDA, FlexAttention is counted as causal attention (its block mask is tiny), with a note."""
+    pp = ["--experimental.pipeline_parallel_degree", "2", "--job.dry_run_rank", "0"]
+    mask_bytes = 8 * 128 * 128 * 4  # training.batch_size x seq_len x seq_len, fp32
+    plain, masked = (estimate(*pp, *extra, world=2).ranks[0].memory.peak for extra in ([], ["--training.document_mask"]))
+    assert mask_bytes <= masked - plain <= 4 * mask_bytes, (masked - plain) / mask_bytes
+    cuda = ["--job.dry_run_world_size", "2", "--job.dry_run_device", "cuda"]
+    plain, masked = (dry_run(parse_args([*DEBUG, *cuda, *extra])) for extra in ([], ["--training.document_mask"]))
+    assert masked.ranks[0].memory.peak - plain.ranks[0].memory.peak == 8 * 128 * 4  # the int32 document ids alone
+    assert any("document masking is simulated as causal attention" in note for note in masked.notes)

@@ -46,13 +46,13 @@ from torchtitan.estimation.tracker import CATEGORIES, StepMemory, StepTracker
 from torchtitan.job_config import JobConfig
 from torchtitan.memory_floor import rank_memory_bytes
 from torchtitan.models import get_train_spec
-from torchtitan.models.common import causal_attention
+from torchtitan.models.common import causal_attention, document_causal_mask
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.preflight import preflight
 from torchtitan.setup_record import describe_parallelisms
-from torchtitan.step import forward_backward, materialize, parallelize_model
+from torchtitan.step import document_mask_eos, forward_backward, materialize, parallelize_model
 
 logger = logging.getLogger("torchtitan")
 GiB = 2**30
@@ -111,11 +111,21 @@ def _as_on_cuda(model_parts: list[torch.nn.Module]) -> None:
     """On CUDA the attention kernel runs in the compute dtype; on the CPU the models' kernel
     computes bf16 in fp32 (models/common.py), which would count fp32 copies a GPU never makes. A
     dry run standing for a GPU swaps that kernel (the attention modules' `kernel` seam) for the
-    CUDA path; kernels others installed (ring attention for context parallelism) stay."""
+    CUDA path; kernels others installed (ring attention for context parallelism) stay.
+
+    Document masking likewise: on the CPU it builds a (batch, 1, seq, seq) mask, while a GPU runs
+    FlexAttention, which keeps what causal flash attention keeps plus a block mask of a few hundred
+    KiB. The models' mask seam (`attention_mask`) then gives no mask: causal attention stands for it."""
     for part in model_parts:
         for module in part.modules():
             if getattr(module, "kernel", None) is causal_attention:
                 module.kernel = _sdpa_in_input_dtype
+            if getattr(module, "attention_mask", None) is document_causal_mask:
+                module.attention_mask = _no_mask
+
+
+def _no_mask(document_ids: torch.Tensor) -> None:
+    return None
 
 
 def _sdpa_in_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -144,6 +154,9 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
             and not torch.cuda.is_available()):
         config.float8.emulate = True
         notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
+    if t.document_mask and target == "cuda":
+        notes.append("document masking is simulated as causal attention (FlexAttention keeps what flash attention "
+                     "keeps, plus a block mask of under a MiB)")
     accumulation = t.gradient_accumulation_steps
     if simulated_micro_steps(accumulation) < accumulation:
         notes.append(f"{simulated_micro_steps(accumulation)} of the step's {accumulation} micro-steps are simulated "
@@ -234,13 +247,15 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                 tokens = shard_batch(batches[0], parallel_dims.cp_mesh)[0].tensor_split(pipeline.microbatches)[0]
                 replay = PipelineReplay(pipeline, parallel_dims.pp_mesh.get_local_rank(), first_stage, tokens)
                 del first_stage
-                pipeline.forward_backward = lambda inputs, labels, device: replay.step(inputs, labels)
+                pipeline.forward_backward = lambda inputs, labels, device, **kwargs: replay.step(inputs, labels,
+                                                                                                 **kwargs)
             params = [p for part in model_parts for p in part.parameters()]
 
             def step() -> None:
                 optimizers.zero_grad()
                 forward_backward(spec, parallel_dims, model_parts, pipeline, batches, device,
-                                 defer_sharded_reduction=t.defer_sharded_gradient_reduction)
+                                 defer_sharded_reduction=t.defer_sharded_gradient_reduction,
+                                 eos_id=document_mask_eos(job_config, tokenizer))
                 if not job_config.optimizer.early_step_in_backward:
                     tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.pp_mesh,
                                             uncounted=pipeline.tied.uncounted if pipeline and pipeline.tied else ())

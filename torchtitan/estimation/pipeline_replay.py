@@ -88,11 +88,13 @@ class PipelineReplay:
             if kind in _BACKWARDS:
                 self.last_backward[stage] = index
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """Replays this rank's actions for one batch; returns the summed microbatch losses (on the
-        last stage; zero elsewhere), scaled as the schedule's."""
+        last stage; zero elsewhere), scaled as the schedule's. `kwargs` (document_ids) reach every
+        stage's forward, cut into microbatches as the schedule cuts them."""
         p = self.pipeline
         tokens, targets = inputs.tensor_split(p.microbatches), labels.tensor_split(p.microbatches)
+        extras = [{k: v.tensor_split(p.microbatches)[mb] for k, v in kwargs.items()} for mb in range(p.microbatches)]
         last = p.num_stages - 1
         boundary = self.boundary
         for module in self.modules.values():
@@ -105,7 +107,7 @@ class PipelineReplay:
             module = self.modules[stage]
             if kind == _FORWARD:
                 x = tokens[mb] if stage == 0 else torch.empty_like(boundary).requires_grad_()
-                out = module(x)
+                out = module(x, **extras[mb])
                 start = out
                 if stage == last:
                     start = p.microbatch_loss(out, targets[mb])

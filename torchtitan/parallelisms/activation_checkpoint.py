@@ -31,7 +31,7 @@ def _overloads(namespace: torch._ops._OpNamespace, names: tuple[str, ...]) -> se
 # Ops whose outputs op-level AC keeps: rerunning them would cost real FLOPs (matmuls, attention) or a
 # second collective in backward (the TP reduce-scatter). aten.linear normally decomposes into mm /
 # addmm before dispatch; it is listed for tensor types that see it whole.
-_SAVE_LIST: frozenset[torch._ops.OpOverload] = frozenset(
+_SAVE_LIST: frozenset[torch._ops.OpOverload | torch._ops.HigherOrderOperator] = frozenset(
     _overloads(
         torch.ops.aten,
         (
@@ -46,6 +46,8 @@ _SAVE_LIST: frozenset[torch._ops.OpOverload] = frozenset(
         ),
     )
     | _overloads(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
+    # FlexAttention (document masking on CUDA) is a higher-order op: the policy sees the op itself.
+    | {torch._higher_order_ops.flex_attention}
 )
 
 

@@ -353,6 +353,10 @@ def check_options(config: JobConfig) -> None:
         if t.compile:
             raise ConfigError("training.compile with context parallelism is not supported yet: ring attention's "
                               "point-to-point exchange cannot sit inside a fullgraph-compiled block")
+        if t.document_mask:
+            raise ConfigError(f"training.document_mask does not compose with context parallelism "
+                              f"(experimental.context_parallel_degree {cp}) yet: ring attention has no document mask; "
+                              "turn one of them off")
 
 
 def check_layout(config: JobConfig, dims: ParallelDims) -> None:

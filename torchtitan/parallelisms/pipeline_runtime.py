@@ -170,24 +170,27 @@ class Pipeline:
         self.timer.busy, self.step_seconds = 0.0, 0.0
         return tt_dist.mean_across(idle, pp_mesh)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
+                         **kwargs: torch.Tensor) -> torch.Tensor:
         """Runs one batch through the schedule (microbatched forwards and backwards). Returns the
         batch's loss on the last stage (the schedule's loss function is already scaled) and zero
-        elsewhere."""
+        elsewhere. `kwargs` (document_ids) go to every stage's forward: every rank passes them, and
+        the schedule cuts them into microbatches along the batch as it cuts the inputs."""
         targets, losses = (labels, []) if self.has_last_stage else (None, None)
         args = (inputs,) if self.has_first_stage else ()
         start = time.perf_counter()
-        self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+        self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
         self.step_seconds += time.perf_counter() - start
         if not self.has_last_stage:
             return torch.zeros((), device=device)
         return torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]).sum()
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
-                 loss_scale: float) -> torch.Tensor:
+                 loss_scale: float, **kwargs: torch.Tensor) -> torch.Tensor:
         """Runs one batch forward only (the schedule's `eval`, microbatched like a training step)
         and returns its mean loss on the last stage, zero elsewhere. `loss_scale` undoes the
-        division the schedule's loss function applies for gradient accumulation."""
+        division the schedule's loss function applies for gradient accumulation; `kwargs` as in
+        `forward_backward`."""
         if self.make_eval_schedule is None:
             raise NotImplementedError("this pipeline was built without a forward-only schedule (make_eval_schedule)")
         if self._eval_schedule is None:
@@ -196,7 +199,7 @@ class Pipeline:
         args = (inputs,) if self.has_first_stage else ()
         self._evaluating, busy = True, self.timer.busy  # validation is no part of the bubble figures
         try:
-            self._eval_schedule.eval(*args, target=targets, losses=losses, return_outputs=False)
+            self._eval_schedule.eval(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
         finally:
             self._evaluating, self.timer.busy = False, busy
         if not self.has_last_stage:

@@ -106,6 +106,8 @@ FLOAT8_TOLERANCE = 1e-3
 QWEN3_MOE = "--model.name qwen3 --model.flavor debugmodel_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
 QWEN3_DENSE = "--model.name qwen3 --model.flavor debugmodel"
 POSITIVE = Check("a count above 0", lambda n: n > 0)
+# Document masking (training.document_mask): the seed and the baseline mask documents too.
+DOCUMENT_MASK = "--training.document_mask"
 
 
 # Hand-picked layouts for what the layout matrix (layout_matrix.py) does not vary: options of one
@@ -157,6 +159,22 @@ SUITES: dict[str, list[Layout]] = {
         L("qwen3_fsdp2_tp2", 4, "--training.tensor_parallel_degree 2",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_DENSE),
         L("qwen3_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=QWEN3_DENSE),
+    ],
+    # Document masking through each way the document ids travel: beside the tokens into an FSDP
+    # model whose blocks are compiled (accumulating gradients), into TP ranks that gather the
+    # sequence before attention (sequence parallel, op-level AC keeping the masked attention), and
+    # as keyword inputs the schedule cuts into microbatches for every stage (4 stages on 2 ranks).
+    "document_mask": [
+        L("docmask_fsdp2_compile_accum2", 2, "--training.data_parallel_shard_degree 2 --training.compile "
+          "--training.gradient_accumulation_steps 2", {"fsdp.mesh": {"dp_shard_cp": 2}, "compile.compiled_modules": 8},
+          shared=DOCUMENT_MASK),
+        L("docmask_tp2_sp_ac_op", 2, "--training.tensor_parallel_degree 2 --activation_checkpoint.mode selective "
+          "--activation_checkpoint.selective_ac_option op",
+          {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": True, "activation_checkpoint.op_level": True},
+          shared=DOCUMENT_MASK),
+        L("docmask_pp2_interleaved", 2, "--experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_schedule Interleaved1F1B",
+          {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [

@@ -10,6 +10,10 @@ possible without any parallel branches here:
 - the attention kernel is an attribute (`Attention.kernel`), so context parallelism can swap in
   ring attention, and the RoPE table is an argument of each block, so it can pass each rank the
   rows of the positions it holds;
+- document masking takes document ids (a plain (batch, seq) tensor that every pipeline stage
+  receives, since only the first sees tokens); the mask is built from them once per forward
+  (`Transformer.attention_mask`, a seam like the kernel) and reaches each attention as a keyword,
+  which tensor parallelism's input plans pass through untouched;
 - a padded vocabulary is masked by its own submodule (`vocab_mask`), which tensor parallelism can
   replace by name with a sharded version;
 - `init_weights()` is separate from `__init__`, so the model can be built on the meta device,
@@ -19,17 +23,20 @@ possible without any parallel branches here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from torchtitan.models.common import (  # noqa: F401  (RopeScaling, apply_rope: part of this module's API)
+    AttentionMask,
     FeedForward,
     PaddedVocabMask,
     RopeScaling,
     apply_rope,
     build_norm,
     causal_attention,
+    document_causal_mask,
     reset_norm,
     rope_table,
     trunc_normal,
@@ -73,7 +80,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        # (q, k, v) in (batch, heads, seq, head_dim) -> output of the same shape; causal.
+        # (q, k, v) in (batch, heads, seq, head_dim) -> output of the same shape; causal, or as
+        # `mask` says when given (document masking).
         self.kernel = causal_attention
 
     def init_weights(self, init_std: float) -> None:
@@ -81,7 +89,7 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         rope = rope[:seqlen]
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
@@ -90,7 +98,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (bsz, heads, seq, head_dim)
-        out = self.kernel(q, k, v)
+        # Without a mask the kernel is called as before, so kernels that know no mask (ring attention) still fit.
+        out = self.kernel(q, k, v) if mask is None else self.kernel(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -118,8 +127,8 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -143,6 +152,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, so checkpoints stay free of it.
         self.register_buffer("rope_cache", precompute_rope(args), persistent=False)
+        # document ids (batch, seq) -> the mask every block's attention takes (document masking).
+        self.attention_mask: Callable[[torch.Tensor], AttentionMask] = document_causal_mask
 
     @classmethod
     def from_model_args(cls, args: ModelArgs) -> "Transformer":
@@ -176,12 +187,15 @@ class Transformer(nn.Module):
                 # it the first stage's values).
                 trunc_normal(self.output.weight, out_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) ints -> logits (batch, seq, vocab). A pipeline stage without the
-        embedding receives hidden states instead, and one without the output returns them."""
+        embedding receives hidden states instead, and one without the output returns them.
+        `document_ids` (batch, seq), when given, keeps attention inside each document (see
+        models/common.py); None is plain causal attention."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = self.attention_mask(document_ids) if document_ids is not None else None
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, self.rope_cache, mask)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

@@ -8,22 +8,26 @@ block's feed-forward by torchtitan/models/moe.py's layer.
 The idioms that let parallelism reach the model by module name are those of the Llama model
 (torchtitan/models/llama/model.py): `view(..., -1, head_dim)`, blocks in a ModuleDict keyed by
 index, optional embedding/norm/output for pipeline stages, `Attention.kernel`, a RoPE table
-passed to each block, `init_weights` separate from construction.
+passed to each block, document ids turned into one attention mask per forward
+(`Qwen3.attention_mask`), `init_weights` separate from construction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from torchtitan.models.common import (
+    AttentionMask,
     FeedForward,
     PaddedVocabMask,
     apply_rope,
     build_norm,
     causal_attention,
+    document_causal_mask,
     reset_norm,
     rope_table,
     trunc_normal,
@@ -71,7 +75,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = build_norm(args.norm_type, args.head_dim, args.norm_eps)
         self.k_norm = build_norm(args.norm_type, args.head_dim, args.norm_eps)
-        self.kernel = causal_attention  # (q, k, v) (batch, heads, seq, head_dim), causal
+        self.kernel = causal_attention  # (q, k, v) (batch, heads, seq, head_dim), causal or as `mask` says
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -80,7 +84,7 @@ class Attention(nn.Module):
         reset_norm(self.q_norm)
         reset_norm(self.k_norm)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         rope = rope[:seqlen]
         q = self.q_norm(self.wq(x).view(bsz, seqlen, -1, self.head_dim))
@@ -88,7 +92,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.kernel(q, k, v)
+        out = self.kernel(q, k, v) if mask is None else self.kernel(q, k, v, mask)  # as Llama's
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -114,8 +118,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -137,6 +141,7 @@ class Qwen3(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", self._rope(), persistent=False)
+        self.attention_mask: Callable[[torch.Tensor], AttentionMask] = document_causal_mask  # as Llama's
 
     def _rope(self, device: torch.device | None = None) -> torch.Tensor:
         a = self.args
@@ -169,12 +174,14 @@ class Qwen3(nn.Module):
             if self.output is not None and not (tied and self.tok_embeddings is not None):
                 trunc_normal(self.output.weight, out_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); a pipeline stage without the
-        embedding takes hidden states, one without the output returns them."""
+        embedding takes hidden states, one without the output returns them. `document_ids`
+        (batch, seq): attention stays inside each document (None: plain causal)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = self.attention_mask(document_ids) if document_ids is not None else None
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, self.rope_cache, mask)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
