@@ -101,6 +101,10 @@ CASES = {  # name: (arguments, expected line)
     "other data shards": ([*RESUME, "--training.dataset_shards", "4"],
                           "{job}/checkpoint/step-4 keeps the data position of 2 data shards, but training.dataset_shards "
                           "is 4; set it to 2 (or -1)"),
+    "a mixture of more sources": ([*RESUME, "--training.dataset_shards", "2", "--training.dataset_mix",
+                                   "stdlib_docs:1,bundled:stdlib_docs/corpus.jsonl:1"],
+                                  "its data position does not match this run's data: the checkpoint has no "
+                                  "dataloader.shard_0.source_1.counted"),
     "unsafe metadata": (["--job.dump_folder", "{tmp}/run", "--checkpoint.initial_load_path", "{tmp}/foreign"],
                         "{tmp}/foreign cannot be read safely: its DCP metadata is unreadable (refusing to load posix.system"),
 }

@@ -239,7 +239,14 @@ class FitCheck:
                              "check model.flavor and the tokenizer (it sets the vocabulary size), or name what not "
                              "to load in checkpoint.exclude_from_loading"))
         missing = sorted({k for r in reports for k in r["missing"]})
-        if missing:
+        if missing and all(k.startswith("dataloader.") for k in missing):
+            # A data position of another shape: another mixture of sources, or an older format.
+            problems.append((f"its data position does not match this run's data: the checkpoint has no "
+                             f"{_examples(missing, len(missing))} (another training.dataset_mix, or a position "
+                             "saved by an older torchtitan, before data shards were byte ranges)",
+                             "resume with the same data, or set checkpoint.exclude_from_loading dataloader to load "
+                             "the rest and start the data over"))
+        elif missing:
             count = f"{_SHARED_KEYS}+" if any(r.get("truncated") for r in reports) else len(missing)
             problems.append((f"the checkpoint has no {_examples(missing, count)}",
                              "check model.flavor and the optimizer settings, or set checkpoint.allow_partial_load to "

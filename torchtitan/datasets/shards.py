@@ -1,7 +1,8 @@
-"""Which document shards each data-parallel rank reads, decided once per run.
+"""Which data shards each data-parallel rank reads, decided once per run.
 
-The data is cut into `count` document shards; rank r of `dp_degree` data-parallel ranks reads
-`count // dp_degree` consecutive ones and takes an equal slice of its batch from each. Two runs
+The data is cut into `count` data shards (byte or token ranges, chunks.py); rank r of
+`dp_degree` data-parallel ranks reads `count // dp_degree` consecutive ones and takes an equal
+slice of its batch from each. Two runs
 with the same count and global batch therefore see identical data whatever their data-parallel
 degree. The count is `training.dataset_shards` (-1: one per data-parallel rank), or the count a
 resumed checkpoint's data position refers to. The decision is a value handed to the data loader
