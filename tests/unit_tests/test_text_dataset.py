@@ -294,3 +294,26 @@ def test_a_changed_mixture_is_refused_when_resuming(tmp_path):
     with pytest.raises(DatasetError, match=r"data position is for the sources 'a:0.5,b:0.5', but this run reads "
                                            r"'a:0.9,b:0.1' \(training.dataset_mix\)"):
         other.load_state_dict(saved.state_dict())
+
+
+def test_workers_leave_stop_signals_to_the_training_process(tmp_path, small_chunks):
+    """Ctrl-C reaches the whole process group (SLURM signals every process): the workers keep
+    reading, so the training process can finish its agreed stop and save."""
+    import os
+    import signal
+    import time
+
+    path = _corpus(tmp_path, [f"doc {i} " + "text " * (i % 7) for i in range(60)])
+    ds = PackedTextDataset(path, CharTokenizer(), 12, batch_size=2, shards=[0], num_shards=1, num_workers=2)
+    it = iter(ds)
+    got = [next(it)[0].tolist() for _ in range(5)]
+    workers = ds.packers[0][0]._stream._workers
+    assert len(workers) == 2
+    for worker in workers:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            os.kill(worker.pid, sig)
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in workers)
+    got += [next(it)[0].tolist() for _ in range(35)]
+    reference = iter(PackedTextDataset(path, CharTokenizer(), 12, 2, [0], 1))
+    assert got == [next(reference)[0].tolist() for _ in range(40)]

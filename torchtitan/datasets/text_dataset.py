@@ -17,6 +17,7 @@ the tokens already used from it) is worker-independent too.
 from __future__ import annotations
 
 import logging
+import signal
 import warnings
 from collections import deque
 from typing import Any, Iterator
@@ -32,6 +33,7 @@ from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
 from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.errors import StopRequests
 from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,15 @@ class _WorkerItems(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         yield from self.items.items(self.start + worker, workers)
+
+
+def _ignore_stop_signals(worker: int) -> None:
+    """A worker leaves stop signals to the training process: Ctrl-C reaches the whole process
+    group and SLURM signals every process of a job, and a worker that died of them (or ran the
+    training process's inherited handler) would break the agreed stop and its final save. Workers
+    end with the training process."""
+    for sig in StopRequests.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class _Packer:
@@ -112,7 +123,7 @@ class _Packer:
             raise DatasetError(f"training.dataset_num_workers {self.workers}: the hub stream "
                                f"{self.items.source.path} is read in order by the training process; set it to 0")
         loader = StatefulDataLoader(_WorkerItems(self.items, start), batch_size=None, num_workers=self.workers,
-                                    prefetch_factor=2)
+                                    prefetch_factor=2, worker_init_fn=_ignore_stop_signals)
         return iter(loader)
 
     def _end_epoch(self) -> None:
