@@ -7,9 +7,10 @@ from torchtitan.tools.runs import read_validations
 
 
 def test_two_ranks_stop_together_when_data_runs_out(tmp_path):
-    # Uneven shards: rank 0 gets the two long documents, rank 1 the short ones, so rank 1 runs
-    # out first and rank 0 must stop with it instead of waiting in a collective.
-    docs = ["long document " * 200, "short text " * 60, "long document " * 200, "short text " * 60]
+    # Uneven shards: rank 0's half of the bytes holds the starts of the two long documents, rank 1's
+    # the short ones, so rank 1 runs out first and rank 0 must stop with it instead of waiting in a
+    # collective.
+    docs = ["long document " * 200, "long document " * 200, "short text " * 60, "short text " * 60]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     validation = tmp_path / "validation.jsonl"

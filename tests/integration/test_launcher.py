@@ -85,7 +85,7 @@ def test_error_on_rank_one_is_one_line_and_exit_two(tmp_path):
                       "--job.dump_folder", str(tmp_path / "out")], NGPU="2")
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [
-        f"error: {data} has no documents for data shard 1 of 2 (it is empty, or has fewer documents than "
+        f"error: {data} has no documents for data shard 1 of 2 (it is empty, or too small for "
         "training.dataset_shards)"], result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr and "ChildFailedError" not in result.stderr
 
