@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, TokenizerError) as e:
         print(f"tokenize_dataset: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the output folder not writable, the disk full: no manifest was written
+        print(f"tokenize_dataset: cannot write {args.out}: {e.strerror or e} ({e.filename or 'a part file'}); "
+              "the folder holds no manifest, so no run reads it", file=sys.stderr)
+        return 1
     print(f"wrote {manifest}: {figures['documents']:,} documents, {figures['tokens']:,} tokens in {figures['parts']} "
           f"parts, {figures['seconds']:.1f} s ({figures['tokens_per_second'] / 1e6:.2f} M tokens/s with "
           f"{args.workers} workers)" + (f"; skipped {figures['skipped']} bad lines" if figures["skipped"] else ""))
