@@ -194,3 +194,19 @@ def make_counts(batches, mix):
 def test_single_sources_are_a_mixture_of_one():
     mix = Mixture.single(["x"], "x")
     assert mix.pick(3, 12345) == 0 and mix.describe() == "x:1"
+
+
+def test_a_full_disk_while_tokenizing_is_one_line_and_no_manifest(tmp_path, monkeypatch, capsys):
+    from scripts.tokenize_dataset import main
+    from torchtitan.datasets import tokenized
+
+    def full(self, ids):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tokenized.TokenFileWriter, "add", full)  # the forked workers inherit it
+    path = _corpus(tmp_path, _docs(5))
+    assert main(["--input", str(path), "--out", str(tmp_path / "t"), "--workers", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tokenize_dataset: cannot write {tmp_path / 't'}: No space left on device (a part file); the "
+                   "folder holds no manifest, so no run reads it"]
+    assert not (tmp_path / "t" / MANIFEST).exists()
