@@ -173,7 +173,8 @@ class Training:
         choices=["default", "always", "never"],
     )
     mixed_precision_param: str = opt(
-        "auto", "FSDP parameter/compute dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        "auto", "Compute dtype of every layout (FSDP's mixed-precision policy where FSDP shards, torch.autocast "
+        "elsewhere; parameters, gradients and optimizer state stay float32); auto = bfloat16 on CUDA, float32 on CPU.",
         choices=["auto", "bfloat16", "float32"],
     )
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype.", choices=["float32", "bfloat16"])

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.metrics import MetricsLogger, local_state_bytes
 from torchtitan.parallelisms.float8 import is_float8
+from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.ring_attention import ring_attention
 
@@ -127,7 +128,14 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         "compile": {"compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for _, m in modules)},
         "float8": _float8(modules, fsdp is not None),
         "moe": _moe(modules),
+        # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.
+        "autocast": _autocast(model_parts),
     }
+
+
+def _autocast(model_parts: list[nn.Module]) -> dict | None:
+    dtypes = {_dtype(autocast_dtype(part)) for part in model_parts} - {None}
+    return {"dtype": dtypes.pop(), "parts": len(model_parts)} if dtypes else None
 
 
 def _data_parallel(modules: list[tuple[str, nn.Module]]) -> tuple[dict | None, dict | None]:

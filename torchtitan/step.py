@@ -15,6 +15,7 @@ from torchtitan.metrics import LogWindow
 from torchtitan.models import TrainSpec
 from torchtitan.models.common import document_ids
 from torchtitan.parallelisms.context_parallel import shard_batch
+from torchtitan.parallelisms.mixed_precision import apply_mixed_precision
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
@@ -45,6 +46,8 @@ def parallelize_model(job_config: JobConfig, train_spec: TrainSpec, parallel_dim
         model_parts = pipeline.model_parts
     else:
         model_parts = [train_spec.parallelize_fn(model, parallel_dims, job_config)]
+    # After any model's parallelize function: FSDP's policy or autocast, the same rule for all families.
+    apply_mixed_precision(model_parts, parallel_dims, job_config.training, device.type)
     return model_parts, pipeline
 
 

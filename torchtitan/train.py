@@ -57,6 +57,7 @@ from torchtitan.logging import init_logger
 from torchtitan.metrics import LogWindow, MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.float8 import precompute_float8_scales
+from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.preflight import preflight
@@ -129,10 +130,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     checkpoint.load(resume)
     setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
 
-    # Mixed precision comes from FSDP's policy; without FSDP the model computes in fp32.
-    compute_dtype = (tt_dist.resolve_param_dtype(t.mixed_precision_param, device_type)
-                     if parallel_dims.fsdp_enabled else torch.float32)
-    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype,
+    metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype(t, device_type),
                             resumed_step=train_state.step)
     validator = None
     if job_config.validation.enabled:

@@ -3,7 +3,7 @@ the layouts themselves are the layout matrix's, test_layout_matrix.py): each tra
 process (same seed checkpoint, same global batch and data order, deterministic fp32 on CPU):
 per-step losses within 1e-4 and the final gradient norm within 1e-3 (relative) over 6 steps (10 with scripts/loss_compare.py);
 float8 layouts, whose activation scales depend on each rank's rows, within 1e-3 of a float8
-baseline."""
+baseline; bf16 layouts within parity.BF16_TOLERANCES of one process computing in bf16 too."""
 
 import pytest
 

@@ -204,6 +204,10 @@ def test_main_accepts_every_data_parallel_layout(monkeypatch, capsys):
                  "--training.gradient_accumulation_steps", "2"]) == 0  # FSDP 4
     assert main(["--training.data_parallel_replicate_degree", "4", "--training.mixed_precision_reduce", "bfloat16",
                  "--training.compile"]) == 0  # DDP with bf16 all-reduce
+    # bf16 compute without FSDP: autocast (parallelisms/mixed_precision.py), on one rank and under DDP.
+    assert main(["--training.data_parallel_replicate_degree", "4", "--training.mixed_precision_param", "bfloat16"]) == 0
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--training.mixed_precision_param", "bfloat16"]) == 0
 
 
 # Options only FSDP can honour, on layouts that cannot honour them: (world size, argv, fragments of the line).
@@ -213,8 +217,6 @@ FSDP_ONLY = [
     (1, ["--training.enable_cpu_offload"], ["training.enable_cpu_offload", "no FSDP"]),
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.fsdp_reshard_after_forward", "never"],
      ["training.fsdp_reshard_after_forward 'never' applies to FSDP only", "is DDP"]),
-    (2, ["--training.data_parallel_replicate_degree", "2", "--training.mixed_precision_param", "bfloat16"],
-     ["training.mixed_precision_param bfloat16", "'auto'"]),
     (1, ["--training.mixed_precision_reduce", "bfloat16"], ["training.mixed_precision_reduce", "one rank"]),
     (2, ["--training.data_parallel_replicate_degree", "2", "--training.defer_sharded_gradient_reduction"],
      ["training.defer_sharded_gradient_reduction", "is DDP", "leave it off"]),

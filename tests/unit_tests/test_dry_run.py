@@ -118,14 +118,14 @@ def test_ddp_options_that_mean_something_across_replicas_are_accounted_for():
 
 def test_a_cpu_job_is_judged_as_the_cpu_runs_it():
     """Standing for this CPU, what the CPU refuses is refused (float8 without emulation), the
-    tokenizer must be here, and a layout without FSDP computes in fp32 also when standing for CUDA."""
+    tokenizer must be here, and a layout without FSDP computes in bf16 (autocast) when standing for CUDA."""
     with pytest.raises(UserError, match="float8.enable_float8_linear needs CUDA"):
         estimate("--float8.enable_float8_linear", world=2)
     with pytest.raises(UserError, match="no/such/tokenizer.model"):
         dry_run(parse_args([*DEBUG, "--model.tokenizer_path", "no/such/tokenizer.model"]))
     tp = dry_run(parse_args([*DEBUG, "--job.dry_run_world_size", "2", "--job.dry_run_device", "cuda",
                              "--training.tensor_parallel_degree", "2", "--training.batch_size", "1"]))
-    assert tp.compute_dtype == "float32"
+    assert tp.compute_dtype == "bfloat16"
 
 
 def test_dry_run_options_need_the_dry_run():

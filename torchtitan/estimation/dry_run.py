@@ -138,8 +138,8 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
     tensors turned off with a note."""
     config = copy.deepcopy(job_config)
     t, notes = config.training, []
-    if t.mixed_precision_param == "auto" and _shards(config, world_size):
-        # FSDP's policy is what `auto` picks by device (the simulation's device is the CPU).
+    if t.mixed_precision_param == "auto":
+        # What `auto` picks on the target device (the simulation's device is the CPU).
         t.mixed_precision_param = str(tt_dist.resolve_param_dtype("auto", target)).removeprefix("torch.")
     if t.compile:
         t.compile = False
@@ -162,13 +162,6 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
         notes.append(f"{simulated_micro_steps(accumulation)} of the step's {accumulation} micro-steps are simulated "
                      "(the first and the last; those between repeat a part of the last's work)")
     return config, notes
-
-
-def _shards(job_config: JobConfig, world_size: int) -> bool:
-    """Whether FSDP shards the model (its mixed-precision policy applies)."""
-    from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
-
-    return parallel_dims_from_config(job_config, world_size).fsdp_enabled
 
 
 def _plain_ddp(parallel_dims: ParallelDims) -> bool:
@@ -391,15 +384,12 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
             log.setLevel(max(level, logging.WARNING))  # the build's lines once, for the first rank
     finally:
         log.setLevel(level)
-    return DryRunResult(world_size, target, compute_dtype(config, world_size, target), notes, ranks,
+    return DryRunResult(world_size, target, compute_dtype(config, target), notes, ranks,
                         device_memory_bytes(job_config, target, world_size))
 
 
-def compute_dtype(config: JobConfig, world_size: int, target: str) -> str:
-    """The dtype the blocks compute in: FSDP's mixed-precision policy where FSDP shards the model;
-    fp32 elsewhere (single device, DDP, TP or PP without FSDP: the trainer's rule)."""
-    if not _shards(config, world_size):
-        return "float32"
+def compute_dtype(config: JobConfig, target: str) -> str:
+    """The dtype the blocks compute in, on every layout (FSDP's policy or autocast: the trainer's rule)."""
     return str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
 
 
@@ -560,7 +550,7 @@ def _measure_real(job_config: JobConfig) -> None:
         if tt_dist.rank() == 0:
             ranks = [RankEstimate(r, {}, tuple(rec["stages"]), StepMemory(**rec["memory"]), {}, rec["seconds"])
                      for r, rec in enumerate(records)]
-            dtype = compute_dtype(config, world_size, target)
+            dtype = compute_dtype(config, target)
             result = DryRunResult(world_size, target, dtype, notes, ranks,
                                   device_memory_bytes(job_config, target, world_size))
             for line in report_lines(result, layout_text(config, world_size, target)):

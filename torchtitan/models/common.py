@@ -137,8 +137,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
         # mask to bf16 with the block's inputs (0 and -inf are exact in both).
         mask = mask.to(torch.float32 if upcast else q.dtype)
     if upcast:
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
-                                             enable_gqa=grouped)
+        # Autocast (mixed precision without FSDP) would cast the fp32 operands back to bf16.
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=grouped)
         return out.type_as(q)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=grouped)
 

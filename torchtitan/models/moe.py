@@ -138,6 +138,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if torch.is_autocast_enabled(x.device.type):
+            # torch._grouped_mm has no autocast rule: cast its operands as autocast casts any matmul.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
         grouped = self.use_grouped_mm is not False and grouped_mm_supported(x, w1, w2, w3)
         h = F.silu(grouped_mm(x, w1, counts, grouped)) * grouped_mm(x, w3, counts, grouped)
         return grouped_mm(h, w2, counts, grouped)

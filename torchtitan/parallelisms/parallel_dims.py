@@ -385,9 +385,6 @@ def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
     if t.fsdp_reshard_after_forward != "default":
         raise ConfigError(f"training.fsdp_reshard_after_forward {t.fsdp_reshard_after_forward!r} applies to FSDP only; "
                           f"{layout}; leave it at 'default'")
-    if t.mixed_precision_param == "bfloat16":
-        raise ConfigError(f"training.mixed_precision_param bfloat16 is FSDP's mixed-precision policy; {layout} and "
-                          "computes in float32; use 'auto' or 'float32', or shard (data_parallel_shard_degree > 1)")
     if t.defer_sharded_gradient_reduction:
         raise ConfigError(f"training.defer_sharded_gradient_reduction defers FSDP's reduce-scatter; {layout}, whose "
                           "gradients are whole and reduced on the last micro-step anyway; leave it off")

@@ -1,0 +1,83 @@
+"""Mixed precision for every layout: the model computes in `training.mixed_precision_param`
+(`auto`: bf16 on CUDA, fp32 on CPU) while parameters, gradients and optimizer state stay fp32.
+
+Two mechanisms, one rule. Where FSDP shards the model, its MixedPrecisionPolicy casts the
+gathered parameters to bf16 (data_parallel.apply_fsdp). Everywhere else (one device, DDP, TP or PP
+without FSDP, their combinations) each model part's forward runs under `torch.autocast`: matmuls
+and attention in bf16, norms, softmax and the loss in fp32 (the loss upcasts its logits itself),
+and the fp32 residual stream stays fp32. Both leave fp32 master weights for the optimizer, and
+gradients reach their reductions in fp32.
+
+Autocast wraps each part's own forward, not the training step, so it covers pipeline stages
+(whose schedule calls the stage modules), validation and generation alike, and never wraps
+backward (autograd replays the forward's dtypes; activation checkpointing restores the autocast
+state when it recomputes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from torchtitan.job_config import Training
+from torchtitan.parallelisms.distributed import resolve_param_dtype
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+def compute_dtype(t: Training, device_type: str) -> torch.dtype:
+    """The dtype the model's matmuls run in, for every layout (MFU counts against its peak)."""
+    return resolve_param_dtype(t.mixed_precision_param, device_type)
+
+
+def uses_autocast(t: Training, parallel_dims: ParallelDims, device_type: str) -> bool:
+    """Whether the parts' forwards run under autocast: lower precision asked for and no FSDP to cast."""
+    return compute_dtype(t, device_type) != torch.float32 and not parallel_dims.fsdp_enabled
+
+
+def apply_mixed_precision(model_parts: list[nn.Module], parallel_dims: ParallelDims, t: Training,
+                          device_type: str) -> None:
+    """Makes this rank's model parts compute in the configured dtype where FSDP does not already."""
+    dtype = compute_dtype(t, device_type)
+    if dtype == torch.float32:
+        return
+    if device_type == "cpu" and not cpu_has_bf16_matmul():
+        logger.warning("training.mixed_precision_param bfloat16: this CPU has no bf16 matrix instructions "
+                       "(AVX512-BF16 or AMX), so bf16 matmuls are emulated, far slower than fp32")
+    if parallel_dims.fsdp_enabled:
+        return  # FSDP's MixedPrecisionPolicy casts the parameters (data_parallel.apply_fsdp)
+    for part in model_parts:
+        part.forward = _autocast_forward(part.forward, device_type, dtype)
+    logger.info(f"mixed precision: forward under torch.autocast({device_type}, {dtype}), fp32 parameters, "
+                "gradients and optimizer state")
+
+
+def _autocast_forward(forward: Callable, device_type: str, dtype: torch.dtype) -> Callable:
+    # A fresh autocast context per call: one shared instance would keep the state of an outer call.
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    run.autocast_dtype = dtype
+    return run
+
+
+def autocast_dtype(part: nn.Module) -> torch.dtype | None:
+    """The dtype a part's forward autocasts to (apply_mixed_precision), None where it does not."""
+    return getattr(part.forward, "autocast_dtype", None)
+
+
+@functools.cache
+def cpu_has_bf16_matmul() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX); without, PyTorch
+    emulates them (measured on an AVX2-only EPYC: about 100x slower than fp32)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
