@@ -17,8 +17,8 @@ from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequenc
 dist.init_process_group("gloo")
 rank, cp = dist.get_rank(), dist.get_world_size()
 errors = {}
-for name, heads, kv_heads, flash in (("mha_flash", 4, 4, True), ("gqa_flash", 4, 2, True),
-                                     ("mha_matmul", 4, 4, False), ("gqa_matmul", 4, 1, False)):
+for name, heads, kv_heads, kernel in (("mha_flash", 4, 4, "cpu_flash"), ("gqa_flash", 4, 2, "cpu_flash"),
+                                      ("mha_matmul", 4, 4, "math"), ("gqa_matmul", 4, 1, "math")):
     torch.manual_seed(0)  # the same full tensors on every rank
     batch, seq, dim = 2, 12 * cp, 8
     q, dout = torch.randn(batch, heads, seq, dim), torch.randn(batch, heads, seq, dim)
@@ -33,7 +33,7 @@ for name, heads, kv_heads, flash in (("mha_flash", 4, 4, True), ("gqa_flash", 4,
     ref_out.backward(dout.double())
 
     local = [shard_sequence(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group=dist.group.WORLD, flash=flash)
+    out = ring_attention(*local, group=dist.group.WORLD, kernel=kernel)
     out.backward(shard_sequence(dout, rank, cp, dim=2))
     pairs = [(out, ref_out)] + [(mine.grad, full.grad) for mine, full in zip(local, ref)]
     err = torch.tensor([(a.double() - shard_sequence(b.detach(), rank, cp, dim=2)).abs().max().item()
