@@ -225,7 +225,6 @@ LAYOUT_RULES = (parallel_dims.check_layout, optimizer_options.check_layout)
 
 _NOT_YET = {
     ("experimental", "enable_compiled_autograd"): bool,
-    ("profiling", "enable_memory_snapshot"): bool,
 }
 
 

@@ -53,9 +53,14 @@ class Job:
 class Profiling:
     enable_profiling: bool = opt(False, "Record torch.profiler traces every profile_freq steps.")
     save_traces_folder: str = opt("profile_traces", "Trace folder, relative to job.dump_folder.")
-    profile_freq: int = opt(10, "Steps between profiler traces.")
-    enable_memory_snapshot: bool = opt(False, "Dump CUDA memory snapshots (CUDA only).")
-    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+    profile_freq: int = opt(10, "Steps between profiler traces and between memory snapshots.")
+    enable_memory_snapshot: bool = opt(
+        False, "Record the CUDA caching allocator's history (the last 100,000 allocations and frees, with stack "
+        "traces) and write it after every step that is a multiple of profile_freq, to <job.dump_folder>/"
+        "<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle, and once more when CUDA "
+        "runs out of memory, to iteration_<last step trained>_exit/. View a file at pytorch.org/memory_viz. "
+        "CUDA only: refused on other devices.")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory snapshot folder, relative to job.dump_folder.")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Profiler traces every `profiling.profile_freq` steps (chrome-trace JSON per rank)."""
+"""Profiler traces and CUDA memory snapshots every `profiling.profile_freq` steps (files per rank)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -49,3 +50,74 @@ def maybe_enable_profiling(job_config: JobConfig, rank: int, global_step: int = 
         record_shapes=True,
     ) as profiler:
         yield profiler
+
+
+# Allocator events a snapshot keeps, the newest (torchtitan's figure): several steps of a large
+# model; each event holds its stack trace in host memory.
+MEMORY_SNAPSHOT_MAX_ENTRIES = 100_000
+
+
+def check_memory_snapshot_support(job_config: JobConfig, device_type: str) -> None:
+    """Refuses memory snapshots where there is no CUDA caching allocator to record, before any
+    process group exists."""
+    if job_config.profiling.enable_memory_snapshot and device_type != "cuda":
+        raise ConfigError("profiling.enable_memory_snapshot records the CUDA caching allocator's history and needs a "
+                          f"CUDA GPU; this job runs on {device_type} (leave it off here)")
+
+
+class MemorySnapshot:
+    """Dumps the CUDA allocator's recorded history after every step that is a multiple of
+    `freq`, and once more when the run runs out of memory (see maybe_enable_memory_snapshot)."""
+
+    def __init__(self, folder: str, rank: int, freq: int, global_step: int):
+        self.folder, self.rank, self.freq = folder, rank, freq
+        self.step_num = global_step  # the last step trained: a resumed run counts on from its checkpoint's
+
+    def step(self) -> None:
+        """Called once after each training step."""
+        self.step_num += 1
+        if self.step_num % self.freq == 0:
+            self.dump(f"iteration_{self.step_num}")
+
+    def dump(self, name: str) -> str:
+        folder = os.path.join(self.folder, name)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
+        start = time.perf_counter()
+        torch.cuda.memory._dump_snapshot(path)
+        logger.info(f"memory snapshot written to {path} in {time.perf_counter() - start:.2f}s "
+                    "(open it in https://pytorch.org/memory_viz)")
+        return path
+
+
+@contextlib.contextmanager
+def maybe_enable_memory_snapshot(job_config: JobConfig, rank: int,
+                                 global_step: int = 0) -> Iterator[MemorySnapshot | None]:
+    """Yields a MemorySnapshot to `.step()` once per training step, or None when snapshots are off.
+
+    Records the CUDA caching allocator's events (allocations, frees, with stack traces) from here
+    on. A CUDA out-of-memory error leaving the block is dumped to iteration_<last step>_exit before
+    it goes on: the history then shows what filled the memory. Recording stops when the block ends.
+    """
+    p = job_config.profiling
+    if not p.enable_memory_snapshot:
+        yield None
+        return
+    # preflight refused it already; a caller that skipped preflight gets the same line here.
+    check_memory_snapshot_support(job_config, "cuda" if torch.cuda.is_available() else "cpu")
+    snapshot = MemorySnapshot(os.path.join(job_config.job.dump_folder, p.save_memory_snapshot_folder), rank,
+                              p.profile_freq, global_step)
+    logger.info(f"recording CUDA memory history; a snapshot every {p.profile_freq} steps and at an out-of-memory "
+                f"error, into {snapshot.folder}")
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_MAX_ENTRIES)
+    try:
+        yield snapshot
+    except torch.OutOfMemoryError:
+        try:
+            path = snapshot.dump(f"iteration_{snapshot.step_num}_exit")
+            logger.error(f"CUDA ran out of memory after step {snapshot.step_num}; its memory snapshot is {path}")
+        except Exception as e:  # noqa: BLE001 - the out-of-memory error is the one to report
+            logger.warning(f"CUDA ran out of memory and its memory snapshot could not be written: {e}")
+        raise
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

@@ -61,7 +61,7 @@ from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.preflight import preflight
-from torchtitan.profiling import maybe_enable_profiling
+from torchtitan.profiling import MemorySnapshot, maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.progress import Progress, summary
 from torchtitan.setup_record import SetupRecord
 from torchtitan.step import build_model_parts, document_mask_eos, forward_backward, with_compiled_loss
@@ -152,11 +152,12 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
             checkpoint.export_if_missing(train_state.step)
             ended = "done"
         else:
-            with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler:
+            with maybe_enable_profiling(job_config, tt_dist.rank(), train_state.step) as profiler, \
+                    maybe_enable_memory_snapshot(job_config, tt_dist.rank(), train_state.step) as memory_snapshot:
                 ended = train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, lr_schedulers,
                                    iter(dataloader), train_state, checkpoint, metrics, device, dp_degree, profiler,
                                    pipeline, stops, setup, validator, progress, dataloader.dataset,
-                                   eos_id=document_mask_eos(job_config, tokenizer))
+                                   eos_id=document_mask_eos(job_config, tokenizer), memory_snapshot=memory_snapshot)
         checkpoint.close()  # waits for a save still being written in the background
         log_summary(job_config, metrics, progress, train_state, tokens_before, ended)
     except (Stopped, TrainingDiverged) as e:
@@ -208,7 +209,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
                metrics: MetricsLogger, device: torch.device, dp_degree: int, profiler=None,
                pipeline: Pipeline | None = None, stops: StopRequests | None = None,
                setup: SetupRecord | None = None, validator: Validator | None = None,
-               progress: Progress | None = None, dataset: Any = None, eos_id: int | None = None) -> str:
+               progress: Progress | None = None, dataset: Any = None, eos_id: int | None = None,
+               memory_snapshot: MemorySnapshot | None = None) -> str:
     """Trains up to training.steps; returns how the loop ended ("done", or "data ran out").
     `eos_id`: the end-of-text id documents are masked at (training.document_mask), else None."""
     t = job_config.training
@@ -307,6 +309,8 @@ def train_loop(job_config, train_spec, parallel_dims, model_parts, optimizers, l
         checkpoint.save(step, last=step == t.steps, loss=step_loss, grad_norm=grad_norm, force=preempted)
         if profiler is not None:
             profiler.step()
+        if memory_snapshot is not None:
+            memory_snapshot.step()
         if stop_signal and step < t.steps:
             raise (Preempted if preempted else Stopped)(stop_signal, step)
         if validator is not None and validator.due(step):

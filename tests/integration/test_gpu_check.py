@@ -1,0 +1,181 @@
+"""scripts/gpu_check.sh: its --dry path end to end on CPU (the report's schema and sane numbers), and
+the memory planning that decides how the real models run on a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts import gpu_check
+from tests.helpers import REPO_ROOT
+from torchtitan.config_manager import parse_args
+from torchtitan.models.llama.flavors import llama3_configs
+from torchtitan.preflight import preflight
+
+GiB = 2**30
+
+
+
+
+def test_dry_run_writes_the_report(tmp_path):
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    result = subprocess.run([str(REPO_ROOT / "scripts" / "gpu_check.sh"), "--dry", "--out", str(out),
+                             "--work-dir", str(tmp_path / "work")], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert result.returncode == 0 and report["ok"], json.dumps(report, indent=1)[-6000:]
+    assert result.stdout.startswith("gpu_check --dry: all checks passed")
+
+    assert report["schema"] == gpu_check.SCHEMA_VERSION and report["dry"] is True and report["error"] is None
+    assert set(report["checks"]) == set(gpu_check.CHECKS)
+    for name, check in report["checks"].items():
+        assert check["status"] in gpu_check.STATUSES and "reason" in check and check["seconds"] >= 0, name
+    device = report["device"]
+    for key in ("name", "count", "memory_gib", "compute_capability", "driver", "cuda", "cudnn", "nccl", "torch",
+                "torchao", "python"):
+        assert key in device, key
+    assert device["memory_gib"] > 0 and device["torch"]
+
+    for name in ("train_1b", "train_3b"):
+        run = report["checks"][name]
+        assert run["status"] == "ok", run
+        # (No upper bound on the MFU: on a CPU it is against a peak measured once, maybe on a busy machine.)
+        assert run["tokens_per_second"] > 0 and run["tflops"] > 0 and run["mfu_percent"] > 0
+        assert run["memory_peak_gib"] > 0 and run["estimated_peak_gib"] > 0
+        assert run["steps_logged"] == 3 and run["steps_averaged"] == 2
+        assert math.isfinite(run["loss_first"]) and math.isfinite(run["loss_last"])
+        assert run["seq_len"] == 256 and run["compile"] is False and run["compute_dtype"] == "float32"
+        assert run["applied"]["model"]["flavor"] == run["flavor"]
+    assert report["checks"]["train_1b"]["stand_in_for"] == "1B"
+    assert report["checks"]["train_3b"]["flavor"] == "debugmodel_tied"
+    for name in ("memory_snapshot", "float8_3b"):
+        assert report["checks"][name]["status"] == "skipped" and "no CUDA" in report["checks"][name]["reason"]
+
+    sdpa = report["checks"]["sdpa_exactness"]
+    assert sdpa["status"] == "ok"
+    for case in sdpa["cases"].values():
+        assert 0 < case["max_error"] <= case["tolerance"] < 1e-4
+    ring = report["checks"]["ring_attention_kernels"]
+    assert ring["status"] in ("ok", "skipped")
+    if ring["status"] == "ok":
+        assert ring["results"]["float32"]["max_error"] < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory planning: what runs where the whole model does not fit
+
+
+# 28 layers of 50M parameters, 2B in all; its dry run without checkpointing peaks at 60 GiB.
+ESTIMATE = {"peak_bytes": 60 * GiB, "at_peak": {"activations": 24 * GiB}, "n_params": 2_000_000_000, "n_layers": 28,
+            "layer_params": 50_000_000, "dim": 3072, "tokens": 4096, "seconds": 1.0}
+
+
+def test_the_whole_model_without_checkpointing_first():
+    plans = gpu_check.plan_memory(ESTIMATE, 70 * GiB)
+    assert plans[0] == gpu_check.Plan("none", 28, 60 * GiB)
+    assert [(p.ac, p.n_layers) for p in plans] == [("none", 28), ("selective", 28), ("selective", 27)]
+
+
+def test_selective_checkpointing_when_the_activations_do_not_fit():
+    plans = gpu_check.plan_memory(ESTIMATE, 55 * GiB)
+    assert plans[0].ac == "selective" and plans[0].n_layers == 28
+    # Half the activations kept, plus each checkpointed block's fp32 input and one block recomputed.
+    assert plans[0].estimate_bytes == int(60 * GiB - 12 * GiB + 14 * 4096 * 3072 * 4 + 24 * GiB / 28)
+
+
+def test_the_optimizer_step_bounds_what_checkpointing_saves():
+    """Weights, gradients and Adam moments at the optimizer step: 16 bytes a parameter."""
+    big = dict(ESTIMATE, n_params=3_500_000_000, layer_params=100_000_000)
+    assert gpu_check.selective_peak(big, 28) == 56_000_000_000
+    assert gpu_check.plan_memory(big, 50 * GiB)[0].n_layers < 28
+
+
+def test_fewer_layers_when_even_that_does_not_fit_and_none_when_one_layer_does_not():
+    plans = gpu_check.plan_memory(ESTIMATE, 30 * GiB)
+    assert len(plans) == 1
+    plan = plans[0]
+    assert plan.ac == "selective" and 1 <= plan.n_layers < 28 and plan.estimate_bytes <= 30 * GiB
+    assert gpu_check.selective_peak(ESTIMATE, plan.n_layers + 1) > 30 * GiB  # as many layers as fit
+    assert f"{plan.n_layers} of 28 layers" in plan.note
+    # 28 layers of 1.2B parameters: one alone (weights and Adam moments) is too many.
+    huge = dict(ESTIMATE, peak_bytes=600 * GiB, n_params=34_000_000_000, layer_params=1_200_000_000)
+    assert gpu_check.plan_memory(huge, 30 * GiB) == []
+
+
+def runs_with_fake_trainer(tmp_path, monkeypatch, budget: int, outcomes: list[dict]):
+    """gpu_check's runs of the 3B model, the trainer replaced by `outcomes` in turn."""
+    calls = []
+
+    def train(check, args, timeout, work, left_out, peak):
+        calls.append(args)
+        return dict(outcomes.pop(0))
+
+    monkeypatch.setattr(gpu_check, "train", train)
+    plans = {"3B": (ESTIMATE, gpu_check.plan_memory(ESTIMATE, budget), None)}
+    clock = gpu_check.Clock(450, gpu_check.REAL.min_seconds)
+    return gpu_check.Runs(gpu_check.REAL, tmp_path, 4096, "bfloat16", clock, budget, plans, 989.0), calls
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+OOM = {"status": "failed", "reason": "torch.OutOfMemoryError: CUDA out of memory", "out_of_memory": True}
+OK = {"status": "ok", "reason": None, "tokens_per_second": 1000.0}
+
+
+def test_out_of_memory_tries_the_next_plan_and_float8_keeps_the_bf16_plan(tmp_path, monkeypatch):
+    runs, calls = runs_with_fake_trainer(tmp_path, monkeypatch, 70 * GiB, [OOM, OK, OOM])
+    bf16 = runs.train("train_3b", "3B")
+    assert bf16["status"] == "ok" and bf16["plan_used"] == 2 and bf16["activation_checkpoint"].startswith("selective")
+    assert [option(args, "--activation_checkpoint.mode") for args in calls] == ["none", "selective"]
+    assert option(calls[1], "--activation_checkpoint.selective_ac_option") == "2"
+    assert "--training.compile" in calls[1] and option(calls[1], "--model.vocab_size_divisible_by") == "128256"
+
+    float8 = runs.train("float8_3b", "3B", ["--float8.enable_float8_linear"], like=bf16)
+    # The same plan as the run it is compared with, and no other after running out of memory.
+    assert float8["status"] == "failed" and float8["plan_used"] == 2 and len(calls) == 3
+    assert option(calls[2], "--activation_checkpoint.mode") == "selective" and "--float8.enable_float8_linear" in calls[2]
+
+
+def test_other_failures_are_not_tried_again(tmp_path, monkeypatch):
+    broken = {"status": "failed", "reason": "exit code 1: RuntimeError", "out_of_memory": False}
+    runs, calls = runs_with_fake_trainer(tmp_path, monkeypatch, 70 * GiB, [broken])
+    assert runs.train("train_3b", "3B")["status"] == "failed" and len(calls) == 1
+
+
+def test_fewer_layers_run_as_a_flavor_of_their_own(tmp_path, monkeypatch):
+    runs, calls = runs_with_fake_trainer(tmp_path, monkeypatch, 30 * GiB, [OK])
+    result = runs.train("train_3b", "3B")
+    layers = result["n_layers"]
+    assert layers < 28 and result["n_layers_of_flavor"] == 28 and f"{layers} of 28 layers" in result["layers_note"]
+    assert option(calls[0], "--model.flavor") == f"3B_{layers}layers"
+    assert option(calls[0], "--experimental.custom_import") == "gpu_check_flavors"
+    assert f"n_layers={layers}" in (tmp_path / "gpu_check_flavors.py").read_text()
+
+
+def test_a_flavor_with_fewer_layers_is_registered_for_the_trainer(tmp_path, monkeypatch):
+    name, args = gpu_check.fewer_layers(tmp_path, "debugmodel", 3)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gpu_check_flavors", raising=False)
+    try:
+        config = parse_args(["--job.config_file", "bundled:train_configs/debug_model.toml", "--job.dump_folder",
+                             str(tmp_path / "dump"), "--model.flavor", name, *args])
+        assert len(preflight(config, 1, device_type="cpu").model.layers) == 3
+    finally:
+        llama3_configs.pop(name, None)
+        sys.modules.pop("gpu_check_flavors", None)
+
+
+@pytest.mark.parametrize("budget,later,expected", [(450, [], 150), (200, ["train", "train"], 80), (100, ["train"], 40)])
+def test_each_run_leaves_the_later_ones_their_least_time(budget, later, expected):
+    clock = gpu_check.Clock(budget, {"train": 60, "snapshot": 40})
+    assert expected - 1 < clock.timeout(150, later) <= expected
