@@ -115,7 +115,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     padded = f" (+{model_args.vocab_padding} padding)" if getattr(model_args, "vocab_padding", 0) else ""
     logger.info(f"model {job_config.model.name} {job_config.model.flavor}: {n_params:,} parameters, "
                 f"vocab {model_args.vocab_size}{padded}")
-    train_spec = with_compiled_loss(train_spec, job_config, parallel_dims)  # fused under training.compile
+    train_spec = with_compiled_loss(train_spec, job_config, parallel_dims, device_type)  # fused, compile on CUDA
     model_parts, pipeline = build_model_parts(job_config, train_spec, parallel_dims, plan, model, model_args, device)
     del model
 

@@ -1,5 +1,6 @@
-"""training.compile compiles the loss too (step.with_compiled_loss), except under loss parallelism:
-the same values and gradients as the eager loss, in fp32 and from bf16 logits."""
+"""training.compile compiles the loss too on CUDA (step.with_compiled_loss), except under loss
+parallelism: the same values and gradients as the eager loss, in fp32 and from bf16 logits (the
+compiled function is run here on CPU tensors: the code inductor generates for CPU)."""
 
 import pytest
 import torch
@@ -14,18 +15,19 @@ def dims(tp=1):
     return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, world_size=tp, enable_loss_parallel=True)
 
 
-def test_only_compiled_runs_without_loss_parallelism_compile_the_loss():
+def test_only_compiled_cuda_runs_without_loss_parallelism_compile_the_loss():
     spec = get_train_spec("llama3")
     compiled = parse_args(["--training.compile"])
-    assert with_compiled_loss(spec, parse_args([]), dims()) is spec
-    assert with_compiled_loss(spec, compiled, dims(tp=2)) is spec  # DTensor's loss_parallel computes it
-    assert with_compiled_loss(spec, compiled, dims()).loss_fn is not spec.loss_fn
+    assert with_compiled_loss(spec, parse_args([]), dims(), "cuda") is spec
+    assert with_compiled_loss(spec, compiled, dims(tp=2), "cuda") is spec  # DTensor's loss_parallel computes it
+    assert with_compiled_loss(spec, compiled, dims(), "cpu") is spec  # not worth its compile time there
+    assert with_compiled_loss(spec, compiled, dims(), "cuda").loss_fn is not spec.loss_fn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_loss_equals_the_eager_loss(dtype):
     spec = get_train_spec("llama3")
-    loss_fn = with_compiled_loss(spec, parse_args(["--training.compile"]), dims()).loss_fn
+    loss_fn = with_compiled_loss(spec, parse_args(["--training.compile"]), dims(), "cuda").loss_fn
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 16, 96, generator=g).to(dtype)
     labels = torch.randint(0, 96, (2, 16), generator=g)
