@@ -19,6 +19,7 @@ from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.output_locations import check_output_locations
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.float8 import check_float8_support
+from torchtitan.parallelisms.mixed_precision import warn_if_emulated
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan, plan_pipeline
 from torchtitan.profiling import check_memory_snapshot_support
@@ -114,6 +115,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
     tt_dist.check_device_features(job_config, device_type)
     check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
     check_memory_snapshot_support(job_config, device_type)
+    warn_if_emulated(job_config.training, device_type)
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
     if parallel_dims.ep > 1 and not any(hasattr(m, "num_experts") for m in model.modules()):

@@ -105,3 +105,15 @@ def test_grouped_experts_compute_in_the_autocast_dtype():
         out = experts(x, counts)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), experts(x, counts), rtol=5e-2, atol=5e-3)
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_warns_once(monkeypatch, caplog):
+    """Said by the preflight for the device the job runs on: a dry run standing for GPUs is quiet."""
+    from torchtitan.parallelisms import mixed_precision
+
+    monkeypatch.setattr(mixed_precision, "cpu_has_bf16_matmul", lambda: False)
+    mixed_precision.warn_if_emulated(training("bfloat16"), "cuda")
+    mixed_precision.warn_if_emulated(training("float32"), "cpu")
+    assert not caplog.records
+    mixed_precision.warn_if_emulated(training("bfloat16"), "cpu")
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "emulated" in caplog.text

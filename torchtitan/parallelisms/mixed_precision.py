@@ -46,15 +46,20 @@ def apply_mixed_precision(model_parts: list[nn.Module], parallel_dims: ParallelD
     dtype = compute_dtype(t, device_type)
     if dtype == torch.float32:
         return
-    if device_type == "cpu" and not cpu_has_bf16_matmul():
-        logger.warning("training.mixed_precision_param bfloat16: this CPU has no bf16 matrix instructions "
-                       "(AVX512-BF16 or AMX), so bf16 matmuls are emulated, far slower than fp32")
     if parallel_dims.fsdp_enabled:
         return  # FSDP's MixedPrecisionPolicy casts the parameters (data_parallel.apply_fsdp)
     for part in model_parts:
         part.forward = _autocast_forward(part.forward, device_type, dtype)
     logger.info(f"mixed precision: forward under torch.autocast({device_type}, {dtype}), fp32 parameters, "
                 "gradients and optimizer state")
+
+
+def warn_if_emulated(t: Training, device_type: str) -> None:
+    """One warning where bf16 is asked of a CPU that can only emulate it (called by the preflight
+    with the device the job runs on, so a dry run standing for GPUs does not warn)."""
+    if device_type == "cpu" and compute_dtype(t, device_type) != torch.float32 and not cpu_has_bf16_matmul():
+        logger.warning("training.mixed_precision_param bfloat16: this CPU has no bf16 matrix instructions "
+                       "(AVX512-BF16 or AMX), so bf16 matmuls are emulated, far slower than fp32")
 
 
 def _autocast_forward(forward: Callable, device_type: str, dtype: torch.dtype) -> Callable:
