@@ -43,11 +43,9 @@ def uses_autocast(t: Training, parallel_dims: ParallelDims, device_type: str) ->
 def apply_mixed_precision(model_parts: list[nn.Module], parallel_dims: ParallelDims, t: Training,
                           device_type: str) -> None:
     """Makes this rank's model parts compute in the configured dtype where FSDP does not already."""
+    if not uses_autocast(t, parallel_dims, device_type):
+        return  # fp32, or FSDP's MixedPrecisionPolicy casts the parameters (data_parallel.apply_fsdp)
     dtype = compute_dtype(t, device_type)
-    if dtype == torch.float32:
-        return
-    if parallel_dims.fsdp_enabled:
-        return  # FSDP's MixedPrecisionPolicy casts the parameters (data_parallel.apply_fsdp)
     for part in model_parts:
         part.forward = _autocast_forward(part.forward, device_type, dtype)
     logger.info(f"mixed precision: forward under torch.autocast({device_type}, {dtype}), fp32 parameters, "
