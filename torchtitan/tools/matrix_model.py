@@ -32,17 +32,16 @@ def flavor_name(depth: int, tied: bool, moe: bool = False) -> str:
 
 
 def _flavors() -> dict:
-    base = llama3_configs["debugmodel"]
-    tied = llama3_configs["debugmodel_tied"]
-    return {flavor_name(depth, is_tied): dataclasses.replace(tied if is_tied else base, dim=128, n_layers=depth,
-                                                              n_heads=16, n_kv_heads=8)
+    # llama3's `tiny` flavors at each depth: L2 is `tiny` itself.
+    return {flavor_name(depth, is_tied): dataclasses.replace(llama3_configs["tiny_tied" if is_tied else "tiny"],
+                                                              n_layers=depth)
             for depth in DEPTHS for is_tied in (False, True)}
 
 
 def _moe_flavors() -> dict:
-    base = dataclasses.replace(qwen3_configs["debugmodel_moe"], dim=128, n_heads=16, n_kv_heads=8, head_dim=8,
-                               moe_hidden_dim=128)
-    return {flavor_name(depth, is_tied, moe=True): dataclasses.replace(base, n_layers=depth, tie_word_embeddings=is_tied)
+    # qwen3's `tiny_moe` at each depth: M2 is `tiny_moe` itself.
+    return {flavor_name(depth, is_tied, moe=True): dataclasses.replace(qwen3_configs["tiny_moe"], n_layers=depth,
+                                                                        tie_word_embeddings=is_tied)
             for depth in DEPTHS for is_tied in (False, True)}
 
 

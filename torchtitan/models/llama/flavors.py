@@ -4,6 +4,7 @@ from torchtitan.models.llama.model import ModelArgs, RopeScaling
 
 llama2_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16),
+    "tiny": ModelArgs(dim=128, n_layers=2, n_heads=16, n_kv_heads=8),  # as llama3's `tiny`
     "7B": ModelArgs(dim=4096, n_layers=32, n_heads=32),
     "13B": ModelArgs(dim=5120, n_layers=40, n_heads=40),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
@@ -15,6 +16,11 @@ _LLAMA32 = dict(_LLAMA3, rope_scaling=RopeScaling(factor=32.0), tie_word_embeddi
 llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, **_LLAMA3),
     "debugmodel_tied": ModelArgs(dim=256, n_layers=8, n_heads=16, **_LLAMA32),
+    # The smallest model with every part a layout touches: grouped-query attention (16 query, 8
+    # key/value heads), tensor parallelism up to 8, a pipeline of 2 stages. A run of it costs about
+    # a quarter of the debug model's, so smoke tests (and this project's test suite) train it.
+    "tiny": ModelArgs(dim=128, n_layers=2, n_heads=16, n_kv_heads=8, **_LLAMA3),
+    "tiny_tied": ModelArgs(dim=128, n_layers=2, n_heads=16, n_kv_heads=8, **_LLAMA32),
     # About 100M parameters with the bundled tokenizer (the vocabulary always comes from the
     # tokenizer: with Llama 3's 128K tokens it is 0.3B): a CPU-sized model of real proportions,
     # for memory estimates checked against real runs (docs/memory.md) and benchmarks.
