@@ -1,6 +1,7 @@
 """The layout matrix generator (torchtitan/tools/layout_matrix.py): the points it must contain, the
 coverage it promises, and the CI subset. No training runs here; refusals use the in-process preflight."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -58,9 +59,14 @@ def test_points_are_refused_exactly_when_planned(points):
     assert sum(p.refused_by_design for p in points) >= 1
 
 
+def eager(p: lm.Point) -> lm.Point:
+    return dataclasses.replace(p, variants=tuple((f, "off" if f == "compile" else v) for f, v in p.variants))
+
+
 def test_ci_subset(points):
     ci = lm.ci_points(points)
-    assert [p for p in points if p.nproc <= 4] == [p for p in ci if p.nproc <= 4]
+    # Every point of up to 4 ranks, compiled as generated or run eager (the next test).
+    assert [eager(p) for p in points if p.nproc <= 4] == [eager(p) for p in ci if p.nproc <= 4]
     eight = [p for p in ci if p.nproc == 8]
     assert len(eight) >= lm.CI_EIGHT_RANK_POINTS
     for pair in itertools.combinations(lm.DIMS, 2):
@@ -69,6 +75,22 @@ def test_ci_subset(points):
     assert lm.uncovered_goals(ci) == []
     assert {p.schedule for p in ci if p.schedule} == {s for kind in lm.SCHEDULES.values() for s in kind}
     assert Degrees(dp_replicate=2, dp_shard=2, cp=2) in {p.degrees for p in eight}
+
+
+def test_ci_compiles_only_the_points_a_goal_needs(points):
+    """A compiled point costs 5-10 eager ones on a CPU: CI keeps compile where a goal needs it
+    (compile with every dim, under plain DDP) and runs the other compiled points eager; refused
+    points keep compile, their refusal being the point."""
+    ci = lm.ci_points(points)
+    as_generated = {eager(p): p for p in points}
+    assert all(p == as_generated[eager(p)] or p.value("compile") == "off" for p in ci)
+    compiled = [p for p in ci if p.value("compile") == "on" and not p.refused_by_design]
+    generated_compiled = [p for p in ci if as_generated[eager(p)].value("compile") == "on"
+                          and not p.refused_by_design]
+    assert 0 < len(compiled) < len(generated_compiled)
+    assert all(as_generated[eager(p)] == p for p in ci if p.refused_by_design)
+    for p in compiled:  # none of them is spare: without it, a goal goes unmet
+        assert lm.uncovered_goals([eager(q) if q == p else q for q in ci]) != [], p.name
 
 
 def test_points_run_the_depth_their_pipeline_needs(points):

@@ -29,6 +29,7 @@ Runs use the `llama3_matrix` model (matrix_model.py), as deep as each point's pi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -432,7 +433,7 @@ def uncovered_goals(points: tuple[Point, ...] | list[Point], weight: int = 10) -
 def ci_points(points: tuple[Point, ...] | None = None) -> list[Point]:
     """What the test suite runs: every point of up to 4 ranks, and the 8-rank points chosen greedily
     to cover every pair of dims (then triples, then variant goals the small points left open),
-    at least CI_EIGHT_RANK_POINTS of them."""
+    at least CI_EIGHT_RANK_POINTS of them; compiled only where a goal needs it (`_compile_sparingly`)."""
     points = generate() if points is None else points
     chosen = [p for p in points if p.nproc <= 4]
     eight = [p for p in points if p.nproc == 8]
@@ -454,7 +455,34 @@ def ci_points(points: tuple[Point, ...] | None = None) -> list[Point]:
         pairs = {s for s in pairs if not s <= active}
         triples = {s for s in triples if not s <= active}
         variant_goals = [g for g in variant_goals if not g.met_by(best)]
-    return chosen + picked
+    return _compile_sparingly(chosen + picked)
+
+
+def _compile_sparingly(points: list[Point]) -> list[Point]:
+    """`points` with compile kept on the cheapest set of trained points that still meets every
+    goal of weight 10 the points met (compile with every dim, under plain DDP, ...), and off on the
+    rest: on a small CPU a compiled point costs 5-10 times an eager one (inductor's C++ build,
+    DTensor tracing under TP), and the full matrix (loss_compare.py --suite matrix) runs every
+    compiled point as generated. Refused points keep compile: their refusal is what they show."""
+    compiled = [p for p in points if p.value("compile") == "on" and not p.refused_by_design]
+    goals = [g for g in coverage_goals() if g.weight >= 10]
+
+    def met(group: list[Point]) -> set[str]:
+        return {g.text for g in goals if any(g.met_by(p) for p in group)}
+
+    def eager(p: Point) -> Point:
+        return dataclasses.replace(p, variants=tuple((f, "off" if f == "compile" else v) for f, v in p.variants))
+
+    # Every subset of the few compiled points, cheapest first; of equal cost, less TP (tracing
+    # DTensor code is compile's dearest part on a CPU).
+    subsets = sorted((g for n in range(len(compiled) + 1) for g in itertools.combinations(compiled, n)),
+                     key=lambda g: (sum(cost(p) for p in g), sum(p.degrees.tp for p in g)))
+    wanted = met(points)
+    for keep in subsets:
+        candidate = [eager(p) if p in compiled and p not in keep else p for p in points]
+        if met(candidate) >= wanted:
+            return candidate
+    return points
 
 
 # ------------------------------------------------------------------------------------------------
