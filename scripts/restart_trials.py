@@ -52,8 +52,8 @@ class Trial:
         return self.finished and self.bitwise_equal and bool(self.restarts)
 
 
-def job_args(folder: Path, steps: int) -> list[str]:
-    return [*TINY_RUN, "--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint",
+def job_args(folder: Path, steps: int, flavor: str = "debugmodel") -> list[str]:
+    return [*TINY_RUN, "--model.flavor", flavor, "--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint",
             "--checkpoint.interval", "2", "--job.dump_folder", str(folder)]
 
 
@@ -68,8 +68,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
 class Job:
     """One job: the launcher on this machine, or one launcher per simulated host."""
 
-    def __init__(self, folder: Path, steps: int, nproc: int, hosts: TwoHosts | None, max_restarts: int):
-        cmd = ["./run_llama_train.sh", *job_args(folder, steps)]
+    def __init__(self, folder: Path, steps: int, nproc: int, hosts: TwoHosts | None, max_restarts: int, flavor: str):
+        cmd = ["./run_llama_train.sh", *job_args(folder, steps, flavor)]
         common = {"MAX_RESTARTS": str(max_restarts)}
         kw = dict(cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         if hosts is None:
@@ -119,10 +119,11 @@ def logged_step(folder: Path) -> int:
         return 0  # not written yet, or being rewritten by a resuming rank 0
 
 
-def run_reference(workdir: Path, steps: int, nproc: int, hosts: TwoHosts | None, timeout: float) -> list[float]:
+def run_reference(workdir: Path, steps: int, nproc: int, hosts: TwoHosts | None, timeout: float,
+                  flavor: str) -> list[float]:
     folder = workdir / "reference"
     shutil.rmtree(folder, ignore_errors=True)
-    job = Job(folder, steps, nproc, hosts, max_restarts=0)
+    job = Job(folder, steps, nproc, hosts, 0, flavor)
     for code, err in job.wait(timeout):
         if code != 0:
             raise RuntimeError(f"the reference run failed ({code}): {err[-2000:]}")
@@ -130,12 +131,12 @@ def run_reference(workdir: Path, steps: int, nproc: int, hosts: TwoHosts | None,
 
 
 def run_trial(workdir: Path, index: int, reference: list[float], rng: random.Random, steps: int, nproc: int,
-              hosts: TwoHosts | None, max_restarts: int, timeout: float) -> Trial:
+              hosts: TwoHosts | None, max_restarts: int, timeout: float, flavor: str) -> Trial:
     folder = workdir / f"trial-{index}"
     shutil.rmtree(folder, ignore_errors=True)
     kill_step = rng.randint(1, steps - 2)
     start = time.monotonic()
-    job = Job(folder, steps, nproc, hosts, max_restarts)
+    job = Job(folder, steps, nproc, hosts, max_restarts, flavor)
     killed: list[int] = []
     while job.alive() and time.monotonic() - start < timeout:
         if logged_step(folder) >= kill_step:
@@ -166,32 +167,32 @@ def run_trial(workdir: Path, index: int, reference: list[float], rng: random.Ran
 
 def run_trials(workdir: Path, trials: int = 10, seed: int = 0, steps: int = 10, hosts: int = 1, nproc: int = 2,
                max_restarts: int = 3, timeout: float = 600, log=print,
-               reference: list[float] | None = None) -> list[Trial]:
+               reference: list[float] | None = None, flavor: str = "debugmodel") -> list[Trial]:
     """Runs the reference (unless its losses are given: `job_args` on `nproc` ranks, uninterrupted)
-    and `trials` kill trials under `workdir`; returns one Trial per trial."""
+    and `trials` kill trials of llama3 `flavor` under `workdir`; returns one Trial per trial."""
     if steps < 3:
         raise ValueError("--steps must be at least 3 (a kill step in 1 .. steps-2)")
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
     if hosts == 1:
-        return _trials(workdir, trials, rng, steps, nproc, None, max_restarts, timeout, log, reference)
+        return _trials(workdir, trials, rng, steps, nproc, None, max_restarts, timeout, log, reference, flavor)
     if hosts != 2 or nproc % 2:
         raise ValueError("--hosts is 1 or 2, and with 2 hosts --nproc must be even (ranks per host = nproc / 2)")
     reason = unavailable()
     if reason:
         raise RuntimeError(f"two simulated hosts cannot be built: {reason}")
     with TwoHosts() as two:
-        return _trials(workdir, trials, rng, steps, nproc, two, max_restarts, timeout, log, reference)
+        return _trials(workdir, trials, rng, steps, nproc, two, max_restarts, timeout, log, reference, flavor)
 
 
-def _trials(workdir, trials, rng, steps, nproc, hosts, max_restarts, timeout, log, reference) -> list[Trial]:
+def _trials(workdir, trials, rng, steps, nproc, hosts, max_restarts, timeout, log, reference, flavor) -> list[Trial]:
     if reference is None:
         start = time.monotonic()
-        reference = run_reference(workdir, steps, nproc, hosts, timeout)
+        reference = run_reference(workdir, steps, nproc, hosts, timeout, flavor)
         log(f"reference: {steps} steps uninterrupted in {time.monotonic() - start:.1f} s")
     rows = []
     for i in range(trials):
-        rows.append(run_trial(workdir, i, reference, rng, steps, nproc, hosts, max_restarts, timeout))
+        rows.append(run_trial(workdir, i, reference, rng, steps, nproc, hosts, max_restarts, timeout, flavor))
         log(format_row(i + 1, rows[-1]))
     return rows
 
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks in the whole job")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600, help="seconds per job before it counts as hung")
+    p.add_argument("--flavor", default="debugmodel", help="the llama3 flavor trained (tiny: a quarter of the time)")
     p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     args = p.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="restart-trials-"))
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_restarts}, seed {args.seed}\n{HEADER}\n| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     try:
         rows = run_trials(workdir, args.trials, args.seed, args.steps, args.hosts, args.nproc, args.max_restarts,
-                          args.timeout, log=lambda line: print(line, flush=True) if line.startswith("|") else None)
+                          args.timeout, log=lambda line: print(line, flush=True) if line.startswith("|") else None,
+                          flavor=args.flavor)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

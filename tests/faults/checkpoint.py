@@ -14,7 +14,7 @@ Which fault, and when, comes from environment variables (each rank reads them at
   (ENOSPC: a full disk; EROFS: a read-only one), as the file system would report it.
 
 It also registers what some tests need beyond the built-in models: a Llama flavor with a
-narrower width (`debugmodel_narrow`), and a model `llama3_nan` whose loss turns NaN from the
+narrower width (`tiny_narrow`), and a model `llama3_nan` whose loss turns NaN from the
 step given by TT_NAN_FROM_STEP on.
 """
 
@@ -104,7 +104,7 @@ if signal_step := os.environ.get("TT_SIGTERM_IN_VALIDATION"):
     validation.Validator._loss, validation.Validator.run = loss_then_signal, run_noting_step
 
 llama3 = get_train_spec("llama3")
-llama3.config["debugmodel_narrow"] = dataclasses.replace(llama3.config["debugmodel"], dim=128, n_heads=8)
+llama3.config["tiny_narrow"] = dataclasses.replace(llama3.config["tiny"], dim=64, n_heads=8, n_kv_heads=4)
 
 if nan_step := os.environ.get("TT_NAN_FROM_STEP"):
     calls = {"n": 0}

@@ -11,7 +11,7 @@ def parity(tmp_path_factory) -> ParityHarness:
     """One harness per test session: the seed checkpoint and the baseline are made once and
     shared by every parity test. Runs fork from the warm launcher (the product runner starts real
     processes, about 3 s of imports each)."""
-    return ParityHarness(tmp_path_factory.mktemp("parity"), steps=PARITY_CI_STEPS, runner=run_warm)
+    return ParityHarness(tmp_path_factory.mktemp("parity"), steps=PARITY_CI_STEPS, runner=run_warm, base_args=TINY_RUN)
 
 
 # The CI part of the matrix trains 5 steps per point and the parity suites 6 (scripts/loss_compare.py:

@@ -192,8 +192,8 @@ CASES: list[Case] = [
     case("custom_import module missing", "config", "--experimental.custom_import nosuch_models_xyz",
          "experimental.custom_import 'nosuch_models_xyz': no module named 'nosuch_models_xyz'"),
     case("custom_import registers a drifted TrainSpec", "config",
-         "--experimental.custom_import tests.integration.drifted_spec --model.name drifted",
-         "TrainSpec 'drifted': build_dataloader_fn tests.integration.drifted_spec.old_dataloader needs parameter "
+         "--experimental.custom_import tests.faults.drifted_spec --model.name drifted",
+         "TrainSpec 'drifted': build_dataloader_fn tests.faults.drifted_spec.old_dataloader needs parameter "
          "'dp_degree', which the trainer does not pass"),
     case("unknown model flavor", "config", "--model.flavor 5B", "unknown model.flavor '5B'"),
     case("float8 on CPU", "config", "--float8.enable_float8_linear", "float8.enable_float8_linear needs CUDA"),
@@ -204,7 +204,7 @@ CASES: list[Case] = [
          "training.expert_parallel_degree 2 needs a mixture-of-experts model; model qwen3 debugmodel is dense",
          env={"WORLD_SIZE": "2"}),
     case("expert parallelism with a Llama model", "config", "--training.expert_parallel_degree 2",
-         "training.expert_parallel_degree 2 needs a mixture-of-experts model; llama3 debugmodel has no experts",
+         "training.expert_parallel_degree 2 needs a mixture-of-experts model; llama3 tiny has no experts",
          env={"WORLD_SIZE": "2"}),
     case("experts not divisible by the expert parallel degree", "config",
          "--model.name qwen3 --model.flavor debugmodel_moe --training.expert_parallel_degree 3",
@@ -333,10 +333,10 @@ CASES: list[Case] = [
     case("truncated initial_load_path", "checkpoint", "--checkpoint.initial_load_path {job}/checkpoint/step-4",
          "{job}/checkpoint/step-4", saved="untied", damage="truncate"),
     case("checkpoint of another flavor", "checkpoint",
-         "--job.dump_folder {job} --experimental.custom_import tests.checkpoint_faults --model.flavor debugmodel_narrow",
-         "checkpoint {job}/checkpoint/step-4 (written by llama3 debugmodel) does not fit llama3 debugmodel_narrow",
+         "--job.dump_folder {job} --experimental.custom_import tests.faults.checkpoint --model.flavor tiny_narrow",
+         "checkpoint {job}/checkpoint/step-4 (written by llama3 tiny) does not fit llama3 tiny_narrow",
          saved="untied"),
-    case("untied checkpoint resumed tied", "checkpoint", "--job.dump_folder {job} --model.flavor debugmodel_tied",
+    case("untied checkpoint resumed tied", "checkpoint", "--job.dump_folder {job} --model.flavor tiny_tied",
          "{job}/checkpoint/step-4", saved="untied"),
     case("tied seed loaded untied", "checkpoint", "--checkpoint.initial_load_path {job}/checkpoint/step-0",
          "{job}/checkpoint/step-0", saved="tied"),
@@ -362,7 +362,7 @@ CASES: list[Case] = [
     case("profiler traces folder is a file", "output",
          "--job.dump_folder {in}/job --profiling.enable_profiling --profiling.profile_freq 2 --profiling.save_traces_folder traces",
          "{in}/job/traces", files={"job/traces": "a file\n"}),
-    case("disk full at the first save", "output", "--experimental.custom_import tests.integration.bad_inputs_faults",
+    case("disk full at the first save", "output", "--experimental.custom_import tests.faults.free_space",
          "checkpoint of step 1 not saved", code=4, env={"TT_FAKE_FREE_BYTES": "1048576"}, trained=True),
 
     # --- sizes ---------------------------------------------------------------------------------------
@@ -428,10 +428,10 @@ def saved_jobs(tmp_path_factory) -> Callable[[str], Path]:
     def get(kind: str) -> Path:
         if kind not in made:
             folder = tmp_path_factory.mktemp(f"saved-{kind}")
-            if kind == "untied":  # step-2 and step-4 of the debug model
+            if kind == "untied":  # step-2 and step-4 of the tiny model
                 extra = ["--training.steps", "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
             else:  # a seed checkpoint (step-0) of the tied flavor
-                extra = ["--model.flavor", "debugmodel_tied", "--checkpoint.create_seed_checkpoint"]
+                extra = ["--model.flavor", "tiny_tied", "--checkpoint.create_seed_checkpoint"]
             run_train([*TINY_RUN, *extra, "--job.dump_folder", str(folder)])
             made[kind] = folder
         return made[kind]

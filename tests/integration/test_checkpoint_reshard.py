@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
 
-STEPS = 15
+STEPS = 6
 TOLERANCE = 1e-4
 LAYOUTS = {  # name: (processes, per-rank batch, overrides)
     "fsdp4": (4, 2, ["--training.data_parallel_shard_degree", "4"]),
@@ -29,7 +29,7 @@ LAYOUTS = {  # name: (processes, per-rank batch, overrides)
 def run(folder, layout, extra=()):
     nproc, batch, overrides = LAYOUTS[layout]
     args = [*TINY_RUN, "--training.steps", str(STEPS), "--training.deterministic", "--checkpoint.enable_checkpoint",
-            "--checkpoint.interval", "5", "--training.batch_size", str(batch), "--job.dump_folder", str(folder),
+            "--checkpoint.interval", "2", "--training.batch_size", str(batch), "--job.dump_folder", str(folder),
             *overrides, *extra]
     return run_train(args, nproc=nproc, timeout=400)
 
@@ -50,7 +50,7 @@ def losses(folder):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """FSDP 4 for all 15 steps, a checkpoint every 5."""
+    """FSDP 4 for all 6 steps, a checkpoint every 2."""
     folder = tmp_path_factory.mktemp("reshard") / "fsdp4"
     run(folder, "fsdp4")
     return folder
@@ -65,36 +65,36 @@ def assert_continues(reference, folder, first_step):
 
 
 def test_fsdp4_to_tp2_fsdp2_to_pp2_fsdp2_and_to_one_process(reference, tmp_path):
-    tp_fsdp, setup = resume(tmp_path, "tp2_fsdp2", "tp2_fsdp2", reference, 5)
+    tp_fsdp, setup = resume(tmp_path, "tp2_fsdp2", "tp2_fsdp2", reference, 2)
     assert setup["data_shards"] == 4 and setup["mesh"] == {"dp_shard": 2, "tp": 2}  # 2 shards per data-parallel rank
-    assert_continues(reference, tp_fsdp, 6)
+    assert_continues(reference, tp_fsdp, 3)
 
-    pp_fsdp, _ = resume(tmp_path, "pp2_fsdp2", "pp2_fsdp2", tp_fsdp, 10)
-    assert_continues(reference, pp_fsdp, 11)
+    pp_fsdp, _ = resume(tmp_path, "pp2_fsdp2", "pp2_fsdp2", tp_fsdp, 4)
+    assert_continues(reference, pp_fsdp, 5)
 
-    single, setup = resume(tmp_path, "single", "single", tp_fsdp, 10)
+    single, setup = resume(tmp_path, "single", "single", tp_fsdp, 4)
     assert setup["data_shards"] == 4 and setup["world_size"] == 1
-    assert_continues(reference, single, 11)
+    assert_continues(reference, single, 5)
 
 
 def test_zero1_checkpoints_hold_every_replicas_share_and_load_under_other_owners(reference, tmp_path):
     """Each ZeRO-1 replica saves only the optimizer state it owns, by parameter name; FSDP 4's
     checkpoint loads into HSDP 2 x 2 with ZeRO-1 (each replica takes its owned half), whose
     checkpoint then loads into DDP 4 with ZeRO-1 (other owners, no sharding), losses unchanged."""
-    hsdp, setup = resume(tmp_path, "zero1_hsdp2x2", "zero1_hsdp2x2", reference, 5)
+    hsdp, setup = resume(tmp_path, "zero1_hsdp2x2", "zero1_hsdp2x2", reference, 2)
     assert setup["zero1"]["replicas"] == 2
-    assert_continues(reference, hsdp, 6)
-    ddp, setup = resume(tmp_path, "zero1_ddp4", "zero1_ddp4", hsdp, 10)
+    assert_continues(reference, hsdp, 3)
+    ddp, setup = resume(tmp_path, "zero1_ddp4", "zero1_ddp4", hsdp, 4)
     assert setup["zero1"]["replicas"] == 4
-    assert_continues(reference, ddp, 11)
+    assert_continues(reference, ddp, 5)
 
 
 def test_tied_embeddings_saved_by_two_pipeline_stages_load_into_one_weight(tmp_path):
     """Under PP the first stage saves the tied matrix as tok_embeddings.weight and the last as
     output.weight; one process loads both names into its single weight and continues with the
     pipeline run's losses."""
-    tied = ["--model.flavor", "debugmodel_tied"]
+    tied = ["--model.flavor", "tiny_tied"]
     pipeline = tmp_path / "tied_pp2"
     run(pipeline, "pp2", tied)
-    single, _ = resume(tmp_path, "tied_single", "single", pipeline, 10, tied)
-    assert_continues(pipeline, single, 11)
+    single, _ = resume(tmp_path, "tied_single", "single", pipeline, 4, tied)
+    assert_continues(pipeline, single, 5)

@@ -2,24 +2,27 @@
 bit-for-bit the losses of a run that never stopped, whatever the checkpoint mode, and a job
 killed in the middle of writing a checkpoint leaves the previous one intact and loadable.
 
-The failures are real SIGKILLs of rank 0 at chosen moments (tests/checkpoint_faults.py)."""
+The failures are real SIGKILLs of rank 0 at chosen moments (tests/faults/checkpoint.py)."""
 
 import shutil
 
 import pytest
 
 from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
+from tests.integration.conftest import UNINTERRUPTED_STEPS
 from torchtitan.checkpoint import folders
 
-STEPS = 12
+# The jobs of the session's `uninterrupted` fixture (FSDP 2, a checkpoint every 2 steps), whose
+# losses every resumed job must reproduce bitwise.
+STEPS = UNINTERRUPTED_STEPS
 FSDP2 = ["--training.data_parallel_shard_degree", "2"]
 FSDP2_TP2_PP2 = ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2",
                  "--experimental.pipeline_parallel_degree", "2"]
 
 
 def job(folder, layout, *extra):
-    return [*TINY_RUN, "--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4",
-            "--experimental.custom_import", "tests.checkpoint_faults", "--job.dump_folder", str(folder), *layout, *extra]
+    return [*TINY_RUN, "--training.steps", str(STEPS), "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+            "--experimental.custom_import", "tests.faults.checkpoint", "--job.dump_folder", str(folder), *layout, *extra]
 
 
 def killed(folder, layout, nproc, fault: dict, *extra):
@@ -31,15 +34,6 @@ def killed(folder, layout, nproc, fault: dict, *extra):
 
 def resumed(folder, layout, nproc, *extra):
     return run_train(job(folder, layout, *extra), nproc=nproc)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    run_train(job(folder, FSDP2), nproc=2)
-    records = read_metrics(folder)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return [r["loss"] for r in records]
 
 
 def resumed_after(folder) -> int:
@@ -59,53 +53,53 @@ def losses(folder):
 # a random step, torchrun's automatic restart, bitwise the losses of an uninterrupted run.
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
-    """Killed after step 9 (checkpoints at 4 and 8), then started again: steps 9-12 are
-    trained again from the step-8 checkpoint, data position and RNG included."""
+    """Killed after step 5 (checkpoints at 2 and 4), then started again: steps 5-8 are
+    trained again from the step-4 checkpoint, data position and RNG included."""
     mode_args = ["--checkpoint.async_mode", mode]
-    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "9"}, *mode_args)
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "5"}, *mode_args)
     resumed(tmp_path, FSDP2, 2, *mode_args)
-    assert resumed_after(tmp_path) == 8
+    assert resumed_after(tmp_path) == 4
     assert losses(tmp_path) == uninterrupted
     # The last save, still being written when training ended, was awaited and published before exit.
-    assert folders.problem_with(str(tmp_path / "checkpoint" / "step-12")) is None
+    assert folders.problem_with(str(tmp_path / "checkpoint" / f"step-{STEPS}")) is None
 
 
 def test_a_job_reading_with_worker_processes_resumes_exactly_with_any_number_of_them(tmp_path, uninterrupted):
     """Two data-loading workers per rank deliver the batches the training process reads itself,
     and their data position resumes without them (the position is worker-independent)."""
-    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "9"}, "--training.dataset_num_workers", "2")
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "5"}, "--training.dataset_num_workers", "2")
     resumed(tmp_path, FSDP2, 2)
-    assert resumed_after(tmp_path) == 8
+    assert resumed_after(tmp_path) == 4
     assert losses(tmp_path) == uninterrupted
 
 
 def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
-    # Killed while DCP writes step 8: step-4 stays the newest checkpoint.
-    killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "8:write"})
-    assert sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-8"]
-    assert not (tmp_path / "checkpoint" / "step-8").exists()  # only the unfinished step-8.partial-* folder
-    # The next job resumes from step 4, and is killed after writing the last step's manifest, before publishing it.
-    result = killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "12:publish"})
+    # Killed while DCP writes step 4: step-2 stays the newest checkpoint.
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": "4:write"})
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-4"]
+    assert not (tmp_path / "checkpoint" / "step-4").exists()  # only the unfinished step-4.partial-* folder
+    # The next job resumes from step 2, and is killed after writing the last step's manifest, before publishing it.
+    result = killed(tmp_path, FSDP2, 2, {"TT_KILL_IN_SAVE": f"{STEPS}:publish"})
     assert "ignoring" in result.stdout and "a save that never finished" in result.stdout
-    assert resumed_after(tmp_path) == 4
-    # The third job finds step-8 as the newest complete checkpoint, and finishes.
+    assert resumed_after(tmp_path) == 2
+    # The third job finds step-6 as the newest complete checkpoint, and finishes.
     result = resumed(tmp_path, FSDP2, 2)
-    assert resumed_after(tmp_path) == 8
+    assert resumed_after(tmp_path) == STEPS - 2
     assert "removing" in result.stdout  # the unfinished saves of the killed jobs are cleaned up
     assert losses(tmp_path) == uninterrupted
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-12", "step-4", "step-8"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6", "step-8"]
 
 
 def test_a_3d_job_resumes_exactly(tmp_path):
-    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-4 checkpoint of an 8-step
-    run logs the same steps 5-8. (The crash itself is exercised above; here the first 4 steps
+    """FSDP 2 x TP 2 x PP 2 on 8 ranks: a new job started from the step-2 checkpoint of a 4-step
+    run logs the same steps 3-4. (The crash itself is exercised above; here the first 2 steps
     are the uninterrupted job's own, which saves on 8 ranks an extra job.)"""
-    steps = ("--training.steps", "8")
+    steps = ("--training.steps", "4")
     run_train(job(tmp_path / "full", FSDP2_TP2_PP2, *steps), nproc=8, timeout=600)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", tmp_path / "split" / "checkpoint" / "step-4")
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-2", tmp_path / "split" / "checkpoint" / "step-2")
     resumed(tmp_path / "split", FSDP2_TP2_PP2, 8, *steps)
-    assert resumed_after(tmp_path / "split") == 4
+    assert resumed_after(tmp_path / "split") == 2
     full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")}
     split = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split")}
-    assert sorted(split) == list(range(5, 9))
+    assert sorted(split) == [3, 4]
     assert split == {step: full[step] for step in split}

@@ -73,18 +73,18 @@ CASES = {  # name: (arguments, expected line)
                            "checkpoint.load_step 2: there is no step-2 in {tmp}/new/checkpoint (the folder does not exist)"),
     "wrong load_step": ([*RESUME, "--checkpoint.load_step", "3"],
                         "checkpoint.load_step 3: there is no step-3 in {job}/checkpoint (complete checkpoints: 2, 4)"),
-    "other model flavor": ([*RESUME, "--experimental.custom_import", "tests.checkpoint_faults", "--model.flavor",
-                            "debugmodel_narrow", "--training.dataset_shards", "2"],
-                           "checkpoint {job}/checkpoint/step-4 (written by llama3 debugmodel) does not fit llama3 "
-                           "debugmodel_narrow: tok_embeddings.weight is [2256, 256] in the checkpoint, [2256, 128] in "
-                           "the model (dim 256 vs 128, n_heads 16 vs 8)"),
-    "untied into tied": ([*RESUME, "--model.flavor", "debugmodel_tied", "--training.dataset_shards", "2"],
-                         "checkpoint {job}/checkpoint/step-4 (written by llama3 debugmodel) does not fit llama3 "
-                         "debugmodel_tied: output.weight is its own weight in the checkpoint, but this model ties it to "
+    "other model flavor": ([*RESUME, "--experimental.custom_import", "tests.faults.checkpoint", "--model.flavor",
+                            "tiny_narrow", "--training.dataset_shards", "2"],
+                           "checkpoint {job}/checkpoint/step-4 (written by llama3 tiny) does not fit llama3 "
+                           "tiny_narrow: tok_embeddings.weight is [2256, 128] in the checkpoint, [2256, 64] in "
+                           "the model (dim 128 vs 64, n_heads 16 vs 8, n_kv_heads 8 vs 4)"),
+    "untied into tied": ([*RESUME, "--model.flavor", "tiny_tied", "--training.dataset_shards", "2"],
+                         "checkpoint {job}/checkpoint/step-4 (written by llama3 tiny) does not fit llama3 "
+                         "tiny_tied: output.weight is its own weight in the checkpoint, but this model ties it to "
                          "tok_embeddings.weight (checkpoint is untied, model is tied)"),
     "other model": (["--job.dump_folder", "{tmp}/run", "--model.name", "llama2", "--checkpoint.initial_load_path",
                      "{job}/checkpoint/step-2"],
-                    "checkpoint {job}/checkpoint/step-2 (written by llama3 debugmodel) does not fit llama2 debugmodel: "
+                    "checkpoint {job}/checkpoint/step-2 (written by llama3 tiny) does not fit llama2 tiny: "
                     "it holds a llama3 model, this run trains llama2; set model.name llama3"),
     "exclusion of nothing": ([*RESUME, "--checkpoint.exclude_from_loading", "outptu"],
                              "checkpoint.exclude_from_loading 'outptu' names nothing in {job}/checkpoint/step-4"),
@@ -140,14 +140,14 @@ def test_an_untied_checkpoint_resumes_as_tied_without_its_output_projection(tmp_
     job = tmp_path / "job"
     shutil.copytree(saved, job)
     result = run_train([*TINY_RUN, *SAVED, "--training.steps", "5", "--job.dump_folder", str(job), "--model.flavor",
-                        "debugmodel_tied", "--checkpoint.exclude_from_loading", "output"])
+                        "tiny_tied", "--checkpoint.exclude_from_loading", "output"])
     assert f"not loading output from {job}/checkpoint/step-4 (checkpoint.exclude_from_loading)" in result.stdout
     assert read_setup(job)["initial_load"]["step"] == 4
     assert [r["step"] for r in read_metrics(job)][-1] == 5
 
 
 WRITE_FAULT = ["--training.steps", "6", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
-               "--experimental.custom_import", "tests.checkpoint_faults"]
+               "--experimental.custom_import", "tests.faults.checkpoint"]
 
 
 @pytest.mark.parametrize("mode, nproc, fault, cause", [
@@ -169,7 +169,7 @@ def test_a_save_that_cannot_be_written_stops_every_rank_and_keeps_the_earlier_ch
 
 def test_a_nan_loss_is_never_checkpointed(tmp_path):
     args = [*TINY_RUN, "--training.steps", "6", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
-            "--experimental.custom_import", "tests.checkpoint_faults", "--model.name", "llama3_nan"]
+            "--experimental.custom_import", "tests.faults.checkpoint", "--model.name", "llama3_nan"]
     # By default the run stops at the first non-finite loss, before applying it, naming the
     # newest (good) checkpoint.
     result = run_train([*args, "--job.dump_folder", str(tmp_path / "stop")], extra_env={"TT_NAN_FROM_STEP": "3"},

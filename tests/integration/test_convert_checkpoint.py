@@ -2,7 +2,6 @@
 that transformers loads with their tokenizer and ordinary file modes, refusals."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from scripts import convert_checkpoint
 from tests.helpers import REPO_ROOT, TINY_RUN, read_setup, run_train
 from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.folders import Manifest
@@ -31,16 +31,9 @@ TIKTOKEN_FILE = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "tokenizer
 SENTENCEPIECE_FILE = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "sentencepiece.model"  # 2,256 pieces, bos 1, eos 2
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=2256, ffn=128)  # GQA, and an ffn no flavor formula gives
 DEBUG = dict(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, vocab=2256, ffn=768)  # llama3 debugmodel's shapes
+TINY_LLAMA3 = dict(dim=128, n_layers=2, n_heads=16, n_kv_heads=8, vocab=2256, ffn=512)  # llama3 tiny's (TINY_RUN's)
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert_checkpoint = _load_script()
 
 
 def convert(*args, check: bool = True) -> subprocess.CompletedProcess:
@@ -334,7 +327,7 @@ def test_torch_save_export_and_import(sharded, tmp_path, capsys):
 
 
 def test_converted_weights_start_a_training_run(tmp_path, capsys):
-    status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **DEBUG), tmp_path / "dcp")
+    status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **TINY_LLAMA3), tmp_path / "dcp")
     assert status == 0, stderr
     run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
                "--checkpoint.initial_load_path", str(tmp_path / "dcp"), "--job.dump_folder", str(tmp_path / "run")])

@@ -1,8 +1,7 @@
-"""scripts/generate.py as users run it, on a debug model trained until it knows a short text by
+"""scripts/generate.py as users run it, on a tiny model trained until it knows a short text by
 heart: greedy generation from its first words gives the rest of it, in one process, over 2
 tensor-parallel ranks under torchrun, and from the run's final weights as a Hugging Face folder."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import sys
 
 import pytest
 
+from scripts import generate as generate_script
 from tests.helpers import REPO_ROOT, TINY_RUN, read_metrics, run_train
 
 SCRIPT = REPO_ROOT / "scripts" / "generate.py"
@@ -21,11 +21,11 @@ TIKTOKEN = str(REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "tokenizer.
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The debug model after 25 steps on nothing but TEXT (lr 3e-3): its loss is near zero."""
+    """The tiny model after 25 steps on nothing but TEXT (lr 1e-2): its loss is near zero."""
     folder = tmp_path_factory.mktemp("overfit")
     data = folder / "text.jsonl"
     data.write_text("".join(json.dumps({"text": TEXT}) + "\n" for _ in range(50)))
-    run_train([*TINY_RUN, "--training.steps", "25", "--training.warmup_steps", "5", "--optimizer.lr", "3e-3",
+    run_train([*TINY_RUN, "--training.steps", "25", "--training.warmup_steps", "5", "--optimizer.lr", "1e-2",
                "--training.batch_size", "4", "--training.dataset_path", str(data), "--metrics.log_freq", "5",
                "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000", "--checkpoint.model_weights_only",
                "--checkpoint.last_save_in_hf", "--job.dump_folder", str(folder / "out")])
@@ -67,15 +67,6 @@ def test_the_runs_hugging_face_export_generates_the_same_text(trained):
     assert result.stdout.strip() == TEXT
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-generate_script = _load_script()
 
 
 def run_main(capsys, *args) -> tuple[int, str]:
@@ -110,7 +101,7 @@ def test_a_folder_that_is_no_checkpoint_is_one_line(capsys, tmp_path):
 def moe_seed(tmp_path_factory):
     """A Qwen3-MoE seed checkpoint (initialised, not trained) whose run used the sentencepiece tokenizer."""
     folder = tmp_path_factory.mktemp("moe_seed")
-    run_train([*TINY_RUN, "--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml",
+    run_train([*TINY_RUN, "--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--model.flavor", "tiny_moe",
                "--model.tokenizer_path", "bundled:stdlib_docs/sentencepiece.model",
                "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(folder)])
     return folder / "checkpoint" / "step-0"

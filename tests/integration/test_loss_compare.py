@@ -5,13 +5,11 @@ The script's own start (--list, a bad name) runs as a process. The tables that t
 `main` / `run_matrix` in this process with the suite's warm runner, which forks each run; the
 script's default, real processes and torchrun (torchtitan.tools.runs), is what users run."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
-import pytest
-
+from scripts import loss_compare
 from tests.helpers import REPO_ROOT
 from tests.machinery.warm_launcher import run_warm
 
@@ -21,19 +19,11 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture(scope="module")
-def loss_compare():
-    spec = importlib.util.spec_from_file_location("loss_compare", REPO_ROOT / "scripts" / "loss_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def table_rows(text: str) -> dict[str, str]:
     return {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
 
 
-def test_table_passes_an_equal_layout_and_fails_a_different_one(loss_compare, tmp_path, capsys):
+def test_table_passes_an_equal_layout_and_fails_a_different_one(tmp_path, capsys):
     code = loss_compare.main(["--steps", "3", "--workdir", str(tmp_path), "--custom", "ac_full", "1",
                               "--activation_checkpoint.mode full", "--custom", "higher_lr", "1", "--optimizer.lr 2e-3"],
                              runner=run_warm)
@@ -53,7 +43,7 @@ def test_list_and_bad_names():
     assert bad.returncode != 0 and "unknown layout 'nope'" in bad.stderr
 
 
-def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(loss_compare, tmp_path, capsys):
+def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(tmp_path, capsys):
     """The matrix part of the script: a refused point's row carries its one-line reason; a point
     whose outcome differs from the plan (here: planned as refused, but it trains) counts as failed."""
     from torchtitan.tools import layout_matrix as lm

@@ -23,13 +23,13 @@ from torchtitan.preflight import preflight
 STEPS, SAVED = 6, 3
 TOLERANCE = 1e-4
 BATCH = 8  # global rows per step
-MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--moe.bias_update_rate", "0.001"]
+MOE = ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.bias_update_rate", "0.001"]
 LAYOUTS = {  # name: (processes, overrides)
     "ep2": (2, ["--training.data_parallel_shard_degree", "2", "--training.expert_parallel_degree", "2"]),
     "ep4": (4, ["--training.data_parallel_shard_degree", "4", "--training.expert_parallel_degree", "4"]),
     "single": (1, []),
 }
-EXPERTS, DIM, MOE_HIDDEN = 8, 256, 256  # debugmodel_moe
+EXPERTS, DIM, MOE_HIDDEN = 8, 128, 128  # tiny_moe (2 blocks)
 
 
 def run(folder, layout, extra=()):
@@ -96,7 +96,7 @@ def test_ep2_checkpoint_continues_under(layout, reference, tmp_path):
     assert max(diffs) <= TOLERANCE, list(zip(got.values(), (expected[s] for s in got)))
 
     # The bias and the experts went on as in the reference: the state was loaded, not re-initialised.
-    shapes = {"model.layers.0.moe.expert_bias": (EXPERTS,), "model.layers.3.moe.experts.w2": (EXPERTS, DIM, MOE_HIDDEN)}
+    shapes = {"model.layers.0.moe.expert_bias": (EXPERTS,), "model.layers.1.moe.experts.w2": (EXPERTS, DIM, MOE_HIDDEN)}
     ours = read_tensors(folder / "checkpoint" / f"step-{STEPS}", shapes)
     theirs = read_tensors(reference / "checkpoint" / f"step-{STEPS}", shapes)
     for name in shapes:

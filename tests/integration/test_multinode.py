@@ -32,7 +32,7 @@ def across_hosts(parity, hosts):
             return run_warm(args, nproc=1, timeout=timeout, check=check, extra_env=extra_env)
         return run_on_two_hosts(hosts, args, nproc, timeout, extra_env)
 
-    harness = ParityHarness(parity.workdir, steps=parity.steps, runner=runner)
+    harness = ParityHarness(parity.workdir, steps=parity.steps, runner=runner, base_args=parity.base_args)
     harness._runs["baseline"] = parity.baseline()
     return harness
 

@@ -122,7 +122,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path):
 
 def test_the_slowest_rank_is_reported_against_the_median(tmp_path):
     result = run_train([*TINY_RUN, "--training.steps", "4", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path),
-                        "--experimental.custom_import", "tests.integration.slow_rank_one"], nproc=2)
+                        "--experimental.custom_import", "tests.faults.slow_rank_one"], nproc=2)
     rows = read_metrics(tmp_path)
     for row in rows[1:]:  # the first step's figures include start-up
         assert row["slowest_rank"] == 1

@@ -2,23 +2,13 @@
 random step, or every rank of one of two simulated hosts, and the job finishes by itself with
 bitwise the losses of an uninterrupted run (scripts/restart_trials.py; CI runs one trial of each)."""
 
-import importlib.util
 import random
-import sys
 
 import pytest
 
+from scripts import restart_trials as trials
 from tests.integration.conftest import UNINTERRUPTED_STEPS
-from tests.machinery.warm_launcher import REPO_ROOT
 from torchtitan.tools.netns import unavailable
-
-
-def _trials_module():
-    spec = importlib.util.spec_from_file_location("restart_trials", REPO_ROOT / "scripts" / "restart_trials.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("hosts", [1, 2], ids=["one host, a random rank", "two hosts, one host's ranks"])
@@ -26,13 +16,12 @@ def test_a_killed_job_restarts_by_itself_and_logs_the_uninterrupted_losses(tmp_p
     reason = unavailable() if hosts == 2 else None
     if reason:
         pytest.skip(f"two simulated hosts cannot be built here: {reason}")
-    trials = _trials_module()
     # 2 ranks either way (on two hosts, one each): the reference is the uninterrupted 2-rank job on
     # one machine, forked from the warm launcher, whose losses the launched job must reproduce
     # bitwise over loopback or across the hosts' link.
     seed = random.randrange(1000)  # a new kill step and victim every run; the seed is in the failure
     rows = trials.run_trials(tmp_path, trials=1, seed=seed, steps=UNINTERRUPTED_STEPS, hosts=hosts, nproc=2,
-                             timeout=300, reference=uninterrupted)
+                             timeout=300, reference=uninterrupted, flavor="tiny")
     (trial,) = rows
     print(f"seed {seed}: {trials.format_row(1, trial)}")
     assert trial.killed, f"seed {seed}: nothing was killed"

@@ -57,7 +57,7 @@ def test_error_found_only_on_rank_one_reaches_the_console(tmp_path):
 def test_a_bug_on_one_rank_is_one_traceback(tmp_path, monkeypatch):
     """Not a user error: the launcher prints the failing rank's traceback once, naming the rank."""
     result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--experimental.custom_import",
-                        "tests.integration.crash_on_rank_one"], nproc=2, check=False)
+                        "tests.faults.crash_on_rank_one"], nproc=2, check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.count("Traceback") == 1, result.stderr[-3000:]
     assert "rank 1 failed with an unexpected error (a bug)" in result.stderr

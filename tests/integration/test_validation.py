@@ -30,7 +30,7 @@ def test_validation_leaves_training_untouched_and_a_killed_job_resumes_exactly(t
     and writes the export of its last step."""
     args = [*TINY_RUN, "--training.steps", str(UNINTERRUPTED_STEPS), "--checkpoint.enable_checkpoint",
             "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path / "out"),
-            "--experimental.custom_import", "tests.checkpoint_faults",
+            "--experimental.custom_import", "tests.faults.checkpoint",
             "--validation.enabled", "--validation.dataset_path", str(validation_file(tmp_path, 40)),
             "--validation.freq", "3", "--validation.steps", "2"]
     killed = run_train(args, nproc=2, check=False, extra_env={"TT_KILL_AFTER_STEP": "6"})
@@ -82,7 +82,7 @@ def test_a_preemption_during_validation_abandons_it_and_stops_after_the_next_ste
     checkpoint; validating to the end first could outlast the grace period before the kill."""
     out = tmp_path / "out"
     result = run_train([*TINY_RUN, "--training.steps", "6", "--job.dump_folder", str(out),
-                        "--checkpoint.enable_checkpoint", "--experimental.custom_import", "tests.checkpoint_faults",
+                        "--checkpoint.enable_checkpoint", "--experimental.custom_import", "tests.faults.checkpoint",
                         "--validation.enabled", "--validation.freq", "2", "--validation.steps", "-1",
                         "--validation.held_out_fraction", "0.3"],
                        check=False, extra_env={"TT_SIGTERM_IN_VALIDATION": "2"})

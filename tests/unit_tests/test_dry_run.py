@@ -13,8 +13,9 @@ from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_si
 from torchtitan.estimation.pipeline_replay import _compute_actions
 from torchtitan.estimation.tracker import CATEGORIES
 
-DEBUG = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--training.seq_len", "128", "--job.dry_run",
-         "--job.dry_run_device", "cpu"]
+# The tiny flavor: what the dry run does per block does not need the debug model's 8 blocks.
+DEBUG = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--model.flavor", "tiny", "--training.seq_len", "128",
+         "--job.dry_run", "--job.dry_run_device", "cpu"]
 
 
 def estimate(*args: str, world: int):
@@ -93,7 +94,7 @@ def test_a_gpu_job_is_simulated_in_its_compute_dtype():
 
 
 def test_balanced_routing_stands_for_moe_on_fake_tensors():
-    args = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--training.seq_len", "128",
+    args = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--model.flavor", "tiny_moe", "--training.seq_len", "128",
             "--job.dry_run", "--job.dry_run_device", "cpu", "--training.expert_parallel_degree", "2"]
     result = dry_run(parse_args([*args, "--job.dry_run_world_size", "2"]))
     assert result.ranks[0].memory.peak > 0 and result.ranks[0].parallelisms["moe"] is not None

@@ -3,8 +3,6 @@ the router, dropless routing against a dense reference, the sequence-wise auxili
 parallelism seams, step statistics under activation checkpointing, the expert-bias update,
 determinism; and a smoke run of scripts/moe_bench.py's grouped-matmul benchmark."""
 
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from tests.helpers import REPO_ROOT
+from scripts import moe_bench
 from torchtitan.models.moe import AuxLossGrad, GroupedExperts, MoE, TokenChoiceRouter, grouped_mm, grouped_mm_supported
 
 DIM, HIDDEN, EXPERTS = 16, 24, 4  # multiples of 8: torch._grouped_mm runs them on CPU in fp32
@@ -476,19 +474,7 @@ def test_identical_forwards_are_bitwise_identical(use_grouped_mm):
 # scripts/moe_bench.py
 
 
-@pytest.fixture(scope="module")
-def moe_bench():
-    spec = importlib.util.spec_from_file_location("moe_bench", REPO_ROOT / "scripts" / "moe_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
-
-
-def test_moe_bench_grouped_mm_smoke(moe_bench):
+def test_moe_bench_grouped_mm_smoke():
     shapes = [moe_bench.ExpertShape("tiny", dim=16, hidden=24, experts=4, top_k=2, tokens=32),
               moe_bench.ExpertShape("odd", dim=12, hidden=20, experts=3, top_k=1, tokens=8)]
     rows = moe_bench.bench_grouped_mm(shapes, "cpu", reps=1)

@@ -148,7 +148,7 @@ EP2 = ["--training.data_parallel_shard_degree", "2", "--training.expert_parallel
 
 
 def test_preflight_refuses_ep_for_a_llama_model():
-    with refused(["training.expert_parallel_degree 2 needs a mixture-of-experts model", "llama3 debugmodel",
+    with refused(["training.expert_parallel_degree 2 needs a mixture-of-experts model", "llama3 tiny",
                   "leave it at 1"]):
         preflight(parse_args([*TINY_RUN, *EP2]), world_size=2)
 

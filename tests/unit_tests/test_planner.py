@@ -15,9 +15,9 @@ SEQ = 256
 
 
 @pytest.fixture(scope="module")
-def debug_model() -> Model:
+def tiny_model() -> Model:
     vocab = tokenizer_from_file(resolve_path(TOKENIZER, "tokenizer", ValueError), "tokenizer").n_words
-    return Model.from_flavor("llama3", "debugmodel", vocab)
+    return Model.from_flavor("llama3", "tiny", vocab)
 
 
 # (replicate, shard, tp, pp, cp, AC, batch, accumulation): every term of the figure in play.
@@ -32,32 +32,32 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: "-".join(map(str, s)))
-def test_the_rough_figure_is_near_the_dry_run(debug_model, spec):
+def test_the_rough_figure_is_near_the_dry_run(tiny_model, spec):
     """Within -25 % and the planner's margin of the dry run standing for a GPU (bf16), on a model
     far smaller than the 8B to 405B it was calibrated on: the terms scale with the model."""
     rep, shard, tp, pp, cp, ac, batch, accum = spec
     layout = Layout(rep, shard, tp, pp, cp, ac, batch, accum, pp if pp > 1 else 0)
-    result = dry_run(parse_args(["--job.config_file", "bundled:train_configs/debug_model.toml",
+    result = dry_run(parse_args(["--job.config_file", "bundled:train_configs/debug_model.toml", "--model.flavor", "tiny",
                                  "--model.tokenizer_path", TOKENIZER, "--training.mixed_precision_param", "auto",
                                  *layout.overrides(), "--training.seq_len", str(SEQ), "--job.dry_run",
                                  "--job.dry_run_world_size", "4", "--job.dry_run_device", "cuda"]))
-    ratio = screened_bytes(debug_model, layout, SEQ) / result.largest.memory.peak
+    ratio = screened_bytes(tiny_model, layout, SEQ) / result.largest.memory.peak
     assert 0.75 < ratio <= SCREEN_MARGIN, f"{layout.text()}: rough figure / dry run = {ratio:.2f}"
 
 
-def test_layouts_keep_to_the_enumeration_rules(debug_model):
+def test_layouts_keep_to_the_enumeration_rules(tiny_model):
     """TP within a node and dividing the heads, CP only with 4K tokens per rank, every layout
     using every device, the global batch kept, PP with at least one microbatch per stage."""
     hw = Hardware(gpus_per_node=4)
-    layouts = list(enumerate_layouts(debug_model, 16, hw, 16384, 32))
+    layouts = list(enumerate_layouts(tiny_model, 16, hw, 16384, 32))
     assert layouts
     seen_cp = set()
     for lay in layouts:
         assert lay.dp_replicate * lay.dp_shard * lay.tp * lay.pp * lay.cp == 16
-        assert lay.tp <= 4 and debug_model.n_heads % lay.tp == 0
+        assert lay.tp <= 4 and tiny_model.n_heads % lay.tp == 0
         assert 16384 // lay.cp >= 4096
         assert lay.batch_size * lay.accum * lay.dp_replicate * lay.dp_shard == 32
         assert lay.pp == 1 or (lay.microbatches == lay.pp and lay.batch_size % lay.pp == 0)
         seen_cp.add(lay.cp)
     assert seen_cp == {1, 2, 4}
-    assert not [lay for lay in enumerate_layouts(debug_model, 16, hw, 4096, 32) if lay.cp > 1]
+    assert not [lay for lay in enumerate_layouts(tiny_model, 16, hw, 4096, 32) if lay.cp > 1]

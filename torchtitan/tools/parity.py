@@ -16,6 +16,7 @@ processes, torchrun for several ranks, unless the caller passes another (the tes
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -105,8 +106,9 @@ def L(name: str, nproc: int, overrides: str, expect: dict[str, Any] | None = Non
 # loss) moves a little; float8 itself moves the loss by about 2.5e-3 against fp32 here.
 FLOAT8 = "--float8.enable_float8_linear --float8.emulate"
 FLOAT8_TOLERANCE = 1e-3
-QWEN3_MOE = "--model.name qwen3 --model.flavor debugmodel_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
-QWEN3_DENSE = "--model.name qwen3 --model.flavor debugmodel"
+# Qwen3 runs its smallest flavors: what they prove (experts, q/k norms, the layouts) does not need more.
+QWEN3_MOE = "--model.name qwen3 --model.flavor tiny_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
+QWEN3_DENSE = "--model.name qwen3 --model.flavor tiny"
 POSITIVE = Check("a count above 0", lambda n: n > 0)
 # bf16 compute (training.mixed_precision_param) on the layout matrix's 2-block model: the seed and
 # the baseline (one process under autocast) too. bf16 rounds each matmul's output to 8 bits of
@@ -120,6 +122,9 @@ BF16_TOLERANCES = {"loss_tolerance": 1e-3, "grad_norm_rtol": 1e-3}
 BF16_FSDP_TOLERANCES = {"loss_tolerance": 1e-2, "grad_norm_rtol": 1e-2}
 # Document masking (training.document_mask): the seed and the baseline mask documents too.
 DOCUMENT_MASK = "--training.document_mask"
+# An interleaved pipeline of 4 stages on 2 ranks needs 4 blocks: the matrix model's L4.
+DOCUMENT_MASK_4_BLOCKS = (f"{DOCUMENT_MASK} --experimental.custom_import torchtitan.tools.matrix_model "
+                          "--model.name llama3_matrix --model.flavor L4")
 
 
 # Hand-picked layouts for what the layout matrix (layout_matrix.py) does not vary: options of one
@@ -178,7 +183,7 @@ SUITES: dict[str, list[Layout]] = {
     # as keyword inputs the schedule cuts into microbatches for every stage (4 stages on 2 ranks).
     "document_mask": [
         L("docmask_fsdp2_compile_accum2", 2, "--training.data_parallel_shard_degree 2 --training.compile "
-          "--training.gradient_accumulation_steps 2", {"fsdp.mesh": {"dp_shard_cp": 2}, "compile.compiled_modules": 8},
+          "--training.gradient_accumulation_steps 2", {"fsdp.mesh": {"dp_shard_cp": 2}, "compile.compiled_modules": POSITIVE},
           shared=DOCUMENT_MASK),
         L("docmask_tp2_sp_ac_op", 2, "--training.tensor_parallel_degree 2 --activation_checkpoint.mode selective "
           "--activation_checkpoint.selective_ac_option op",
@@ -186,7 +191,7 @@ SUITES: dict[str, list[Layout]] = {
           shared=DOCUMENT_MASK),
         L("docmask_pp2_interleaved", 2, "--experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_schedule Interleaved1F1B",
-          {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK),
+          {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK_4_BLOCKS),
     ],
     # bf16 compute: FSDP's mixed-precision policy, or autocast where FSDP does not shard (one
     # process, DDP, TP, PP), against one process under autocast. The small matrix model keeps
@@ -275,9 +280,10 @@ class ParityHarness:
 
     def __init__(self, workdir: Path, steps: int = 10, global_batch: int = 8, dataset_shards: int = 4,
                  loss_tolerance: float = 1e-4, grad_norm_rtol: float = 1e-3, timeout: int = 400,
-                 runner: Runner = run_trainer):
+                 runner: Runner = run_trainer, base_args: Sequence[str] = TINY_RUN):
         self.workdir = Path(workdir)
         self.runner = runner
+        self.base_args = tuple(base_args)  # the job every run starts from (TINY_RUN: the debug model)
         self.steps, self.global_batch, self.dataset_shards = steps, global_batch, dataset_shards
         self.loss_tolerance, self.grad_norm_rtol, self.timeout = loss_tolerance, grad_norm_rtol, timeout
         self._runs: dict[str, RunResult] = {}
@@ -289,7 +295,7 @@ class ParityHarness:
 
     def common_args(self, shared: tuple[str, ...] = ()) -> list[str]:
         """The arguments every run of a comparison shares (the seed checkpoint included)."""
-        return [*TINY_RUN, "--training.steps", str(self.steps), *COMPARISON_ARGS,
+        return [*self.base_args, "--training.steps", str(self.steps), *COMPARISON_ARGS,
                 "--training.dataset_shards", str(self.dataset_shards),
                 "--checkpoint.initial_load_path", str(self.seed_checkpoint(shared)), *shared]
 
@@ -297,7 +303,7 @@ class ParityHarness:
         folder = self.workdir / f"seed{self._variant(shared)}"
         path = folder / "checkpoint" / "step-0"
         if not path.exists():
-            self.runner([*TINY_RUN, *shared, "--job.dump_folder", str(folder), "--checkpoint.create_seed_checkpoint"],
+            self.runner([*self.base_args, *shared, "--job.dump_folder", str(folder), "--checkpoint.create_seed_checkpoint"],
                         timeout=self.timeout)
         return path
 
