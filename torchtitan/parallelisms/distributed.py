@@ -159,9 +159,21 @@ def clip_grad_norm_(
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total.sqrt()
     if max_norm > 0:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        # One factor for every element whatever its placement, so the local shards are scaled
+        # directly: a foreach over DTensors of mixed placements costs DTensor's sharding
+        # propagation seconds of CPU per process on the first step (a third of a short 3-D run).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        for grads in _by_device_and_dtype(local).values():
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
 
 
 def max_across_ranks(values: list[float]) -> list[float]:
