@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     init_logger()
+    # What the imports made lives as long as the process: out of every collection from here on,
+    # so the full one at shutdown (and each scheduled one) walks only what the run itself made.
+    gc.freeze()
     # Until training starts there is nothing to keep: Ctrl-C interrupts at once, and so do SIGTERM
     # and SIGUSR1 for a single process. A rank of a larger job keeps their default (end now),
     # because that is how the launcher tears down ranks waiting for a peer that already failed.
