@@ -19,6 +19,7 @@ UNIT_TESTS = Path(__file__).resolve().parent / "unit_tests"
 TEST_BUDGET_SECONDS = 20.0
 SLOWEST_SHOWN = 25
 
+
 @pytest.fixture(scope="session", autouse=True)
 def _machine_cache_in_tmp(tmp_path_factory):
     """Runs started by the tests keep what they cache per machine (the CPU's measured peak FLOP/s)
@@ -31,6 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SuiteClock(), "suite_clock")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m fast` selects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if UNIT_TESTS in item.path.parents:

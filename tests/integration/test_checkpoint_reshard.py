@@ -89,6 +89,7 @@ def test_zero1_checkpoints_hold_every_replicas_share_and_load_under_other_owners
     assert_continues(reference, ddp, 5)
 
 
+@pytest.mark.fast
 def test_tied_embeddings_saved_by_two_pipeline_stages_load_into_one_weight(tmp_path):
     """Under PP the first stage saves the tied matrix as tok_embeddings.weight and the last as
     output.weight; one process loads both names into its single weight and continues with the

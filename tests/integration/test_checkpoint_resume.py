@@ -51,7 +51,7 @@ def losses(folder):
 
 # Synchronous saves are covered by the restart trials (test_restart_trials.py): a rank SIGKILLed at
 # a random step, torchrun's automatic restart, bitwise the losses of an uninterrupted run.
-@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.fast), "async_with_pinned_mem"])
 def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
     """Killed after step 5 (checkpoints at 2 and 4), then started again: steps 5-8 are
     trained again from the step-4 checkpoint, data position and RNG included."""

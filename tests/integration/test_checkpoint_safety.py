@@ -110,7 +110,8 @@ CASES = {  # name: (arguments, expected line)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.fast) if c in ("missing folder", "truncated file") else c
+                                  for c in CASES])
 def test_bad_checkpoint_input_is_one_line_and_changes_nothing(case, tmp_path, saved):
     args = prepare(case, tmp_path, saved)
     before = snapshot(tmp_path)
@@ -134,6 +135,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(case, tmp_path, s
     assert [r["step"] for r in read_metrics(tmp_path / "job")] == [1, 2, 3, 4]
 
 
+@pytest.mark.fast
 def test_an_untied_checkpoint_resumes_as_tied_without_its_output_projection(tmp_path, saved):
     """A deliberate partial load: the output projection (and its optimizer state) is left out and
     logged; the tied model starts it from the checkpoint's embedding."""
@@ -151,7 +153,7 @@ WRITE_FAULT = ["--training.steps", "6", "--checkpoint.enable_checkpoint", "--che
 
 
 @pytest.mark.parametrize("mode, nproc, fault, cause", [
-    ("disabled", 1, "4:0:EROFS", "Read-only file system"),
+    pytest.param("disabled", 1, "4:0:EROFS", "Read-only file system", marks=pytest.mark.fast),
     ("async", 2, "4:1:ENOSPC", "No space left on device"),  # one rank fails in the background: both stop
 ])
 def test_a_save_that_cannot_be_written_stops_every_rank_and_keeps_the_earlier_checkpoints(mode, nproc, fault, cause,

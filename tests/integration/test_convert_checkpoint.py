@@ -187,6 +187,7 @@ def test_sharded_round_trip_is_byte_identical(sharded, tmp_path):
         assert back[name] == data, f"{name} differs"
 
 
+@pytest.mark.fast
 def test_single_file_tied_round_trip_is_byte_identical(tmp_path):
     hf_dir = make_hf_folder(tmp_path / "hf", tie=True, **TINY)
     convert("hf-to-dcp", hf_dir, tmp_path / "dcp")
@@ -326,6 +327,7 @@ def test_torch_save_export_and_import(sharded, tmp_path, capsys):
     assert status == 0 and torch.load(tmp_path / "model32.pt", weights_only=True)["norm.weight"].dtype == torch.float32
 
 
+@pytest.mark.fast
 def test_converted_weights_start_a_training_run(tmp_path, capsys):
     status, stderr = convert_here(capsys, "hf-to-dcp", make_hf_folder(tmp_path / "hf", **TINY_LLAMA3), tmp_path / "dcp")
     assert status == 0, stderr
@@ -344,6 +346,7 @@ class Exploit:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.fast
 def test_torch_file_needing_arbitrary_unpickling_is_refused(tmp_path, capsys):
     exploit = Exploit()
     exploit.marker = tmp_path / "pwned"
@@ -384,6 +387,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
     }
 
 
+@pytest.mark.fast
 def test_user_mistakes_are_one_line_and_write_nothing(tmp_path, capsys):
     cases = _bad_inputs(tmp_path)
     before = files_of(tmp_path)

@@ -25,6 +25,7 @@ def token_shards(tmp_path_factory):
     return out
 
 
+@pytest.mark.fast
 def test_token_shards_train_like_the_text_they_came_from(tmp_path, token_shards):
     manifest = json.loads((token_shards / MANIFEST).read_text())
     assert manifest["dtype"] == "uint16" and len(manifest["files"]) == 3 and manifest["num_documents"] == 2750

@@ -2,9 +2,12 @@
 
 import re
 
+import pytest
+
 from tests.helpers import REPO_ROOT, TINY_RUN, losses, read_setup, run_train
 
 
+@pytest.mark.fast
 def test_registered_toy_model_trains_with_fsdp(tmp_path):
     doc = (REPO_ROOT / "docs" / "extension.md").read_text()
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)

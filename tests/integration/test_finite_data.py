@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from tests.helpers import TINY_RUN, read_metrics, run_train
 from torchtitan.tools.runs import read_validations
 
 
+@pytest.mark.fast
 def test_two_ranks_stop_together_when_data_runs_out(tmp_path):
     # Uneven shards: rank 0's half of the bytes holds the starts of the two long documents, rank 1's
     # the short ones, so rank 1 runs out first and rank 0 must stop with it instead of waiting in a

@@ -21,6 +21,7 @@ def held_per_rank(setup: dict) -> dict[int, tuple[float, float]]:
     return {r["rank"]: (r["parameter_bytes"] / MIB, r["optimizer_state_bytes"] / MIB) for r in setup["ranks"]}
 
 
+@pytest.mark.fast
 def test_the_points_cover_fsdp_hsdp_and_zero1():
     kinds = {("zero1" if p.value("zero1") == "on" else "hsdp" if p.degrees.dp_replicate > 1 and
               p.degrees.dp_shard * p.degrees.cp > 1 else "ddp" if p.degrees.dp_replicate > 1 else "fsdp")
@@ -28,7 +29,12 @@ def test_the_points_cover_fsdp_hsdp_and_zero1():
     assert {"fsdp", "hsdp", "zero1"} <= kinds, kinds
 
 
-@pytest.mark.parametrize("point", DATA_PARALLEL, ids=[p.name for p in DATA_PARALLEL])
+# The fast tier reads the records of its own matrix points (test_layout_matrix.FAST): FSDP and HSDP.
+FAST = ("fsdp2+ac_selective+moe", "rep2_fsdp2+ac_full+tied+accum_2")
+
+
+@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.fast) if p.name in FAST else p
+                                   for p in DATA_PARALLEL], ids=[p.name for p in DATA_PARALLEL])
 def test_each_rank_holds_its_share(matrix, point):
     outcome = matrix.check(point)
     (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared()).setup).values()

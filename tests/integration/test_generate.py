@@ -44,6 +44,7 @@ def generate(*args, nproc: int = 1) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.fast
 def test_greedy_generation_reproduces_the_memorised_text(trained):
     result = generate("--checkpoint", trained, "--prompt", PROMPT, "--max-new-tokens", "60")
     print(f"sample: {result.stdout.strip()!r}\n{result.stderr.strip()}")
@@ -92,6 +93,7 @@ def test_mistakes_are_one_line(capsys, trained, args, expected):
     assert status == 2 and err.strip() == expected
 
 
+@pytest.mark.fast
 def test_a_folder_that_is_no_checkpoint_is_one_line(capsys, tmp_path):
     status, err = run_main(capsys, "--checkpoint", tmp_path, "--prompt", "x")
     assert status == 2 and err.strip().startswith(f"error: --checkpoint {tmp_path} is neither a checkpoint")

@@ -78,12 +78,14 @@ ESTIMATE = {"peak_bytes": 60 * GiB, "at_peak": {"activations": 24 * GiB}, "n_par
             "layer_params": 50_000_000, "dim": 3072, "tokens": 4096, "seconds": 1.0}
 
 
+@pytest.mark.fast
 def test_the_whole_model_without_checkpointing_first():
     plans = gpu_check.plan_memory(ESTIMATE, 70 * GiB)
     assert plans[0] == gpu_check.Plan("none", 28, 60 * GiB)
     assert [(p.ac, p.n_layers) for p in plans] == [("none", 28), ("selective", 28), ("selective", 27)]
 
 
+@pytest.mark.fast
 def test_selective_checkpointing_when_the_activations_do_not_fit():
     plans = gpu_check.plan_memory(ESTIMATE, 55 * GiB)
     assert plans[0].ac == "selective" and plans[0].n_layers == 28
@@ -91,6 +93,7 @@ def test_selective_checkpointing_when_the_activations_do_not_fit():
     assert plans[0].estimate_bytes == int(60 * GiB - 12 * GiB + 14 * 4096 * 3072 * 4 + 24 * GiB / 28)
 
 
+@pytest.mark.fast
 def test_the_optimizer_step_bounds_what_checkpointing_saves():
     """Weights, gradients and Adam moments at the optimizer step: 16 bytes a parameter."""
     big = dict(ESTIMATE, n_params=3_500_000_000, layer_params=100_000_000)
@@ -98,6 +101,7 @@ def test_the_optimizer_step_bounds_what_checkpointing_saves():
     assert gpu_check.plan_memory(big, 50 * GiB)[0].n_layers < 28
 
 
+@pytest.mark.fast
 def test_fewer_layers_when_even_that_does_not_fit_and_none_when_one_layer_does_not():
     plans = gpu_check.plan_memory(ESTIMATE, 30 * GiB)
     assert len(plans) == 1
@@ -132,6 +136,7 @@ OOM = {"status": "failed", "reason": "torch.OutOfMemoryError: CUDA out of memory
 OK = {"status": "ok", "reason": None, "tokens_per_second": 1000.0}
 
 
+@pytest.mark.fast
 def test_out_of_memory_tries_the_next_plan_and_float8_keeps_the_bf16_plan(tmp_path, monkeypatch):
     runs, calls = runs_with_fake_trainer(tmp_path, monkeypatch, 70 * GiB, [OOM, OK, OOM])
     bf16 = runs.train("train_3b", "3B")
@@ -146,12 +151,14 @@ def test_out_of_memory_tries_the_next_plan_and_float8_keeps_the_bf16_plan(tmp_pa
     assert option(calls[2], "--activation_checkpoint.mode") == "selective" and "--float8.enable_float8_linear" in calls[2]
 
 
+@pytest.mark.fast
 def test_other_failures_are_not_tried_again(tmp_path, monkeypatch):
     broken = {"status": "failed", "reason": "exit code 1: RuntimeError", "out_of_memory": False}
     runs, calls = runs_with_fake_trainer(tmp_path, monkeypatch, 70 * GiB, [broken])
     assert runs.train("train_3b", "3B")["status"] == "failed" and len(calls) == 1
 
 
+@pytest.mark.fast
 def test_fewer_layers_run_as_a_flavor_of_their_own(tmp_path, monkeypatch):
     runs, calls = runs_with_fake_trainer(tmp_path, monkeypatch, 30 * GiB, [OK])
     result = runs.train("train_3b", "3B")
@@ -162,6 +169,7 @@ def test_fewer_layers_run_as_a_flavor_of_their_own(tmp_path, monkeypatch):
     assert f"n_layers={layers}" in (tmp_path / "gpu_check_flavors.py").read_text()
 
 
+@pytest.mark.fast
 def test_a_flavor_with_fewer_layers_is_registered_for_the_trainer(tmp_path, monkeypatch):
     name, args = gpu_check.fewer_layers(tmp_path, "debugmodel", 3)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -175,6 +183,7 @@ def test_a_flavor_with_fewer_layers_is_registered_for_the_trainer(tmp_path, monk
         sys.modules.pop("gpu_check_flavors", None)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("budget,later,expected", [(450, [], 150), (200, ["train", "train"], 80), (100, ["train"], 40)])
 def test_each_run_leaves_the_later_ones_their_least_time(budget, later, expected):
     clock = gpu_check.Clock(budget, {"train": 60, "snapshot": 40})

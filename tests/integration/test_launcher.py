@@ -5,6 +5,8 @@ import re
 import signal
 import subprocess
 
+import pytest
+
 from tests.helpers import REPO_ROOT, read_metrics, read_setup
 
 
@@ -15,6 +17,7 @@ def _launch(args, **env):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.fast
 def test_two_rank_fsdp_run_through_launcher(tmp_path):
     result = _launch(["--training.steps", "6", "--training.seq_len", "64", "--metrics.log_freq", "1",
                       "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)], NGPU="2")
@@ -51,6 +54,7 @@ def test_moe_expert_parallel_run_through_launcher(tmp_path):
     assert re.search(r"aux: \d\.\d{4}  experts max/mean: \d+\.\d\d \(layer \d\)", result.stdout)
 
 
+@pytest.mark.fast
 def test_launcher_rejects_bad_option_before_starting_ranks():
     result = _launch(["--training.stepz", "3"], NGPU="2")
     assert result.returncode == 2
@@ -59,6 +63,7 @@ def test_launcher_rejects_bad_option_before_starting_ranks():
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.fast
 def test_launcher_help_lists_options():
     result = _launch(["--help"])
     assert result.returncode == 0

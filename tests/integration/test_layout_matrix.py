@@ -8,9 +8,14 @@ import pytest
 from torchtitan.tools.layout_matrix import ci_points
 
 POINTS = {p.name: p for p in ci_points()}
+# The fast tier's points: FSDP, DDP and HSDP, TP, CP and PP each at least once, with every AC mode,
+# tied embeddings, accumulation, expert parallelism, and a refusal; on 2 to 4 ranks.
+FAST = ("fsdp2+ac_selective+moe", "rep2+ac_op", "rep2_fsdp2+ac_full+tied+accum_2", "tp2+sp_off+lp_off+tied+accum_2+moe",
+        "cp2+ac_op+accum_2", "pp2+Interleaved1F1B+ac_full", "cp2+compile")
+assert set(FAST) <= set(POINTS), set(FAST) - set(POINTS)
 
 
-@pytest.mark.parametrize("name", list(POINTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.fast) if n in FAST else n for n in POINTS])
 def test_point_trains_like_one_process_or_is_refused(matrix, name):
     outcome = matrix.check(POINTS[name])
     if outcome.status == "refused":

@@ -64,7 +64,7 @@ def _no_rank_left(folder):
     return subprocess.run(["pgrep", "-f", f"torchtitan.train.*{folder}"], capture_output=True, text=True).stdout == ""
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to rank 1", "SIGUSR1 to the launcher"])
+@pytest.mark.parametrize("how", ["SIGTERM to rank 1", pytest.param("SIGUSR1 to the launcher", marks=pytest.mark.fast)])
 def test_preemption_saves_the_agreed_step_and_the_next_launch_resumes_bitwise(tmp_path, uninterrupted, how):
     # MAX_RESTARTS is on: a preempted job must end, not be restarted by torchrun.
     proc = _start(BASE, tmp_path, NGPU="2", MAX_RESTARTS="2")

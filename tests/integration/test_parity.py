@@ -9,8 +9,12 @@ import pytest
 
 from torchtitan.tools.parity import DOCUMENT_MASK, SUITES, Layout, ParityError, all_layouts
 
+# The fast tier's layouts: an FSDP option, float8, bf16, document masking and the Qwen3 MoE family.
+FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2")
 
-@pytest.mark.parametrize("name", [layout.name for suite in SUITES.values() for layout in suite])
+
+@pytest.mark.parametrize("name", [pytest.param(layout.name, marks=pytest.mark.fast) if layout.name in FAST else layout.name
+                                  for suite in SUITES.values() for layout in suite])
 def test_layout_matches_single_process(parity, name):
     result = parity.check(all_layouts()[name])
     print(f"{name}: max |loss diff| {result.max_loss_diff:.3e}, final grad norm rel diff {result.grad_norm_rel_diff:.3e}")
@@ -42,12 +46,14 @@ def test_document_mask_changes_the_losses(parity):
     assert max(diffs + validation_diffs) > 10 * parity.loss_tolerance, (diffs, validation_diffs)
 
 
+@pytest.mark.fast
 def test_harness_catches_a_different_run(parity):
     """A run with another learning rate must fail the comparison: the harness can fail."""
     with pytest.raises(ParityError, match="max \\|loss diff\\|"):
         parity.check(Layout("other_lr", 1, ("--optimizer.lr", "1e-3")))
 
 
+@pytest.mark.fast
 def test_harness_catches_an_unapplied_layout(parity):
     """A run whose setup record lacks what the layout declares (here: no FSDP on one process)."""
     with pytest.raises(ParityError, match=r"was not applied: fsdp.mesh should be \{'dp_shard_cp': 2\}, the run "

@@ -40,6 +40,7 @@ def test_error_found_on_the_ranks_is_one_line(tmp_path):
     assert "needs CUDA" in lines[0]
 
 
+@pytest.mark.fast
 def test_error_found_only_on_rank_one_reaches_the_console(tmp_path):
     """One long document: rank 0's shard trains, rank 1's is empty. The one line comes from rank 1
     (before, only rank 0 printed errors and this run ended with exit code 1 and no word)."""
@@ -54,6 +55,7 @@ def test_error_found_only_on_rank_one_reaches_the_console(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.fast
 def test_a_bug_on_one_rank_is_one_traceback(tmp_path, monkeypatch):
     """Not a user error: the launcher prints the failing rank's traceback once, naming the rank."""
     result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--experimental.custom_import",

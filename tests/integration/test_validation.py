@@ -7,6 +7,8 @@ layout-matrix comparison (their runs validate: torchtitan/tools/parity.py COMPAR
 
 import json
 
+import pytest
+
 from tests.helpers import TINY_RUN, read_metrics, run_train
 from tests.integration.conftest import UNINTERRUPTED_STEPS
 from torchtitan.assets import resolve_path
@@ -22,6 +24,7 @@ def validation_file(tmp_path, documents: int):
     return path
 
 
+@pytest.mark.fast
 def test_validation_leaves_training_untouched_and_a_killed_job_resumes_exactly(tmp_path, uninterrupted):
     """The 2-rank FSDP job of the `uninterrupted` fixture, validating on data of its own every 3
     steps, killed right after saving step 6, before validating it, and started again: the resumed
