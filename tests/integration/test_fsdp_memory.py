@@ -8,6 +8,7 @@ and optimizer-state bytes after its first step, gathered once on rank 0.
 
 import pytest
 
+from tests.integration.test_layout_matrix import marks
 from torchtitan.tools.layout_matrix import ci_points
 
 MIB = 2**20
@@ -29,12 +30,10 @@ def test_the_points_cover_fsdp_hsdp_and_zero1():
     assert {"fsdp", "hsdp", "zero1"} <= kinds, kinds
 
 
-# The fast tier reads the records of its own matrix points (test_layout_matrix.FAST): FSDP and HSDP.
-FAST = ("fsdp2+ac_selective+moe", "rep2_fsdp2+ac_full+tied+accum_2")
-
-
-@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.fast) if p.name in FAST else p
-                                   for p in DATA_PARALLEL], ids=[p.name for p in DATA_PARALLEL])
+# Marked as the matrix test marks the same points: the fast tier reads the records of the points it
+# runs anyway, and a compiled point has a reason to take long (it runs here first).
+@pytest.mark.parametrize("point", [pytest.param(p, marks=marks(p)) for p in DATA_PARALLEL],
+                         ids=[p.name for p in DATA_PARALLEL])
 def test_each_rank_holds_its_share(matrix, point):
     outcome = matrix.check(point)
     (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared()).setup).values()
