@@ -113,6 +113,11 @@ class Stopped(RunEnded):
     def add_context(self, note: str) -> None:
         self.checkpoint = note
 
+    def __reduce__(self):
+        # Exceptions cross processes pickled (DCP's gathered failures, a background save's
+        # process); Exception's pickling would call this constructor with no arguments.
+        return type(self), (self.signum, self.step, self.checkpoint)
+
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
         newest = f"; {self.checkpoint}" if self.checkpoint else ""

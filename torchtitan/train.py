@@ -386,7 +386,7 @@ def validate(validator: Validator, metrics: MetricsLogger, progress: Progress | 
 
 class _StartUpInterrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
-        super().__init__()
+        super().__init__(signum)  # args, so that it pickles like any exception
         self.signum = signum
 
 

@@ -364,6 +364,14 @@ CASES: list[Case] = [
          "{in}/job/traces", files={"job/traces": "a file\n"}),
     case("disk full at the first save", "output", "--experimental.custom_import tests.faults.free_space",
          "checkpoint of step 1 not saved", code=4, env={"TT_FAKE_FREE_BYTES": "1048576"}, trained=True),
+    # With 2 ranks DCP pickles the coordinator's refusal to hand it to the other rank (once a TypeError).
+    case("disk full at the first save, 2 ranks", "output", "--experimental.custom_import tests.faults.free_space",
+         ("checkpoint of step 1 not saved", "not enough space for the checkpoint"), code=4,
+         env={"TT_FAKE_FREE_BYTES": "1048576"}, trained=True, runner="ranks"),
+    case("disk full at the first async save, 2 ranks", "output",
+         "--experimental.custom_import tests.faults.free_space --checkpoint.async_mode async",
+         ("checkpoint of step 1 not saved", "not enough space for the checkpoint"), code=4,
+         env={"TT_FAKE_FREE_BYTES": "1048576"}, trained=True, runner="ranks"),
 
     # --- sizes ---------------------------------------------------------------------------------------
     case("batch_size 10000000", "sizes", "--training.batch_size 10000000", "training.batch_size 10000000"),

@@ -102,8 +102,14 @@ class NotEnoughSpace(OSError):
     """Raised before a save writes anything: the checkpoint would not fit on the disk."""
 
     def __init__(self, path: str, needed: int, free: int):
+        self.path, self.needed, self.free = path, needed, free
         super().__init__(errno.ENOSPC, f"not enough space for the checkpoint: it needs {mib(needed)}, the disk holding "
                                        f"{os.path.dirname(os.path.abspath(path))} has {mib(free)} free")
+
+    def __reduce__(self):
+        # DCP pickles the coordinator's exception to hand it to every rank; OSError's own pickling
+        # would rebuild it from (errno, message), which this constructor does not take.
+        return type(self), (self.path, self.needed, self.free)
 
 
 def planned_bytes(plans: list[SavePlan]) -> int:
