@@ -30,6 +30,7 @@ import resource
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -66,6 +67,18 @@ PROSE = "The quick brown fox jumps over the lazy dog while the module reads its 
 TOKEN_MANIFEST = {"format": "torchtitan-tokens", "version": 1, "dtype": "uint16", "vocab_size": 2256,
                   "tokenizer": {"name": "tokenizer.model", "sha256": "0" * 64},
                   "files": [{"tokens": "p.bin", "index": "p.idx", "num_tokens": 10, "num_documents": 1}]}
+
+
+# Token shards the trainer reads past its tokenizer check (the bundled tokenizer's sha256): one
+# document of 2,000 uint16 ids in which token 100 is 60000, beyond the vocabulary of 2256.
+BAD_ID_SHARDS = {
+    "tokens/manifest.json": json.dumps({
+        **TOKEN_MANIFEST, "files": [{"tokens": "p.bin", "index": "p.idx", "num_tokens": 2000, "num_documents": 1}],
+        "tokenizer": {"name": "tokenizer.model", "sha256": hashlib.sha256(
+            (REPO_ROOT / "torchtitan/assets/stdlib_docs/tokenizer.model").read_bytes()).hexdigest()}}),
+    "tokens/p.bin": struct.pack("<2000H", 1, *(3 + i % 2000 if i != 99 else 60000 for i in range(1998)), 2),
+    "tokens/p.idx": struct.pack("<2q", 0, 2000),
+}
 
 
 def jsonl(*docs: object) -> str:
@@ -287,6 +300,13 @@ CASES: list[Case] = [
     case("token shards truncated", "data", "--training.dataset_path {in}/tokens", "{in}/tokens/p.bin holds 4 bytes, but "
          "{in}/tokens/manifest.json says 20 (truncated or rewritten? tokenize the data again)",
          files={"tokens/manifest.json": json.dumps(TOKEN_MANIFEST), "tokens/p.bin": b"\0" * 4, "tokens/p.idx": b"\0" * 16}),
+    case("token shards with an id beyond the vocabulary", "data", "--training.dataset_path {in}/tokens",
+         "{in}/tokens/p.bin: token id 60000 at token 100 is outside the vocabulary of 2256 that manifest.json records",
+         files=BAD_ID_SHARDS),
+    case("token shards' index past the end", "data", "--training.dataset_path {in}/tokens",
+         "{in}/tokens/p.idx is damaged: it ends at token 12, but {in}/tokens/manifest.json says the part holds 10 tokens",
+         files={"tokens/manifest.json": json.dumps(TOKEN_MANIFEST), "tokens/p.bin": b"\0" * 20,
+                "tokens/p.idx": struct.pack("<2q", 0, 12)}),
     case("token shards of another format", "data", "--training.dataset_path {in}/tokens",
          "{in}/tokens/manifest.json is not a manifest of pre-tokenized shards",
          files={"tokens/manifest.json": json.dumps({**TOKEN_MANIFEST, "format": "megatron"})}),

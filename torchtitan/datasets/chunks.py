@@ -223,11 +223,14 @@ class ShardItems:
         index_bytes = len(bounds) * 8
         if self.split is None:
             lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-            return tokens[bounds[0]:bounds[-1]].to(torch.int32), lengths, (bounds[-1] - bounds[0]) * itemsize + index_bytes
+            ids = tokens[bounds[0]:bounds[-1]].to(torch.int32)
+            self._token_files.check_ids(chunk.file, ids, [(bounds[0], len(ids))])
+            return ids, lengths, (bounds[-1] - bounds[0]) * itemsize + index_bytes
         kept = [d for d in range(chunk.end - chunk.begin) if self.split.reads(document_key(chunk.file, chunk.begin + d))]
         pieces = [tokens[bounds[d]:bounds[d + 1]] for d in kept]
         read = sum(len(p) for p in pieces) * itemsize + index_bytes
         ids = torch.cat(pieces).to(torch.int32) if pieces else torch.empty(0, dtype=torch.int32)
+        self._token_files.check_ids(chunk.file, ids, [(bounds[d], len(p)) for d, p in zip(kept, pieces)])
         return ids, [len(p) for p in pieces], read
 
     def _stream_items(self, start: int) -> Iterator[dict[str, Any]]:
