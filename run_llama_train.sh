@@ -14,6 +14,10 @@
 #   RDZV_ENDPOINT host:port of node 0 that every node can reach (required when NNODES > 1)
 #   RDZV_ID       the job's name at the rendezvous, the same on every node (default: torchtitan)
 #   LOCAL_ADDR    this node's address as the others reach it (default: its host name resolved)
+#   RDZV_TIMEOUT  seconds a node waits at the rendezvous for all NNODES nodes before it ends with
+#                 exit code 2, naming the nodes that never arrived (default 600, torchrun's own)
+#   RDZV_PROGRESS_INTERVAL  seconds between the lines a waiting node prints, saying how long it has
+#                 waited and which NODE_RANKs are missing (default 30)
 #   MAX_RESTARTS  times torchrun restarts every rank after a failure (default 0); each restart
 #                 resumes from the newest complete checkpoint (checkpoint.enable_checkpoint)
 #
@@ -43,17 +47,28 @@ done
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
+RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES must be a positive number of nodes, got '$NNODES'"
 [[ "$NODE_RANK" =~ ^[0-9]+$ ]] && (( 10#$NODE_RANK < NNODES )) \
   || fail "NODE_RANK must be this node's index, 0..$(( NNODES - 1 )) (NNODES=$NNODES), got '$NODE_RANK'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS must be a number of restarts (0 or more), got '$MAX_RESTARTS'"
+[[ "$RDZV_TIMEOUT" =~ ^[0-9]+$ ]] && (( 10#$RDZV_TIMEOUT > 0 )) \
+  || fail "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '$RDZV_TIMEOUT'"
+if [[ -n "${RDZV_PROGRESS_INTERVAL:-}" ]]; then
+  [[ "$RDZV_PROGRESS_INTERVAL" =~ ^[0-9]+$ ]] && (( 10#$RDZV_PROGRESS_INTERVAL > 0 )) \
+    || fail "RDZV_PROGRESS_INTERVAL must be the seconds between a waiting node's progress lines (1 or more), got '$RDZV_PROGRESS_INTERVAL'"
+fi
 if (( NNODES > 1 )); then
   [[ "${RDZV_ENDPOINT:-}" =~ ^[^:[:space:]]+:[0-9]+$ ]] \
     || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got '${RDZV_ENDPOINT:-}'"
   # c10d rendezvous: node 0 hosts the store at the endpoint (said outright, because a host name
-  # that does not resolve to an address of this node would make every node a client).
+  # that does not resolve to an address of this node would make every node a client). join_timeout
+  # bounds the wait for the other nodes, the first time and after a restart.
   nodes=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-torchtitan}"
-         --rdzv-conf="is_host=$(( 10#$NODE_RANK == 0 ? 1 : 0 ))")
+         --rdzv-conf="is_host=$(( 10#$NODE_RANK == 0 ? 1 : 0 )),join_timeout=$(( 10#$RDZV_TIMEOUT ))")
+  # torchtitan.launch announces this node at the rendezvous by its NODE_RANK, so that the nodes
+  # waiting there can name the ones that have not come.
+  export NODE_RANK=$(( 10#$NODE_RANK ))
   if [[ -n "${LOCAL_ADDR:-}" ]]; then nodes+=(--local-addr="$LOCAL_ADDR"); fi
 else
   nodes=(--standalone)

@@ -16,17 +16,24 @@ torchrun sends first, and would hold the job for torchrun's grace period); and a
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
+from datetime import timedelta
 
 from torchtitan.errors import EXIT_USER, REPORT_DIR_ENV, attempts_started, read_reports, summarize
 
 STOP_GRACE_SECONDS = 300  # TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides it
+PROGRESS_INTERVAL_SECONDS = 30  # RDZV_PROGRESS_INTERVAL overrides it
+# torchrun's default join_timeout (--rdzv-conf), the wait for all nodes; run_llama_train.sh passes RDZV_TIMEOUT.
+JOIN_TIMEOUT_SECONDS = 600
 
 
 def _quiet_torchrun() -> None:
@@ -47,6 +54,11 @@ def _is_my_child(pid: int) -> bool:
         return False
 
 
+def _started_ranks() -> bool:
+    """Whether this launcher has child processes: torchrun starts the ranks once the rendezvous is done."""
+    return any(_is_my_child(int(name)) for name in os.listdir("/proc") if name.isdigit())
+
+
 def _kill_hung_ranks(folder: str, done: threading.Event) -> None:
     """Kills, with SIGKILL, the ranks of this node that a peer's hang report names as stuck
     (torchtitan/watchdog.py). Only children of this launcher are touched, so a pid reused by
@@ -64,13 +76,173 @@ def _kill_hung_ranks(folder: str, done: threading.Event) -> None:
                         pass
 
 
-def _rendezvous_failure(args, e: BaseException) -> str:
+def _rdzv_option(args, key: str, default: int) -> int:
+    """An integer option of torchrun's --rdzv-conf (`key1=value1,key2=value2`)."""
+    for item in args.rdzv_conf.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() == key and value.strip().isdigit():
+            return int(value)
+    return default
+
+
+def _list_ranks(ranks: list[int], shown: int = 8) -> str:
+    listed = ", ".join(map(str, ranks[:shown]))
+    return listed + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
+
+
+def _listening_here(port: int) -> bool:
+    """Whether this process listens on TCP `port`: on node 0, that torchrun has opened the store
+    there (the port may instead be another program's, which a store client must not talk to)."""
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sockets.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        # local address (hex ip:port), state 0A = LISTEN, inode
+        if any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" and f"socket:[{r[9]}]" in sockets
+               for r in rows):
+            return True
+    return False
+
+
+class RendezvousWatch:
+    """Tells, while this node waits at the rendezvous, how long it has waited and which nodes have
+    not arrived: one line on stderr every RDZV_PROGRESS_INTERVAL seconds, none once all are there.
+
+    torchrun's c10d rendezvous keeps who has joined only in a pickled private object in its store.
+    So each launcher announces itself in that store on its own, through TCPStore's public API: it
+    appends "NODE_RANK host" to one key, and a waiting node reads that key for a line. NNODES
+    announcements are the moment torchrun completes the rendezvous too (every node that joins it
+    runs this launcher), and the watch also ends once this launcher has started its ranks.
+
+    The store is node 0's. This node's own client connects only once the store is open: a TCPStore
+    client that cannot connect logs a screen of C++ errors per try, and node 0's port may be held
+    by another program (torchrun's error says so). Until then the line says the store is not open."""
+
+    def __init__(self, args: argparse.Namespace, node_rank: int, interval: float) -> None:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        self._address = (host, int(port))
+        self._endpoint = args.rdzv_endpoint
+        self._key = f"torchtitan/rendezvous/{args.rdzv_id}/arrivals"
+        self._me = f"{node_rank} {socket.gethostname()}\n"
+        self._hosts_store = node_rank == 0
+        self.nnodes = int(args.nnodes)
+        self.interval = interval
+        self.join_timeout = _rdzv_option(args, "join_timeout", JOIN_TIMEOUT_SECONDS)
+        self.arrivals: list[tuple[int, str]] | None = None  # (NODE_RANK, host) as last read; None: not read
+        self._start = time.monotonic()
+        self._done = threading.Event()
+        self._lock = threading.Lock()  # no line after stop(): the launcher's own last line comes last
+        self._thread = threading.Thread(target=self._watch, name="rendezvous-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Silences the watch, and waits for a store call under way (2 s at most): a thread left in
+        one when the interpreter exits can abort it."""
+        with self._lock:
+            self._done.set()
+        self._thread.join(timeout=5)
+
+    def missing(self) -> list[int]:
+        arrived = {rank for rank, _ in self.arrivals or ()}
+        return [rank for rank in range(self.nnodes) if rank not in arrived]
+
+    def _store_is_open(self) -> bool:
+        if self._hosts_store and os.path.exists("/proc/self/net/tcp"):
+            return _listening_here(self._address[1])
+        try:
+            with socket.create_connection(self._address, timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def _watch(self) -> None:
+        from torch.distributed import TCPStore
+
+        next_line = self._start + self.interval
+        while not self._store_is_open():
+            if time.monotonic() >= next_line:
+                self._say(int(time.monotonic() - self._start))
+                next_line += self.interval
+            if self._done.wait(0.5):
+                return
+        try:
+            store = TCPStore(*self._address, is_master=False, timeout=timedelta(seconds=2))
+            store.append(self._key, self._me)
+            self._read(store)
+        except Exception:  # not a store after all: torchrun's own error says what is there
+            return
+        while not self._done.wait(max(0.0, next_line - time.monotonic())):
+            try:
+                self._read(store)
+            except Exception:  # node 0 has gone: torchrun's own error ends the wait
+                return
+            # Everyone is there; the ranks' start covers a node that joined without announcing itself.
+            if len(self.arrivals or ()) >= self.nnodes or _started_ranks():
+                return
+            self._say(int(time.monotonic() - self._start))
+            next_line += self.interval
+
+    def _read(self, store) -> None:
+        lines = store.get(self._key).decode().splitlines()
+        self.arrivals = [(int(rank), host) for rank, _, host in (ln.partition(" ") for ln in lines)]
+
+    def _say(self, waited: int) -> None:
+        if self.arrivals is None:
+            line = (f"waiting: the rendezvous RDZV_ENDPOINT={self._endpoint} is not open after {waited} s; "
+                    "node 0 (NODE_RANK=0) opens it when it starts")
+        else:
+            line = (f"waiting: {len(self.arrivals)} of {self.nnodes} nodes at the rendezvous "
+                    f"RDZV_ENDPOINT={self._endpoint} after {waited} s, missing NODE_RANK {_list_ranks(self.missing())}; "
+                    f"the wait ends after RDZV_TIMEOUT={self.join_timeout} s")
+            hosts: dict[int, list[str]] = {}
+            for rank, host in self.arrivals:
+                hosts.setdefault(rank, []).append(host)
+            twice = {rank: names for rank, names in hosts.items() if len(names) > 1}
+            if twice:
+                rank, names = min(twice.items())
+                line += f"; NODE_RANK {rank} came from {len(names)} launchers ({', '.join(names)}): give each node its own"
+        with self._lock:
+            if not self._done.is_set():
+                print(line, file=sys.stderr, flush=True)
+
+
+def _rendezvous_failure(args: argparse.Namespace, e: BaseException, watch: RendezvousWatch | None) -> str:
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    where = f"the {args.nnodes} nodes did not meet at the rendezvous RDZV_ENDPOINT={args.rdzv_endpoint}"
+    if isinstance(e, RendezvousTimeoutError):
+        seconds = _rdzv_option(args, "join_timeout", JOIN_TIMEOUT_SECONDS)
+        missing = watch.missing() if watch is not None and watch.arrivals is not None else []
+        who = (f"{len(watch.arrivals)} of {watch.nnodes} arrived, missing NODE_RANK {_list_ranks(missing)}"
+               if missing else "not every node arrived")
+        return (f"{where} within RDZV_TIMEOUT={seconds} s ({who}); start the missing nodes with the same NNODES, "
+                "RDZV_ENDPOINT and RDZV_ID, or raise RDZV_TIMEOUT if they start later than that")
     cause = e.__cause__ or e.__context__
     detail = (str(cause).splitlines() or [""])[0] if cause is not None else ""
     detail = detail or (str(e).splitlines() or [type(e).__name__])[0]
-    return (f"the {args.nnodes} nodes did not meet at the rendezvous RDZV_ENDPOINT={args.rdzv_endpoint} "
-            f"({type(e).__name__}: {detail[:300]}); check that node 0 (NODE_RANK=0) runs there, that its port is free "
-            "and reachable from every node, and that every node has the same NNODES and RDZV_ID")
+    return (f"{where} ({type(e).__name__}: {detail[:300]}); check that node 0 (NODE_RANK=0) runs there, that its port "
+            "is free and reachable from every node, and that every node has the same NNODES and RDZV_ID")
+
+
+def _watch_rendezvous(args: argparse.Namespace) -> RendezvousWatch | None:
+    """A RendezvousWatch for a multi-node c10d launch from run_llama_train.sh (which exports
+    NODE_RANK); None for one node, or for an elastic MIN:MAX node count."""
+    if args.standalone or args.rdzv_backend != "c10d" or not args.nnodes.isdigit() or int(args.nnodes) < 2:
+        return None
+    if not os.environ.get("NODE_RANK", "").isdigit() or ":" not in args.rdzv_endpoint:
+        return None
+    interval = float(os.environ.get("RDZV_PROGRESS_INTERVAL") or PROGRESS_INTERVAL_SECONDS)
+    return RendezvousWatch(args, int(os.environ["NODE_RANK"]), interval)
 
 
 def main(argv: list[str]) -> int:
@@ -98,6 +270,9 @@ def main(argv: list[str]) -> int:
         done = threading.Event()
         killer = threading.Thread(target=_kill_hung_ranks, args=(folder, done), daemon=True)
         killer.start()
+        watch = _watch_rendezvous(args)
+        if watch is not None:
+            watch.start()
         try:
             run(args)
         except ChildFailedError as e:
@@ -107,9 +282,13 @@ def main(argv: list[str]) -> int:
         except RendezvousError as e:  # the nodes never met: an endpoint, port or node that is wrong
             if own_logs:
                 shutil.rmtree(args.log_dir, ignore_errors=True)
-            print(f"error: {_rendezvous_failure(args, e)}", file=sys.stderr, flush=True)
+            if watch is not None:
+                watch.stop()
+            print(f"error: {_rendezvous_failure(args, e, watch)}", file=sys.stderr, flush=True)
             return EXIT_USER
         finally:
+            if watch is not None:
+                watch.stop()
             done.set()
             killer.join()
         reports = read_reports(folder)

@@ -137,3 +137,78 @@ def test_a_rendezvous_port_in_use_is_one_line_and_exit_two():
     assert len(ours) == 1 and ours[0].startswith(f"error: the 2 nodes did not meet at the rendezvous RDZV_ENDPOINT={endpoint} "
                                                  "(RendezvousConnectionError: "), result.stderr[-3000:]
     assert "address already in use" in ours[0] and "Traceback" not in result.stderr
+
+
+def _free_endpoint() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+WAITING = r"waiting: 1 of 2 nodes at the rendezvous RDZV_ENDPOINT={endpoint} after (\d+) s, missing NODE_RANK 1; " \
+          r"the wait ends after RDZV_TIMEOUT={timeout} s"
+
+
+@pytest.mark.fast
+def test_a_node_that_never_comes_is_named_while_waiting_and_at_the_rdzv_timeout():
+    """NNODES=2 with node 1 never started: node 0 says every RDZV_PROGRESS_INTERVAL seconds how long
+    it has waited and that NODE_RANK 1 is missing, and ends at RDZV_TIMEOUT with one `error:` line
+    naming it and the setting to raise, exit code 2 (issue 37)."""
+    import time
+
+    endpoint = _free_endpoint()
+    start = time.monotonic()
+    result = _launch(["--training.steps", "2"], NGPU="1", NNODES="2", NODE_RANK="0", RDZV_ENDPOINT=endpoint,
+                     RDZV_TIMEOUT="4", RDZV_PROGRESS_INTERVAL="1")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stderr[-3000:]
+    *progress, last = result.stderr.strip().splitlines()
+    waited = [int(re.fullmatch(WAITING.format(endpoint=endpoint, timeout=4), line)[1]) for line in progress]
+    assert len(waited) >= 2 and waited == sorted(set(waited)) and waited[0] >= 1, result.stderr
+    assert last == (f"error: the 2 nodes did not meet at the rendezvous RDZV_ENDPOINT={endpoint} within RDZV_TIMEOUT=4 s "
+                    "(1 of 2 arrived, missing NODE_RANK 1); start the missing nodes with the same NNODES, RDZV_ENDPOINT "
+                    "and RDZV_ID, or raise RDZV_TIMEOUT if they start later than that")
+    # The wait is RDZV_TIMEOUT; the rest is start-up (the config check, torch's import) on a busy machine.
+    assert waited[-1] <= 4 + 2 and elapsed < 4 + 20, elapsed
+
+
+@pytest.mark.budget("two launchers, the second 3 s late on purpose, each starting a rank that imports torch")
+def test_a_late_node_is_waited_for_and_then_nothing_more_is_said(tmp_path):
+    """Node 1 starts 3 s after node 0 (both on this machine, one rank each): node 0 names it as
+    missing until it comes, then says nothing more, and the job trains."""
+    import time
+
+    endpoint = _free_endpoint()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(NGPU="1", NNODES="2", RDZV_ENDPOINT=endpoint, RDZV_PROGRESS_INTERVAL="1", OMP_NUM_THREADS="1")
+    args = ["./run_llama_train.sh", "--training.steps", "2", "--training.seq_len", "64", "--model.flavor", "tiny",
+            "--job.dump_folder", str(tmp_path)]
+    # Node 0's stderr into its stdout, in the order written: a rank's line marks the rendezvous' end.
+    node0 = subprocess.Popen(args, cwd=REPO_ROOT, env={**env, "NODE_RANK": "0"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    time.sleep(3)
+    node1 = subprocess.run(args, cwd=REPO_ROOT, env={**env, "NODE_RANK": "1"}, capture_output=True, text=True,
+                           timeout=300)
+    output, _ = node0.communicate(timeout=300)
+    assert node0.returncode == 0 and node1.returncode == 0, output[-3000:] + node1.stderr[-3000:]
+    lines = output.splitlines()
+    first_rank_line = next(i for i, line in enumerate(lines) if line.startswith("[rank0]:"))
+    waiting = [i for i, line in enumerate(lines) if line.startswith("waiting:")]
+    assert waiting and max(waiting) < first_rank_line, output[-3000:]
+    assert all(re.fullmatch(WAITING.format(endpoint=endpoint, timeout=600), lines[i]) for i in waiting), output[-3000:]
+    assert "waiting:" not in node1.stderr and "error:" not in output + node1.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("var, value, expect", [
+    ("RDZV_TIMEOUT", "10m", "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '10m'"),
+    ("RDZV_TIMEOUT", "0", "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '0'"),
+    ("RDZV_PROGRESS_INTERVAL", "0",
+     "RDZV_PROGRESS_INTERVAL must be the seconds between a waiting node's progress lines (1 or more), got '0'"),
+])
+def test_launcher_rejects_a_bad_rendezvous_setting(var, value, expect):
+    result = _launch(["--training.steps", "2"], NGPU="2", NNODES="2", RDZV_ENDPOINT=_free_endpoint(), **{var: value})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {expect}"], result.stderr

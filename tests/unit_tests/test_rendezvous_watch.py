@@ -1,0 +1,114 @@
+"""The launcher's rendezvous watch (torchtitan/launch.py, issue 37) against a real TCPStore in this
+process: the waiting lines name the missing NODE_RANKs, stop once every node has arrived, and the
+error at RDZV_TIMEOUT names who never came."""
+
+import argparse
+import re
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+from torchtitan.launch import RendezvousWatch, _rendezvous_failure
+
+pytestmark = pytest.mark.fast
+
+
+def _args(port: int, nnodes: int, conf: str = "is_host=1,join_timeout=6") -> argparse.Namespace:
+    return argparse.Namespace(rdzv_endpoint=f"127.0.0.1:{port}", nnodes=str(nnodes), rdzv_id="watch-test",
+                              rdzv_conf=conf)
+
+
+@pytest.fixture
+def store():
+    """Node 0's store, as torchrun opens it: in this process, which the node-0 watch checks for."""
+    return TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=5))
+
+
+def _wait_for(condition, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _lines(capsys) -> list[str]:
+    return capsys.readouterr().err.splitlines()
+
+
+def test_lines_name_the_missing_nodes_until_all_arrive(store, capsys):
+    node0 = RendezvousWatch(_args(store.port, 3), node_rank=0, interval=0.2)
+    node0.start()
+    _wait_for(lambda: node0.arrivals is not None)
+    node2 = RendezvousWatch(_args(store.port, 3), node_rank=2, interval=0.2)
+    node2.start()
+    _wait_for(lambda: node0.arrivals is not None and len(node0.arrivals) == 2)
+    time.sleep(0.5)
+    lines = _lines(capsys)
+    found = [re.fullmatch(r"waiting: (\d) of 3 nodes at the rendezvous RDZV_ENDPOINT=127\.0\.0\.1:\d+ after \d+ s, "
+                          r"missing NODE_RANK ([\d, ]+); the wait ends after RDZV_TIMEOUT=6 s", ln) for ln in lines]
+    assert all(found) and found[-1].groups() == ("2", "1"), lines
+    assert all(m.groups() in (("1", "1, 2"), ("2", "1")) for m in found), lines
+    node1 = RendezvousWatch(_args(store.port, 3), node_rank=1, interval=0.2)
+    node1.start()
+    for watch in (node0, node1, node2):  # every node's watch ends by itself once all three are there
+        watch._thread.join(timeout=5)
+        assert not watch._thread.is_alive()
+    _lines(capsys)
+    time.sleep(0.5)
+    assert _lines(capsys) == []
+    assert sorted(rank for rank, _ in node1.arrivals) == [0, 1, 2]
+
+
+def test_the_same_node_rank_twice_is_said(store, capsys):
+    first = RendezvousWatch(_args(store.port, 3), node_rank=0, interval=0.2)
+    second = RendezvousWatch(_args(store.port, 3), node_rank=0, interval=0.2)
+    first.start()
+    second.start()
+    _wait_for(lambda: any("came from" in ln for ln in capsys.readouterr().err.splitlines()))
+    first.stop()
+    second.stop()
+    assert first.missing() == [1, 2]
+
+
+def test_nothing_is_said_after_stop(store, capsys):
+    watch = RendezvousWatch(_args(store.port, 2), node_rank=0, interval=0.1)
+    watch.start()
+    _wait_for(lambda: watch.arrivals is not None)
+    watch.stop()
+    _lines(capsys)
+    time.sleep(0.3)
+    assert _lines(capsys) == [] and not watch._thread.is_alive()
+
+
+def test_a_store_not_yet_open_is_said_without_touching_it(capsys):
+    """Node 1 before node 0 is up: the endpoint's port is free, so nothing answers there."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    watch = RendezvousWatch(_args(port, 2, "is_host=0"), node_rank=1, interval=0.3)
+    watch.start()
+    _wait_for(lambda: watch._thread.is_alive() and "not open" in capsys.readouterr().err)
+    watch.stop()
+    assert watch.arrivals is None
+
+
+def test_the_error_at_the_timeout_names_the_missing_nodes(store):
+    args = _args(store.port, 12)
+    watch = RendezvousWatch(args, node_rank=0, interval=60)
+    watch.arrivals = [(0, "a"), (3, "b")]
+    assert _rendezvous_failure(args, RendezvousTimeoutError(), watch) == (
+        f"the 12 nodes did not meet at the rendezvous RDZV_ENDPOINT=127.0.0.1:{store.port} within RDZV_TIMEOUT=6 s "
+        "(2 of 12 arrived, missing NODE_RANK 1, 2, 4, 5, 6, 7, 8, 9 and 2 more); start the missing nodes with the same "
+        "NNODES, RDZV_ENDPOINT and RDZV_ID, or raise RDZV_TIMEOUT if they start later than that")
+    watch.arrivals = None  # the store was never reached: no names
+    assert "(not every node arrived)" in _rendezvous_failure(args, RendezvousTimeoutError(), watch)
+    # Other rendezvous failures keep their cause and the hint about the endpoint.
+    assert _rendezvous_failure(args, RendezvousConnectionError("refused"), watch).startswith(
+        f"the 12 nodes did not meet at the rendezvous RDZV_ENDPOINT=127.0.0.1:{store.port} (RendezvousConnectionError: "
+        "refused); check that node 0")
