@@ -19,7 +19,7 @@ from torchtitan.errors import ConfigError
 MARKERS: list[Marker] = []
 COMMANDS = extract_all(markers=MARKERS)
 CHECKED = [cmd for cmd in COMMANDS if not cmd.usage]
-# What the docs showed when this test was written (95 commands, 6 of them usage lines): an extractor
+# What the docs showed when this test was written (96 commands, 6 of them usage lines): an extractor
 # that finds fewer has broken, or commands left the docs (then lower these, on purpose).
 AT_LEAST_CHECKED = 85
 KINDS = {"train", "dry run", "generate", "convert", "tokenize", "plan", "loss_compare"}
