@@ -50,7 +50,8 @@ CHECKPOINT_EVERY_STEP = ("--checkpoint.enable_checkpoint", "--checkpoint.interva
 REPO_INPUTS = ("torchtitan/assets/train_configs", "torchtitan/assets/stdlib_docs")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID", "TORCHTITAN_REPORT_DIR", "NGPU", "LOG_RANK", "CONFIG_FILE", "TORCHTITAN_VENV",
-               "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "LOCAL_ADDR", "MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
+               "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "LOCAL_ADDR", "MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT",
+               "RDZV_TIMEOUT", "RDZV_PROGRESS_INTERVAL")
 
 DIR = object()  # in Case.files: an empty folder
 
@@ -250,6 +251,13 @@ CASES: list[Case] = [
              "NNODES=2 needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got 'node0'"),
     launcher("NODE_RANK out of range", {"NGPU": "2", "NNODES": "2", "NODE_RANK": "2", "RDZV_ENDPOINT": "node0:29500"},
              "NODE_RANK must be this node's index, 0..1 (NNODES=2), got '2'"),
+    launcher("RDZV_TIMEOUT=10m", {"NGPU": "2", "NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "RDZV_TIMEOUT": "10m"},
+             "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '10m'"),
+    launcher("RDZV_TIMEOUT=0", {"NGPU": "2", "NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "RDZV_TIMEOUT": "0"},
+             "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '0'"),
+    launcher("RDZV_PROGRESS_INTERVAL=0",
+             {"NGPU": "2", "NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "RDZV_PROGRESS_INTERVAL": "0"},
+             "RDZV_PROGRESS_INTERVAL must be the seconds between a waiting node's progress lines (1 or more), got '0'"),
     launcher("MAX_RESTARTS=-1", {"NGPU": "2", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number of restarts (0 or more)"),
 
     # --- data ----------------------------------------------------------------------------------------
