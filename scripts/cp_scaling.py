@@ -104,7 +104,7 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
         result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            sys.exit(result.stderr[-3000:])
+            sys.exit(f"cp_scaling: the run of cp {cp} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
         rows = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
         act = max(r["activation_mib"] for r in rows)
         base = base or act

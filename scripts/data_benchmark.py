@@ -28,17 +28,14 @@ from pathlib import Path
 
 import torch
 
-try:
-    from torchtitan.datasets.chunks import ShardItems
-except ImportError:  # torchtitan not installed in this interpreter: the checkout it lives in
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchtitan.datasets.chunks import ShardItems
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, also where it is not installed
 
-from torchtitan.assets import resolve_path
-from torchtitan.datasets.sources import resolve_source
-from torchtitan.datasets.text_dataset import PackedTextDataset
-from torchtitan.datasets.tokenized import TokenFile, write_manifest
-from torchtitan.datasets.tokenizer import tokenizer_from_file
+from torchtitan.assets import resolve_path  # noqa: E402 - after the path above
+from torchtitan.datasets.chunks import ShardItems  # noqa: E402
+from torchtitan.datasets.sources import resolve_source  # noqa: E402
+from torchtitan.datasets.text_dataset import PackedTextDataset  # noqa: E402
+from torchtitan.datasets.tokenized import TokenFile, write_manifest  # noqa: E402
+from torchtitan.datasets.tokenizer import tokenizer_from_file  # noqa: E402
 
 TOKENIZER = "bundled:stdlib_docs/tokenizer.model"
 

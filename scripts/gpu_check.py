@@ -505,8 +505,9 @@ def start_child(args: list[str]) -> subprocess.Popen:
 
 
 def child_result(proc: subprocess.Popen, path: Path, timeout: float) -> tuple[dict | None, str]:
+    timeout = max(1.0, timeout)  # what is left of the budget, but a second at least
     try:
-        output, _ = proc.communicate(timeout=max(1.0, timeout))
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         output, _ = proc.communicate()

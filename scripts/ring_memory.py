@@ -91,7 +91,8 @@ def measure(kernel: str, length: int, cp: int) -> dict:
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        sys.exit(result.stderr[-3000:])
+        sys.exit(f"ring_memory: the run of {kernel}, local length {length}, cp {cp} failed (exit {result.returncode}):\n"
+                 f"{result.stderr[-3000:]}")
     line = next(text for text in result.stdout.splitlines() if "RESULT " in text)
     return json.loads(line.split("RESULT ", 1)[1])
 

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,103 @@ def test_a_flavor_with_fewer_layers_is_registered_for_the_trainer(tmp_path, monk
 def test_each_run_leaves_the_later_ones_their_least_time(budget, later, expected):
     clock = gpu_check.Clock(budget, {"train": 60, "snapshot": 40})
     assert expected - 1 < clock.timeout(150, later) <= expected
+
+
+# ---------------------------------------------------------------------------------------------
+# What breaks: each fault injected in this process, and the report still says what happened
+
+
+@pytest.mark.fast
+def test_missing_versions_and_tools_are_recorded_as_none(monkeypatch):
+    import torch
+
+    assert gpu_check._version("torch") and gpu_check._version("torchtitan-no-such-package") is None
+
+    def no_nvidia_smi(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+
+    def hung_nvidia_smi(*args, **kwargs):
+        raise subprocess.TimeoutExpired("nvidia-smi", 30)
+
+    for fault in (no_nvidia_smi, hung_nvidia_smi):
+        monkeypatch.setattr(gpu_check.subprocess, "run", fault)
+        assert gpu_check._driver_version() is None
+
+    for error in (AttributeError("module 'torch._C' has no attribute '_nccl_version'"), RuntimeError("no NCCL")):
+        def nccl_version(error=error):
+            raise error
+
+        monkeypatch.setattr(torch.cuda.nccl, "version", nccl_version)
+        assert gpu_check._nccl_version() is None
+
+
+@pytest.mark.fast
+def test_a_broken_check_is_a_failed_check_with_its_error():
+    result = gpu_check._timed(lambda: {}["missing"])
+    assert result["status"] == "failed" and result["reason"] == "KeyError: 'missing'" and result["seconds"] >= 0
+
+
+@pytest.mark.fast
+def test_bf16_refused_on_one_rank_runs_with_auto_and_says_why(monkeypatch):
+    import torchtitan.config_manager
+    from torchtitan.errors import ConfigError
+
+    def refuse(config, world_size):
+        raise ConfigError("training.mixed_precision_param bfloat16 needs a GPU")
+
+    monkeypatch.setattr(torchtitan.config_manager, "validate_world_size", refuse)
+    dtype, note = gpu_check.dtype_to_ask(gpu_check.REAL)
+    assert dtype == "auto"
+    assert note == ("training.mixed_precision_param bfloat16 is refused on one GPU (training.mixed_precision_param "
+                    "bfloat16 needs a GPU); ran with auto")
+    assert gpu_check.dtype_to_ask(gpu_check.DRY) == ("float32", None)
+
+
+@pytest.mark.fast
+def test_a_trainer_run_past_its_timeout_is_a_timeout_with_its_log(tmp_path, monkeypatch):
+    def hangs(args, **kwargs):
+        raise subprocess.TimeoutExpired(args, kwargs["timeout"], output=b"step 1 loss 10.8\n", stderr="stopping\n")
+
+    monkeypatch.setattr(gpu_check, "run_trainer", hangs)
+    args = gpu_check.trainer_args(gpu_check.DRY, "debugmodel", 1, 256, tmp_path / "dump", None, "float32", False, 3)
+    result = gpu_check.train("train_1b", args, 30, tmp_path, 1, None)
+    assert result["status"] == "timeout" and result["reason"] == "stopped after 30s" and result["steps_logged"] == 0
+    assert result["log_tail"] == "step 1 loss 10.8\nstopping\n" == (tmp_path / "train_1b.log").read_text()
+
+
+@pytest.mark.fast
+def test_a_child_past_its_timeout_is_killed_and_reported():
+    class Hangs:
+        returncode, killed = None, False
+
+        def communicate(self, timeout=None):
+            if timeout is not None and not self.killed:
+                raise subprocess.TimeoutExpired("probe", timeout)
+            return "loading torch\n", None
+
+        def kill(self):
+            self.killed, self.returncode = True, -9
+
+    proc = Hangs()
+    # Given less than a second of the budget, it still waits one.
+    assert gpu_check.child_result(proc, Path("/nonexistent/probe.json"), 0.2) == (None, "timed out after 1s: loading torch\n")
+    assert proc.killed
+
+
+@pytest.mark.fast
+def test_an_error_in_the_check_is_reported_and_the_report_written(tmp_path, monkeypatch, capsys):
+    def probe_fails(setting, seq_len, work, report, clock):
+        report["checks"]["sdpa_exactness"] = {"status": "ok", "reason": None, "seconds": 1.0}
+        raise RuntimeError("the device probe failed: exit code 1: boom")
+
+    monkeypatch.setattr(gpu_check, "run_check", probe_fails)
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--dry", "--out", str(out), "--work-dir", str(tmp_path / "work")]) == 1
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["error"] == "RuntimeError: the device probe failed: exit code 1: boom"
+    assert report["checks"]["sdpa_exactness"]["status"] == "ok"
+    assert all(report["checks"][name] == {"status": "failed", "reason": "not run (an earlier error)", "seconds": 0.0}
+               for name in gpu_check.CHECKS if name != "sdpa_exactness")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("gpu_check --dry: FAILED")
+    assert captured.err == "error: RuntimeError: the device probe failed: exit code 1: boom\n"

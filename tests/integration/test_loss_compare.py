@@ -9,8 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from scripts import loss_compare
 from tests.helpers import REPO_ROOT
+from tests.machinery.fake_runner import FakeRunner
 from tests.machinery.warm_launcher import run_warm
 
 
@@ -56,3 +59,43 @@ def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(tmp_path, ca
     rows = table_rows(capsys.readouterr().out)
     assert f"refused: {lm.refusal(refused)}" in rows[refused.name]
     assert rows["single"].rstrip().endswith("| FAIL (trained, but planned to be refused) |")
+
+
+# Bad input and failed runs, in this process with a runner that trains nothing (tests/machinery/fake_runner.py).
+
+
+@pytest.mark.fast
+def test_no_layout_chosen_is_an_error_before_any_run():
+    runner = FakeRunner()
+    with pytest.raises(SystemExit, match=r"^error: choose layouts with --suite, --layout or --custom \(see --list\)$"):
+        loss_compare.main(["--steps", "2"], runner=runner)
+    assert runner.calls == []
+
+
+@pytest.mark.fast
+def test_plot_without_matplotlib_is_an_error_before_any_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises ImportError
+    runner = FakeRunner()
+    with pytest.raises(SystemExit, match=r"^error: --plot needs matplotlib: \.venv/bin/pip install -e '\.\[plot\]'$"):
+        loss_compare.main(["--custom", "one", "1", "", "--plot", str(tmp_path / "loss.png")], runner=runner)
+    assert runner.calls == [] and not (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.fast
+def test_a_layout_that_does_not_fit_or_whose_run_fails_is_a_failed_row_and_the_others_still_run(tmp_path, capsys):
+    """Three ranks cannot split the global batch of 8 (a config error); a crashed run and a run that
+    did not start from the seed checkpoint are failed runs; the layout after them is still compared."""
+    runner = FakeRunner(change={"unseeded": lambda rows: rows[1:]}, fail=["crashed"])
+    code = loss_compare.main(["--steps", "3", "--workdir", str(tmp_path), "--custom", "odd", "3", "",
+                              "--custom", "crashed", "2", "--training.data_parallel_shard_degree 2",
+                              "--custom", "unseeded", "2", "--training.data_parallel_shard_degree 2",
+                              "--custom", "fsdp2", "2", "--training.data_parallel_shard_degree 2"], runner=runner)
+    out, err = capsys.readouterr()
+    assert code == 1
+    rows = table_rows(out)
+    assert rows["odd"].rstrip().endswith("| config error |")
+    assert rows["crashed"].rstrip().endswith("| run failed |") and rows["unseeded"].rstrip().endswith("| run failed |")
+    assert rows["fsdp2"].rstrip().endswith("| ok |")
+    assert "odd: global batch 8 does not divide by data-parallel degree x accumulation 3\n" in err
+    assert "training failed (1): crashed\ncrashed: a rank crashed" in err
+    assert "unseeded: the run did not start from the seed checkpoint" in err

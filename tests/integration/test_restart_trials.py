@@ -2,7 +2,10 @@
 random step, or every rank of one of two simulated hosts, and the job finishes by itself with
 bitwise the losses of an uninterrupted run (scripts/restart_trials.py; CI runs one trial of each)."""
 
+import os
 import random
+import signal
+import subprocess
 
 import pytest
 
@@ -30,3 +33,48 @@ def test_a_killed_job_restarts_by_itself_and_logs_the_uninterrupted_losses(tmp_p
     assert trial.bitwise_equal, f"seed {seed}: {trial.detail}"
     if hosts == 2:
         assert trial.killed in ([0], [1])  # one host's only rank
+
+
+# What goes wrong around the trials, in this process: bad options, a job past its timeout, a
+# trainer process that ends while its ranks are looked up.
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv,error", [
+    (["--steps", "2"], "error: --steps must be at least 3 (a kill step in 1 .. steps-2)"),
+    (["--hosts", "2", "--nproc", "3"], "error: --hosts is 1 or 2, and with 2 hosts --nproc must be even (ranks per "
+                                       "host = nproc / 2)"),
+    (["--hosts", "2"], "error: two simulated hosts cannot be built: network namespaces need root (this process is not)"),
+], ids=["too few steps", "odd ranks on two hosts", "no namespaces"])
+def test_options_that_cannot_run_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, error):
+    monkeypatch.setattr(trials, "unavailable", lambda: "network namespaces need root (this process is not)")
+    monkeypatch.setattr(trials, "Job", None)  # nothing may start
+    assert trials.main([*argv, "--workdir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == error + "\n"
+
+
+@pytest.mark.fast
+def test_a_job_past_its_timeout_is_killed_and_says_so():
+    class Hangs(subprocess.Popen):
+        def communicate(self, input=None, timeout=None):
+            if timeout is not None:  # waiting with a deadline: the job does not end by then
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            return super().communicate(input)
+
+    job = trials.Job.__new__(trials.Job)
+    job.procs = [Hangs(["sleep", "30"], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)]
+    assert job.wait(timeout=5) == [(-signal.SIGKILL, "\n(killed by restart_trials after 5 s)")]
+
+
+@pytest.mark.fast
+def test_a_trainer_process_gone_before_its_rank_is_read_is_left_out(tmp_path, monkeypatch):
+    rank = subprocess.Popen(["sleep", "30"], env={**os.environ, "RANK": "1", "GROUP_RANK": "0"})
+    gone = 2**22 + 1  # above Linux's largest pid: /proc has no such entry
+    try:
+        monkeypatch.setattr(trials.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+            cmd, 0, f"{gone}\n{rank.pid}\n", ""))
+        assert trials.rank_pids(tmp_path) == {1: (rank.pid, 0)}
+    finally:
+        rank.kill()
+        rank.wait()

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from tests.machinery.fake_runner import FakeRunner
 from torchtitan.tools import layout_matrix as lm
 from torchtitan.tools.matrix_model import flavor_name
 from torchtitan.tools.parity import ParityError, unmet
@@ -143,3 +144,15 @@ def test_an_expert_parallel_point_expects_the_split_mesh_and_its_experts():
     dense = lm._point({}, dp_shard=2, tp=2)
     assert dict(dense.expect())["moe"] is None and "qwen3_moe_matrix" not in dense.shared()
 
+
+def test_a_point_whose_run_fails_is_an_error_with_its_output(tmp_path):
+    """A crashed run (TrainingFailed) is the point's outcome "error" with the run's output, not an
+    exception that ends the matrix; the runner trains nothing (tests/machinery/fake_runner.py)."""
+    point = lm._point({}, dp_shard=2)
+    runner = FakeRunner(fail=[point.name])
+    outcome = lm.MatrixRunner(tmp_path, steps=2, runner=runner).run(point)
+    assert outcome.status == "error" and outcome.comparison is None
+    assert outcome.detail.startswith(f"training failed (1): {point.name}") and "a rank crashed" in outcome.detail
+    assert [name.split("-")[0] for name in runner.calls] == ["seed", "baseline", point.name]  # the baseline trained
+    with pytest.raises(ParityError, match=f"^{point.name}: expected ok, got error: training failed"):
+        lm.MatrixRunner(tmp_path, steps=2, runner=runner).check(point)

@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.tools.op_breakdown import CATEGORIES, breakdown, categorize, load_breakdown, matmul_flops, mean_breakdown
+from torchtitan.tools.op_breakdown import (
+    CATEGORIES,
+    attention_flops,
+    breakdown,
+    categorize,
+    load_breakdown,
+    matmul_flops,
+    mean_breakdown,
+)
 
 MAIN, HELPER, AUTOGRAD = 1, 2, 3  # thread ids
 
@@ -169,6 +177,16 @@ def test_matmul_flops():
     assert matmul_flops("aten::linear", [[5, 8, 4], [16, 4], []]) == 2 * 40 * 4 * 16
     assert matmul_flops("aten::_grouped_mm", [[40, 4], [3, 4, 16], [3]]) == 2 * 40 * 4 * 16  # each row one expert
     assert matmul_flops("aten::mm", [[8]]) == 0  # shapes that do not fit count nothing
+
+
+def test_attention_flops():
+    sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    causal = {"Input Dims": [[2, 4, 32, 8]] * 3, "Concrete Inputs": ["", "", "", "0.", "True"]}
+    assert attention_flops(sdpa, causal) == 2 * 2 * 4 * 32 * 32 * (8 + 8) / 2
+    # Shapes a trace leaves out or records otherwise (no dims, scalars, a 3-D query) count nothing.
+    for dims in ([], [[2, 4, 32, 8]], [[], [], []], [[4, 32, 8]] * 3, [None] * 3):
+        assert attention_flops(sdpa, {"Input Dims": dims}) == 0, dims
+    assert attention_flops(sdpa, {}) == 0
 
 
 class _Tiny(nn.Module):

@@ -2,11 +2,13 @@
 get, the environment, and a failed run's error. Its torchrun path is exercised end to end by
 scripts/loss_compare.py; the suite's own runs fork from the warm launcher (tests/machinery/)."""
 
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from torchtitan.tools import runs
 from torchtitan.tools.runs import TrainingFailed, raise_for_exit, trainer_command, trainer_env
 
 
@@ -31,3 +33,33 @@ def test_a_failed_run_raises_with_its_output():
     ok = subprocess.CompletedProcess([], 0, "", "")
     assert raise_for_exit(ok) is ok
 
+
+
+def test_a_run_past_its_timeout_is_stopped_then_killed(monkeypatch):
+    """The run ignores the polite stop (as a hung rank can), so it is killed after the grace period;
+    the caller gets the timeout and no process is left."""
+    started = []
+
+    class IgnoresSigterm(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            before = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited: ignored in the child from its start
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                signal.signal(signal.SIGTERM, before)
+            started.append(self)
+
+    monkeypatch.setattr(runs, "trainer_command", lambda args, nproc=1: ["sleep", "30"])
+    monkeypatch.setattr(runs.subprocess, "Popen", IgnoresSigterm)
+    monkeypatch.setattr(runs, "STOP_GRACE_SECONDS", 0.2)
+    with pytest.raises(subprocess.TimeoutExpired):
+        runs.run_trainer([], timeout=0.3)
+    (proc,) = started
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_stopping_a_run_that_already_ended_is_quiet():
+    proc = subprocess.Popen(["true"], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    proc.wait()  # reaped: its process group no longer exists
+    runs._stop(proc)
+    assert proc.returncode == 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from torchtitan.config_manager import parse_args
+from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 from torchtitan.tools.runs import TINY_RUN, Runner, read_metrics, read_setup, read_validations, run_trainer
 
@@ -260,12 +261,13 @@ class ParityError(AssertionError):
 
 
 def local_batch_size(global_batch: int, overrides: tuple[str, ...], nproc: int) -> int:
-    """Rows per rank and micro-step that keep `global_batch` rows per optimizer step."""
+    """Rows per rank and micro-step that keep `global_batch` rows per optimizer step; ConfigError
+    when the layout's data-parallel degree x accumulation does not divide them."""
     config = parse_args([*TINY_RUN, *overrides])
     dims = parallel_dims_from_config(config, nproc)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
     if global_batch % per_step:
-        raise ValueError(f"global batch {global_batch} does not divide by data-parallel degree x accumulation {per_step}")
+        raise ConfigError(f"global batch {global_batch} does not divide by data-parallel degree x accumulation {per_step}")
     return global_batch // per_step
 
 
