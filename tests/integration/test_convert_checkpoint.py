@@ -8,6 +8,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tests.helpers import REPO_ROOT, TINY_RUN, read_setup, run_train
 from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.folders import Manifest
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from torchtitan.checkpoint.weights import weights_manifest, write_weights
 from torchtitan.models.llama import llama3_configs
 from torchtitan.models.llama.model import Transformer
 
@@ -372,6 +374,24 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
     (tmp / "taken").mkdir()
     (tmp / "taken" / "x").write_text("keep me")
     torch.save({"tok_embeddings.weight": torch.zeros(2), "vision.proj": torch.zeros(2)}, tmp / "foreign.pt")
+    torch.save({"tok_embeddings.weight": torch.zeros(2), "layers.0.attention.wq.weight": torch.zeros(2)}, tmp / "part.pt")
+    torch.save([torch.zeros(2)], tmp / "list.pt")
+    with zipfile.ZipFile(tmp / "archive.pt", "w") as archive:
+        archive.writestr("notes.txt", "a zip archive, but not torch.save's")
+    weights = make_hf_folders(tmp)
+    ckpt = tmp / "ckpt"
+    assert convert_checkpoint.main(["hf-to-dcp", str(hf), str(ckpt)]) == 0  # with the original files (the sidecar)
+    no_config = tmp / "ckpt_no_config"  # from torch-to-dcp without --flavor: nothing tells the head count
+    assert convert_checkpoint.main(["dcp-to-torch", str(ckpt), str(tmp / "weights.pt")]) == 0
+    assert convert_checkpoint.main(["torch-to-dcp", str(tmp / "weights.pt"), str(no_config)]) == 0
+    damaged = {name: shutil.copytree(ckpt, tmp / f"ckpt_{name}") for name in ("metadata", "config", "gelu")}
+    # Damaged in place, each file keeping its size, so the manifest cannot tell.
+    replace_keeping_size(damaged["metadata"] / ".metadata", b"torch.distributed.checkpoint.", b"torch.distributed.checkpoinX.")
+    config = damaged["config"] / "hf" / "files" / "config.json"
+    config.write_text("[1]".ljust(config.stat().st_size))
+    replace_keeping_size(damaged["gelu"] / "hf" / "files" / "config.json", b'"silu"', b'"relu"')
+    empty = tmp / "ckpt_empty"
+    write_weights({}, str(empty), weights_manifest({}, "llama3", "tiny"))
     return {
         "missing folder": (["hf-to-dcp", tmp / "nope", tmp / "out"], "does not exist"),
         "missing config.json": (["hf-to-dcp", no_config, tmp / "out"], "config.json not found"),
@@ -384,7 +404,85 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
         "unknown names in torch file": (["torch-to-dcp", tmp / "foreign.pt", tmp / "out"], "not Llama parameters: vision.proj"),
         "not a torch file": (["torch-to-dcp", hf / "config.json", tmp / "out"], "is not a torch.save file"),
         "bad dtype": (["dcp-to-hf", hf, tmp / "out", "--dtype", "int4"], "invalid choice: 'int4'"),
+        # paths and names
+        "file as HF folder": (["hf-to-dcp", hf / "config.json", tmp / "out"], f"Hugging Face folder {hf}/config.json is "
+                                                                             "not a folder"),
+        "output in a missing folder": (["hf-to-dcp", hf, tmp / "no" / "out"], f"the folder {tmp}/no for output "
+                                                                            f"{tmp}/no/out does not exist"),
+        "unknown model": (["hf-to-dcp", hf, tmp / "out", "--model", "gpt9"], "unknown --model 'gpt9'; registered: llama2, "),
+        "unknown flavor": (["torch-to-dcp", tmp / "part.pt", tmp / "out", "--flavor", "huge"],
+                           "unknown --flavor 'huge' for model 'llama3'; choose from "),
+        "missing torch file": (["torch-to-dcp", tmp / "nope.pt", tmp / "out"], f"input file {tmp}/nope.pt does not exist"),
+        "folder as torch file": (["torch-to-dcp", tmp / "notes", tmp / "out"], f"input {tmp}/notes is not a file"),
+        # torch.save files
+        "part of a model": (["torch-to-dcp", tmp / "part.pt", tmp / "out"], f"{tmp}/part.pt is not a whole Llama model: "
+                                                                         "it lacks layers.0.attention.wk.weight and 9 more"),
+        "zip archive as torch file": (["torch-to-dcp", tmp / "archive.pt", tmp / "out"],
+                                      f"{tmp}/archive.pt is not a torch.save file (RuntimeError: "),
+        "list as torch file": (["torch-to-dcp", tmp / "list.pt", tmp / "out"], "does not hold a state dict (a dict of "
+                                                                             "parameter name -> tensor)"),
+        # Hugging Face folders
+        "config.json not JSON": (["hf-to-dcp", weights["bad_json"], tmp / "out"],
+                                 f"config.json {weights['bad_json']}/config.json is not valid JSON (Expecting "),
+        "index without weight_map": (["hf-to-dcp", weights["no_map"], tmp / "out"],
+                                     f"{weights['no_map']}/model.safetensors.index.json has no weight_map"),
+        "no weights": (["hf-to-dcp", weights["no_weights"], tmp / "out"],
+                       "has neither model.safetensors nor model.safetensors.index.json"),
+        "index names a missing file": (["hf-to-dcp", weights["lost_shard"], tmp / "out"],
+                                       "the weight file model-00002-of-00002.safetensors named by "
+                                       "model.safetensors.index.json is missing"),
+        "bad header size": (["hf-to-dcp", weights["short"], tmp / "out"], "model.safetensors is not a safetensors file "
+                                                                        "(bad header size)"),
+        "bad header": (["hf-to-dcp", weights["garbage"], tmp / "out"], "model.safetensors is not a valid safetensors file ("),
+        "stored twice": (["hf-to-dcp", weights["twice"], tmp / "out"], "tensor model.norm.weight is stored twice"),
+        "more layers than config.json": (["hf-to-dcp", weights["one_layer"], tmp / "out"],
+                                         "holds layers.1.attention.wk.weight, which config.json does not imply"),
+        "other ffn than config.json": (["hf-to-dcp", weights["ffn"], tmp / "out"],
+                                       "layers.0.feed_forward.w2.weight has shape [64, 128], but config.json implies "
+                                       "[64, 96]"),
+        # checkpoints
+        "shard size": (["dcp-to-hf", ckpt, tmp / "out", "--max-shard-size-mb", "0"], "--max-shard-size-mb must be "
+                                                                                   "positive, not 0.0"),
+        "vocab size": (["dcp-to-hf", ckpt, tmp / "out", "--vocab-size", "0"], "--vocab-size 0 must be between 1 and the "
+                                                                              "embedding's 2256 rows"),
+        "no head count": (["dcp-to-hf", no_config, tmp / "out"], "the checkpoint's model llama3 unknown is not a registered "
+                                                                 "flavor, so its head count is unknown; pass --n-heads"),
+        "damaged metadata": (["dcp-to-torch", damaged["metadata"], tmp / "out.pt"], "its DCP metadata cannot be read "
+                             "safely (ModuleNotFoundError: No module named 'torch.distributed.checkpoinX')"),
+        "no model weights": (["dcp-to-torch", empty, tmp / "out.pt"], f"checkpoint {empty} holds no model weights"),
+        "kept config.json no object": (["dcp-to-hf", damaged["config"], tmp / "out"], "/hf/files/config.json is not a "
+                                                                                      "JSON object"),
+        "kept config.json refused": (["dcp-to-hf", damaged["gelu"], tmp / "out"], "/hf/files/config.json: hidden_act "
+                                                                                  "'relu' is not supported"),
     }
+
+
+def replace_keeping_size(path: Path, old: bytes, new: bytes) -> None:
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    assert old in data
+    path.write_bytes(data.replace(old, new, 1))
+
+
+def make_hf_folders(tmp: Path) -> dict[str, Path]:
+    """HF folders with one thing wrong each."""
+    bad = {name: make_hf_folder(tmp / name, **TINY) for name in ("bad_json", "no_map", "no_weights", "lost_shard", "short",
+                                                                "garbage", "twice", "one_layer", "ffn")}
+    (bad["bad_json"] / "config.json").write_text('{"hidden_size": 64,')
+    (bad["no_map"] / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    (bad["no_weights"] / "model.safetensors").unlink()
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    for name in ("lost_shard", "twice"):  # the norm is in the second file, which is missing, or holds it as well
+        (bad[name] / "model.safetensors").rename(bad[name] / first)
+        weight_map = {**dict.fromkeys(hf_tensors(**TINY), first), "model.norm.weight": second}
+        (bad[name] / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    safetensors_torch.save_file({"model.norm.weight": torch.ones(64)}, bad["twice"] / second)
+    (bad["short"] / "model.safetensors").write_bytes(b"\x08\x00\x00")
+    header = b'{"x": no json}  '
+    (bad["garbage"] / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (bad["one_layer"] / "config.json").write_text(json.dumps({**hf_config(**TINY), "num_hidden_layers": 1}))
+    (bad["ffn"] / "config.json").write_text(json.dumps({**hf_config(**TINY), "intermediate_size": 96}))
+    return bad
 
 
 @pytest.mark.fast
@@ -434,6 +532,30 @@ def test_a_kept_original_layout_is_never_contradicted(tmp_path, capsys):
     layout.write_text("[1]".ljust(layout.stat().st_size))
     status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "out")
     assert_one_error_line(status, stderr, "layout.json is not a torchtitan-hf-sidecar-1 layout")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_kept_header_gives_a_fresh_layout_with_a_warning(tmp_path, capsys):
+    hf = make_hf_folder(tmp_path / "hf", **TINY)
+    assert convert_here(capsys, "hf-to-dcp", hf, tmp_path / "dcp")[0] == 0
+    header = tmp_path / "dcp" / "hf" / "headers" / "model.safetensors.header"
+    header.write_text("[1]".ljust(header.stat().st_size))  # same size: the manifest cannot tell
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "out")
+    assert status == 0, stderr
+    assert stderr.startswith("warning: writing a fresh layout, not the original files: the kept original layout cannot be "
+                             "read (AttributeError: ") and len(stderr.strip().splitlines()) == 1
+    back = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(back) == sorted(hf_tensors(**TINY)) and all(torch.equal(back[k], v) for k, v in hf_tensors(**TINY).items())
+
+
+def test_a_model_without_hf_adapter_is_one_line(tmp_path, capsys, monkeypatch):
+    """A family registered without Hugging Face names (a custom_import one, say) cannot be checked or converted."""
+    spec = dataclasses.replace(convert_checkpoint.get_train_spec("llama3"), hf_adapter=None)
+    monkeypatch.setattr(convert_checkpoint, "get_train_spec", lambda name: spec)
+    torch.save({}, tmp_path / "model.pt")
+    status, stderr = convert_here(capsys, "torch-to-dcp", tmp_path / "model.pt", tmp_path / "out")
+    assert_one_error_line(status, stderr, "model 'llama3' has no hf_adapter in its TrainSpec, so its weights cannot be "
+                                          "checked or converted here")
     assert not (tmp_path / "out").exists()
 
 

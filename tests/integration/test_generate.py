@@ -6,11 +6,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from scripts import generate as generate_script
 from tests.helpers import REPO_ROOT, TINY_RUN, read_metrics, run_train
+from torchtitan.checkpoint import hf_folder
+from torchtitan.checkpoint.weights import weights_manifest, write_weights
+from torchtitan.models import get_train_spec
+from torchtitan.models.llama.model import ModelArgs, Transformer
 
 SCRIPT = REPO_ROOT / "scripts" / "generate.py"
 TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps under the warm kitchen table all "
@@ -97,6 +103,119 @@ def test_mistakes_are_one_line(capsys, trained, args, expected):
 def test_a_folder_that_is_no_checkpoint_is_one_line(capsys, tmp_path):
     status, err = run_main(capsys, "--checkpoint", tmp_path, "--prompt", "x")
     assert status == 2 and err.strip().startswith(f"error: --checkpoint {tmp_path} is neither a checkpoint")
+
+
+# --- mistakes found before any model is built, in this process ------------------------------------
+
+SMALL = dict(dim=64, n_layers=1, n_heads=4, vocab_size=300, max_seq_len=64)  # fewer tokens than the bundled tokenizer's
+
+
+def hf_folder_of(folder: Path, config: dict | None = None) -> Path:
+    """A Hugging Face folder of a one-block Llama with a 300-token vocabulary (or with another config.json)."""
+    adapter, args = get_train_spec("llama3").hf_adapter, ModelArgs(**SMALL)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    folder.mkdir()
+    hf_folder.write_fresh(str(folder), hf_folder.to_hf({k: torch.zeros(v) for k, v in shapes.items()}, args, adapter),
+                          config or adapter.hf_config(args), 10**9)
+    return folder
+
+
+def checkpoint_of(folder: Path, flavor: str) -> Path:
+    """A weights-only checkpoint whose manifest names llama3 `flavor`."""
+    model = {"tok_embeddings.weight": torch.zeros(4, 2)}
+    write_weights(model, str(folder), weights_manifest(model, "llama3", flavor))
+    return folder
+
+
+@pytest.mark.fast
+def test_checkpoints_that_no_registered_model_reads_are_one_line(capsys, tmp_path):
+    gpt2 = hf_folder_of(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64})
+    unknown = checkpoint_of(tmp_path / "unknown", "unknown")
+    damaged = checkpoint_of(tmp_path / "damaged", "tiny")
+    (damaged / "__0_0.distcp").write_bytes(b"")
+    cases = {
+        gpt2: f"error: --checkpoint {gpt2}: no registered model reads its config.json (architectures GPT2LMHeadModel)",
+        unknown: f"error: --checkpoint {unknown} holds model llama3 unknown, which is not registered",
+        damaged: f"error: --checkpoint {damaged} is damaged: its file __0_0.distcp has 0 bytes, ",
+    }
+    for folder, expected in cases.items():
+        status, err = run_main(capsys, "--checkpoint", folder, "--prompt", "x")
+        assert status == 2 and err.startswith(expected) and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.fast
+def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(capsys, tmp_path):
+    folder = hf_folder_of(tmp_path / "hf")
+    status, err = run_main(capsys, "--checkpoint", folder, "--prompt", "x")
+    assert status == 2 and err.splitlines() == [
+        f"warning: {folder} has no tokenizer.model; using bundled:stdlib_docs/tokenizer.model (pass --tokenizer)",
+        "error: the tokenizer bundled:stdlib_docs/tokenizer.model has 2256 tokens, more than the model's vocabulary of "
+        "300; pass the run's --tokenizer"]
+
+
+@pytest.mark.fast
+def test_a_prompts_file_that_cannot_be_read_is_one_line(capsys, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    cases = {tmp_path / "nope.txt": "[Errno 2] No such file or directory: ",
+             tmp_path / "latin1.txt": "'utf-8' codec can't decode byte 0xe9 in position 3",
+             tmp_path: "[Errno 21] Is a directory: "}
+    for path, expected in cases.items():
+        status, err = run_main(capsys, "--checkpoint", tmp_path, "--prompts-file", path)
+        assert status == 2 and err.startswith(f"error: --prompts-file {path} cannot be read ({expected}"), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
+    status, err = run_main(capsys, "--checkpoint", tmp_path, "--prompt", "x", "--device", "cuda")
+    assert status == 2 and err == "error: --device cuda: no CUDA device is available\n"
+
+
+def test_the_runs_tokenizer_that_is_gone_is_one_line(tmp_path):
+    source = generate_script.Source(str(tmp_path), False, "llama3", ModelArgs(**SMALL),
+                                    {"path": str(tmp_path / "gone.model"), "sha256": "0" * 64})
+    with pytest.raises(generate_script.GenerateError, match=f"^the run's tokenizer {tmp_path}/gone.model is gone; pass "
+                                                            "--tokenizer$"):
+        generate_script.choose_tokenizer(source, None)
+
+
+def test_a_model_that_the_processes_cannot_split_is_one_line(monkeypatch):
+    """Under torchrun with 3 processes: 4 heads do not split 3 ways. Refused before any process group exists."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    source = generate_script.Source("ckpt", False, "llama3", ModelArgs(**SMALL))
+    with pytest.raises(generate_script.GenerateError) as raised:
+        generate_script.build_model(source, 16, torch.device("cpu"), torch.float32)
+    message = str(raised.value)
+    assert message.startswith("the model cannot be split over 3 tensor-parallel processes (training.tensor_parallel_degree "
+                              "3 must divide the n_heads (4) of model llama3") and "\n" not in message
+    assert message.endswith("); start a number of processes that divides it")
+
+
+def test_an_interrupt_ends_the_line_and_exits_130(capsys, monkeypatch):
+    def interrupted(ns):
+        print("The quick", end="", flush=True)  # a streamed continuation, cut short by Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_script, "run", interrupted)
+    assert generate_script.main(["--checkpoint", "ckpt", "--prompt", "x"]) == 130
+    assert capsys.readouterr() == ("The quick", "\n")
+
+
+def test_a_reader_that_went_away_exits_141_quietly(capsys, monkeypatch, tmp_path):
+    """`generate.py ... | head`: stdout goes to /dev/null, so the interpreter's last flush cannot fail again."""
+    def broken_pipe(ns):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(generate_script, "run", broken_pipe)
+    with open(tmp_path / "stdout", "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert generate_script.main(["--checkpoint", "ckpt", "--prompt", "x"]) == 141
+        stdout.write("unseen")
+        stdout.flush()
+        assert os.path.samestat(os.fstat(stdout.fileno()), os.stat(os.devnull))
+        monkeypatch.undo()  # sys.stdout back to pytest's capture before this file closes
+    assert (tmp_path / "stdout").read_text() == ""
+    assert capsys.readouterr().err == ""
 
 
 @pytest.fixture(scope="module")

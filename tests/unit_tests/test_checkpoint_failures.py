@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, one_line, save_failure
+from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, free_bytes, one_line, save_failure
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 STATE = {"model": {"w": torch.zeros(256, 256)}}  # 256 KiB
@@ -58,3 +58,13 @@ def test_a_save_failure_that_may_be_a_full_disk_says_how_much_is_free(tmp_path):
     assert line.endswith(f"MiB free on the disk holding {tmp_path})")
     read_only = OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "x"))
     assert save_failure(read_only, str(tmp_path)) == f"Read-only file system: {tmp_path}/x"
+
+
+def test_free_space_that_cannot_be_measured_is_left_out(tmp_path, monkeypatch):
+    def disk_usage(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    assert free_bytes(str(tmp_path / "not" / "yet")) is None
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x"))
+    assert save_failure(full, str(tmp_path)) == f"No space left on device: {tmp_path}/x"

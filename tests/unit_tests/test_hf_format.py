@@ -9,6 +9,7 @@ import torch
 
 from torchtitan.checkpoint.folders import CheckpointError
 from torchtitan.models.llama import hf_format, llama2_configs, llama3_configs
+from torchtitan.models.llama.hf_adapter import LlamaHFAdapter
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer, apply_rope, ffn_hidden_dim, precompute_rope
 
 SMALL_GQA = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, rope_theta=500000.0)
@@ -268,6 +269,7 @@ NEW_LAYOUT = {"rope_scaling": DROP, "rope_theta": DROP}  # keeps only the curren
     ({"hidden_size": "64"}, "hidden_size '64' is not a positive integer"),
     ({"rms_norm_eps": 0}, "rms_norm_eps 0 is not a positive number"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings 'yes'"),
+    ({"hidden_size": DROP, "vocab_size": DROP}, "config.json lacks hidden_size, vocab_size"),
 ])
 def test_configs_this_model_cannot_reproduce_are_refused(change, message):
     """One line that names the field, never a default in its place."""
@@ -276,6 +278,34 @@ def test_configs_this_model_cannot_reproduce_are_refused(change, message):
     with pytest.raises(CheckpointError) as refusal:
         hf_format.model_args_from_hf_config(cfg)
     assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_a_config_that_is_no_json_object_is_refused():
+    with pytest.raises(CheckpointError, match="^config.json does not hold a JSON object$"):
+        hf_format.model_args_from_hf_config([hf_format.hf_config(SMALL_GQA)])
+
+
+def _shapes_of(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+
+
+@pytest.mark.parametrize("base,n_heads,n_kv_heads,message", [
+    (llama3_configs["debugmodel"], None, None,
+     "the weights have dim 64, not the 256 of the flavor they claim, so their head count is unknown; pass --n-heads "
+     "(and --n-kv-heads)"),
+    (None, 3, None, "dim 64 is not divisible by 3 heads; pass --n-heads"),
+    (None, 4, 4, "--n-kv-heads 4 does not fit the key projection's 2 heads of 16 dims"),
+])
+def test_shapes_that_leave_the_head_count_unknown_are_refused(base, n_heads, n_kv_heads, message):
+    """dcp-to-hf of a checkpoint without its config.json: the head count comes from the flavor or the
+    flags, and must fit the shapes (SMALL_GQA: dim 64, 4 heads, 2 key/value heads)."""
+    adapter = LlamaHFAdapter()
+    with pytest.raises(CheckpointError) as refusal:
+        adapter.args_with_shapes(base, _shapes_of(SMALL_GQA), n_heads, n_kv_heads)
+    assert str(refusal.value) == message
+    args = adapter.args_with_shapes(None, _shapes_of(SMALL_GQA), 4, 2)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.n_layers) == (64, 4, 2, 2)
 
 
 def test_both_layouts_of_an_export_are_read_alike():

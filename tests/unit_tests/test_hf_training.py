@@ -2,7 +2,9 @@
 process: exact weights, a padded vocabulary, and the one-line refusals of a folder that does not fit."""
 
 import dataclasses
+import errno
 import json
+import os
 import types
 
 import pytest
@@ -105,6 +107,69 @@ def test_a_damaged_weight_file_is_one_line(tmp_path):
         load(folder, ARGS)
 
 
+def test_a_tensor_stored_in_two_files_is_one_line(tmp_path):
+    folder = hf_folder_of(tmp_path, model_of(ARGS, seed=0))
+    safetensors = hf_folder.import_safetensors()
+    tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    safetensors.torch.save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(folder / first))
+    (folder / "model.safetensors").rename(folder / second)  # which holds the norm too
+    index = {"weight_map": {**dict.fromkeys(tensors, second), "model.norm.weight": first}}
+    (folder / hf_folder.INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"^{folder}: tensor model.norm.weight is stored twice$"):
+        load(folder, ARGS)
+
+
+def test_a_config_that_is_no_json_object_is_one_line(tmp_path):
+    folder = hf_folder_of(tmp_path, model_of(ARGS, seed=0))
+    (folder / "config.json").write_text("[]\n")
+    with pytest.raises(CheckpointError, match=rf"^{folder}/config.json is not a JSON object$"):
+        load(folder, ARGS)
+
+
+def test_a_read_that_fails_inside_safetensors_is_one_line(tmp_path, monkeypatch):
+    """A disk error while a tensor's bytes are read (after the header was): one line naming the tensor."""
+    folder = hf_folder_of(tmp_path, model_of(ARGS, seed=0))
+    safetensors = hf_folder.import_safetensors()
+    open_file = safetensors.safe_open
+
+    class FailingReads:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_slice(self, name):
+            return self.handle.get_slice(name)
+
+        def get_tensor(self, name):
+            raise safetensors.SafetensorError("Error while deserializing: I/O error: Input/output error (os error 5)")
+
+    monkeypatch.setattr(safetensors, "safe_open", lambda *args, **kwargs: FailingReads(open_file(*args, **kwargs)))
+    with pytest.raises(CheckpointError) as raised:
+        load(folder, ARGS)
+    assert str(raised.value) == f"{folder}: tensor model.embed_tokens.weight cannot be read (Error while deserializing: " \
+                                "I/O error: Input/output error (os error 5))"
+
+
+def test_experts_beyond_the_config_are_refused_before_reading(tmp_path):
+    """The shapes are worked out on the meta device through the adapter, which refuses what it cannot convert."""
+    qwen3 = get_train_spec("qwen3")
+    args = dataclasses.replace(qwen3.config["tiny_moe"], n_layers=1, vocab_size=300)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in qwen3.model_cls.from_model_args(args).state_dict().items()}
+    hf = hf_folder.to_hf({k: torch.zeros(v) for k, v in shapes.items()}, args, qwen3.hf_adapter)
+    hf["model.layers.0.mlp.experts.8.up_proj.weight"] = hf["model.layers.0.mlp.experts.7.up_proj.weight"].clone()
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hf_folder.write_fresh(str(folder), hf, qwen3.hf_adapter.hf_config(args), 10**9)
+    with pytest.raises(CheckpointError) as raised:
+        load_hf_weights(str(folder), ModelState([]), qwen3.hf_adapter, args, {k: tuple(v) for k, v in shapes.items()},
+                        [], False)
+    assert str(raised.value) == f"{folder}: model.layers.0.mlp.experts.8.up_proj.weight is beyond config.json's 8 experts"
+
+
 # --- attacks: folders that would load silently wrong, and exports that cannot be written ----------
 
 TIED = dataclasses.replace(ARGS, tie_word_embeddings=True)
@@ -186,7 +251,7 @@ def test_an_export_holds_the_weights_and_loads_back(tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-@pytest.mark.parametrize("failure", ["full disk while writing", "full disk before writing"])
+@pytest.mark.parametrize("failure", ["full disk while writing", "full disk before writing", "full disk at config.json"])
 def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, failure):
     safetensors = hf_folder.import_safetensors()
     if failure == "full disk while writing":  # safetensors reports it as SafetensorError, not OSError
@@ -194,6 +259,13 @@ def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_pat
             raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         monkeypatch.setattr(safetensors.torch, "save_file", save_file)
         expected = "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28) ("
+    elif failure == "full disk at config.json":  # the weights are written; rank 0 fails while finishing the folder
+        def open_or_fail(path, *args, **kwargs):
+            if os.path.basename(path) == "config.json":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            return open(path, *args, **kwargs)
+        monkeypatch.setattr(hf_training, "open", open_or_fail, raising=False)  # the module's own open only
+        expected = f"No space left on device: {tmp_path}/ckpt/step-3-hf.partial-attempt/config.json ("
     else:
         monkeypatch.setattr(hf_training, "free_bytes", lambda path: 1000)
         expected = "not enough space for the checkpoint: it needs 0.5 MiB, the disk holding"

@@ -222,6 +222,13 @@ REFUSALS = {
     "rope key": (DENSE_CFG, {"rope_parameters": {"rope_type": "default", "rope_theta": THETA, "factor": 2.0}},
                  "rope_parameters key 'factor' is not understood"),
     "partial_rotary_factor": (DENSE_CFG, {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    "rope_parameters partial_rotary_factor": (DENSE_CFG, {"rope_parameters": {"rope_theta": THETA, "partial_rotary_factor": 0.5}},
+                                              "rope_parameters partial_rotary_factor 0.5 is not supported (this Qwen3 "
+                                              "rotates whole heads)"),
+    "rope_parameters list": (DENSE_CFG, {"rope_parameters": ["default"]}, "rope_parameters ['default'] is not a JSON object"),
+    "rope_scaling type": (DENSE_CFG, {"rope_scaling": {"type": "default", "rope_type": "yarn"}},
+                          "rope_scaling type 'default' and rope_type 'yarn' disagree"),
+    "tie_word_embeddings": (DENSE_CFG, {"tie_word_embeddings": "yes"}, "tie_word_embeddings 'yes' is not true or false"),
     "rope_theta": (DENSE_CFG, {"rope_theta": 10000.0}, "rope_theta 10000 and rope_parameters rope_theta 1e+06 disagree"),
     "quantization_config": (DENSE_CFG, {"quantization_config": {"quant_method": "fp8"}},
                             "quantization_config is not supported"),
@@ -245,6 +252,11 @@ def test_fields_this_model_cannot_compute_are_refused_in_one_line(case):
     with pytest.raises(CheckpointError) as e:
         ADAPTER.model_args_from_hf_config(config)
     assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_config_that_is_no_json_object_is_refused():
+    with pytest.raises(CheckpointError, match="^config.json does not hold a JSON object$"):
+        ADAPTER.model_args_from_hf_config([DENSE_CFG])
 
 
 def test_fields_that_do_not_change_the_computation_are_accepted():

@@ -72,3 +72,10 @@ def test_keyword_contract_accepts_any_order_and_kwargs():
     assert signature_mismatch(pipelining, PipeliningFn) is None
     assert signature_mismatch(pipelining_kwargs, PipeliningFn) is None
     assert signature_mismatch(lambda args, dims, plan, config: None, ValidateFn) is None
+
+
+def test_a_builtin_without_a_signature_is_trusted_and_a_non_callable_refused():
+    assert signature_mismatch(max, _BUILDERS["loss_fn"]) is None  # inspect cannot read a signature of max
+    with pytest.raises(TypeError, match=r"^TrainSpec 'not_callable': loss_fn 42 is not callable; see LossFn "):
+        register_train_spec(_spec("not_callable", loss_fn=42))
+    assert "not_callable" not in registered_names()

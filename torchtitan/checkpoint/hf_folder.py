@@ -230,9 +230,7 @@ def try_exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, 
     """`_exact_plan`, with a sidecar that cannot be read as one more reason for a fresh layout."""
     try:
         return _exact_plan(hf, sidecar, layout, tied)
-    except CheckpointError:  # a ValueError too, but a user mistake (no safetensors), not a damaged sidecar
-        raise
-    except (OSError, KeyError, TypeError, ValueError) as e:  # a damaged or foreign sidecar: not worth failing for
+    except (OSError, AttributeError, KeyError, TypeError, ValueError) as e:  # a damaged or foreign sidecar: not worth failing for
         return f"the kept original layout cannot be read ({type(e).__name__}: {e})"
 
 

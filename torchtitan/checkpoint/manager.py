@@ -180,18 +180,18 @@ class CheckpointManager:
             logger.info(f"{loaded}: resuming after step {self.train_state.step} "
                         f"({self.train_state.tokens_seen:,} tokens seen)")
 
-    def _hf_adapter(self, option: str) -> tuple[Any, Any]:
-        """The model family's HFAdapter and this run's model args; one line for a family without."""
-        name = self.job_config.model.name
-        adapter = get_train_spec(name).hf_adapter
-        if adapter is None:
-            raise CheckpointError(f"{option}: model {name!r} has no Hugging Face conversion (TrainSpec.hf_adapter)")
+    def _hf_adapter(self) -> tuple[Any, Any]:
+        """The model family's HFAdapter and this run's model args. A family without one never gets
+        here: preflight refuses checkpoint.last_save_in_hf for it, and find_resume_point a Hugging
+        Face folder as checkpoint.initial_load_path, each with its one line."""
+        adapter = get_train_spec(self.job_config.model.name).hf_adapter
+        assert adapter is not None, "refused before the run starts (preflight.py, resume.py)"
         return adapter, getattr(self.model.model_parts[0], "args", None)
 
     def _load_hf(self, path: str) -> None:
         """Model weights from a Hugging Face folder, each rank reading its own shards (hf_training.py)."""
         c = self.job_config.checkpoint
-        adapter, args = self._hf_adapter(f"checkpoint.initial_load_path {path}")
+        adapter, args = self._hf_adapter()
         whole = build_on_meta(get_train_spec(self.job_config.model.name).model_cls, args)
         start = time.perf_counter()
         read = hf_training.load_hf_weights(path, self.model, adapter, args, hf_training.whole_model_shapes(whole),
@@ -218,7 +218,7 @@ class CheckpointManager:
 
     def _save_hf(self, step: int) -> None:
         """The final weights as a Hugging Face folder beside the checkpoints (checkpoint.last_save_in_hf)."""
-        adapter, args = self._hf_adapter("checkpoint.last_save_in_hf")
+        adapter, args = self._hf_adapter()
         ids, tokenizer = self._hf_tokenizer
         try:
             summary = hf_training.write_hf_weights(self.model, adapter, args, self.parallel_dims,

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.checkpoint import folders
+from torchtitan.checkpoint.failures import one_line
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
@@ -46,8 +47,8 @@ def load_model_entries(ckpt: str, dtype: str | None = None,
     names before any tensor data is read, which for a large checkpoint is most of the time."""
     try:
         metadata = read_metadata(ckpt)
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: its DCP metadata cannot be read safely ({e})") from None
+    except Exception as e:  # noqa: BLE001 - garbage bytes fail in many ways inside the unpickler (a module not found...)
+        raise CheckpointError(f"checkpoint {ckpt}: its DCP metadata cannot be read safely ({one_line(e)})") from None
     entries = {k: v for k, v in metadata.state_dict_metadata.items()
                if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     if not entries:

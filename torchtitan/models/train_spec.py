@@ -148,9 +148,11 @@ def signature_mismatch(fn: Any, protocol: type) -> str | None:
     """Why `fn` cannot be called the way `protocol.__call__` is called (None when it can): the
     trainer passes the Protocol's positional parameters by position and its keyword-only ones by
     name, so those names must exist; extra parameters need defaults."""
+    if not callable(fn):
+        return "is not callable"
     try:
         sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: trust it
+    except ValueError:  # a builtin without a signature: trust it
         return None
     wanted = list(inspect.signature(protocol.__call__).parameters.values())[1:]  # without self
     params = list(sig.parameters.values())
@@ -194,7 +196,7 @@ def register_train_spec(spec: TrainSpec) -> None:
             continue
         problem = signature_mismatch(fn, protocol)
         if problem is not None:
-            where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+            where = f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}" if hasattr(fn, "__qualname__") else repr(fn)
             raise SpecError(f"TrainSpec {spec.name!r}: {field_name} {where} {problem}; see {protocol.__name__} in "
                             "torchtitan/models/train_spec.py (docs/extension.md)")
     _REGISTRY[spec.name] = spec
