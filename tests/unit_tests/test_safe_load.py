@@ -48,6 +48,19 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
         read_metadata(tmp_path)
 
 
+def test_a_module_the_metadata_names_is_not_imported_before_the_refusal(tmp_path):
+    # Importing a module runs its code: a crafted .metadata must not get to import anything.
+    import sys
+
+    name = "xml.dom.minidom"
+    sys.modules.pop(name, None)
+    save(tmp_path, {"w": torch.zeros(2)})
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04c" + name.encode() + b"\nparseString\n.")
+    with pytest.raises(pickle.UnpicklingError, match=f"refusing to load {name}.parseString"):
+        read_metadata(tmp_path)
+    assert name not in sys.modules
+
+
 def test_metadata_of_another_type_is_refused(tmp_path):
     save(tmp_path, {"w": torch.zeros(2)})
     (tmp_path / ".metadata").write_bytes(pickle.dumps(OrderedDict(a=1)))

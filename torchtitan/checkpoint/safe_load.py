@@ -37,6 +37,9 @@ _ALLOWED = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        # Refused before the lookup: looking up imports the module, which runs its code.
+        if module not in _DCP_MODULES and module != "torch" and (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint's metadata")
         obj = super().find_class(module, name)
         if module in _DCP_MODULES and isinstance(obj, type) and not name.startswith("__"):
             return obj
