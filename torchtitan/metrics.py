@@ -244,10 +244,7 @@ def _kept_validations(jsonl) -> dict[int, float]:
     found = {}
     with open(jsonl.name) as f:
         for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
+            row = json.loads(line)  # every line parses: _open_jsonl kept only those
             if isinstance(row, dict) and row.get("record") == "validation":
                 found[int(row["step"])] = float(row["loss"])
     return found

@@ -235,8 +235,9 @@ def _dump_flight_recorder(path: str) -> None:
         dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
         if dump is None or not torch.cuda.is_available():
             return
+        trace = dump()  # before the file is opened: a dump that fails leaves no empty file
         with open(path, "wb") as f:
-            f.write(dump())
+            f.write(trace)
     except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the hang report
         logger.debug(f"flight recorder dump failed: {e}")
 

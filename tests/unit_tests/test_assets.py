@@ -1,10 +1,15 @@
 """Shipped files: the `bundled:` rule, and every option that names a file going through it."""
 
+import importlib.resources
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import torchtitan
+from scripts.build_test_assets import iter_docstrings
+from torchtitan import assets
 from torchtitan.assets import bundled_files, resolve_path
 from torchtitan.config_manager import JobConfig, parse_args
 from torchtitan.datasets.sources import DatasetError, resolve_source
@@ -37,6 +42,22 @@ def test_a_name_the_package_does_not_ship_is_one_line_of_the_callers_kind(name):
     assert "stdlib_docs/tokenizer.model" in line  # what is shipped, to choose from
     with pytest.raises(UserError):  # the default kind
         resolve_path(name, "x")
+
+
+def test_a_package_imported_from_a_zip_archive_says_so(tmp_path, monkeypatch):
+    """Imported from a zip (zipimport), the shipped files have no path to open: one line saying how
+    to install, and plain paths still work."""
+    archive = tmp_path / "site.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("torchtitan/assets/stdlib_docs/tokenizer.model", "")
+    zipped = zipfile.Path(archive, "torchtitan/assets/")
+    monkeypatch.setattr(importlib.resources, "files", lambda package: zipped)
+    with pytest.raises(UserError) as e:
+        resolve_path("bundled:stdlib_docs/tokenizer.model", "model.tokenizer_path")
+    assert str(e.value) == f"bundled files need torchtitan installed as a folder (pip install); it is imported from {zipped}"
+    with pytest.raises(UserError, match="installed as a folder"):
+        assets.bundled_files()
+    assert resolve_path("tokenizer.model", "model.tokenizer_path") == "tokenizer.model"
 
 
 def test_every_file_option_resolves_bundled_names():
@@ -72,3 +93,21 @@ def test_the_shipped_debug_configs_validate_on_two_ranks(config):
         shards = decide_data_shards(job.training.dataset_shards, rank, 2, None)
         inputs, _ = next(iter(build_validation_dataloader(job, tokenizer, shards)))
         assert inputs.shape == (job.training.batch_size, job.training.seq_len)
+
+
+def test_the_corpus_builder_skips_modules_this_python_lacks(tmp_path, monkeypatch):
+    """scripts/build_test_assets.py takes docstrings from a fixed list of standard modules: one this
+    build of Python lacks, or a submodule that fails to import, is skipped, not the whole corpus."""
+    doc = "A docstring long enough for the corpus, " * 3
+    package = tmp_path / "stdlib_like"
+    package.mkdir()
+    (package / "__init__.py").write_text(f'"""{doc}"""\n')
+    (package / "good.py").write_text(f'"""{doc}(good)"""\n')
+    (package / "broken.py").write_text("raise ImportError('needs a C library this build lacks')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert [name for name, _ in iter_docstrings("stdlib_like")] == ["stdlib_like", "stdlib_like.good"]
+    finally:
+        for name in ("stdlib_like", "stdlib_like.good", "stdlib_like.broken"):
+            sys.modules.pop(name, None)
+    assert list(iter_docstrings("no_module_of_this_name")) == []

@@ -1,8 +1,12 @@
-"""Byte-level BPE training: hand-checked merges, tie-breaking, tiktoken compatibility, pre-token boundaries."""
+"""Byte-level BPE training: hand-checked merges, tie-breaking, tiktoken compatibility, pre-token boundaries;
+scripts/train_tiktoken_bpe.py's mistakes."""
 
 import base64
+import builtins
 import json
 import random
+import runpy
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import regex
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from scripts import train_tiktoken_bpe
 from torchtitan.datasets.bpe_trainer import LLAMA3_PATTERN, pretokenize, save_tiktoken_ranks, train_bpe
 
 PARAGRAPH = (
@@ -158,3 +163,72 @@ def test_training_on_real_text_is_fast():
     tokens = train_bpe(docs, 1500)
     assert time.perf_counter() - start < 4.0
     assert len(tokens) == 1500
+
+
+# ----------------------------------------------------------------------------- scripts/train_tiktoken_bpe.py
+
+
+def _script_refuses(capsys, corpus, out, *more: str) -> str:
+    """Runs the script; asserts exit 2, one `error:` line, and no rank file written. Returns the line."""
+    code = train_tiktoken_bpe.main(["--corpus", str(corpus), "--out", str(out), "--vocab-size", "260", *more])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, captured.err)
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not Path(out).is_file()
+    return lines[0]
+
+
+def test_the_script_trains_and_writes_a_rank_file(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "aaab aaab aaab ab"}) + "\n\n")  # a blank line is skipped
+    assert train_tiktoken_bpe.main(["--corpus", str(corpus), "--out", str(tmp_path / "bpe.model"),
+                                    "--vocab-size", "258"]) == 0
+    assert "wrote 258 tokens (2 merges)" in capsys.readouterr().out
+    assert len((tmp_path / "bpe.model").read_text().splitlines()) == 258
+
+
+@pytest.mark.parametrize("content,expected", [
+    (b'{"text": "fine"}\n{not json\n', ':2: not a JSON line (Expecting property name enclosed in double quotes)'),
+    (b'{"text": "fine"}\n\n{"body": "no text"}\n', ':3: no string "text" field'),
+    (b'["a list"]\n', ':1: no string "text" field'),
+    (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8 text (invalid continuation byte at byte 13)"),
+])
+def test_a_bad_corpus_line_is_named(tmp_path, capsys, content, expected):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(content)
+    assert _script_refuses(capsys, corpus, tmp_path / "bpe.model") == f"error: {corpus}{expected}"
+
+
+def test_a_missing_corpus_and_an_unwritable_out(tmp_path, capsys):
+    assert _script_refuses(capsys, tmp_path / "none.jsonl", tmp_path / "bpe.model") == (
+        f"error: cannot read --corpus {tmp_path / 'none.jsonl'}: No such file or directory")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "hello hello"}) + "\n")
+    out = tmp_path / "no" / "such" / "bpe.model"
+    assert _script_refuses(capsys, corpus, out) == f"error: cannot write --out {out}: No such file or directory"
+
+
+def test_a_vocabulary_below_the_single_bytes_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_tiktoken_bpe.main(["--corpus", "c.jsonl", "--out", "o.model", "--vocab-size", "255"])
+    assert e.value.code == 2
+    assert "--vocab-size: must be a whole number >= 256 (the single bytes), got '255'" in capsys.readouterr().err
+
+
+def test_a_checkout_without_torchtitan_installed_finds_it_beside_the_script(monkeypatch):
+    """Run by path from an interpreter that has no torchtitan installed, the script imports the
+    checkout it lives in (simulated: the first import of torchtitan fails)."""
+    script = Path(train_tiktoken_bpe.__file__)
+    real_import, failed = builtins.__import__, []
+
+    def first_import_fails(name, *args, **kwargs):
+        if name == "torchtitan.datasets.bpe_trainer" and not failed:
+            failed.append(name)
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(builtins, "__import__", first_import_fails)
+    namespace = runpy.run_path(str(script), run_name="train_tiktoken_bpe_without_install")
+    assert failed and sys.path[0] == str(script.parents[1]) and namespace["train_bpe"] is train_bpe

@@ -118,6 +118,12 @@ BAD_CLI = [
                                                   "checkpoint.model_weights_only"]),
     (["--checkpoint.async_mode", "sometimes"], ["checkpoint.async_mode", "disabled, async, async_with_pinned_mem"]),
     (["--checkpoint.interval", "0"], ["checkpoint.interval must be >= 1"]),
+    (["--training.warmup_steps", "-1"], ["training.warmup_steps must be >= 0, got -1"]),
+    (["--moe.aux_loss_coef", "-0.5"], ["moe.aux_loss_coef and moe.bias_update_rate must be >= 0", "got -0.5 and"]),
+    (["--moe.bias_update_rate", "-1"], ["moe.aux_loss_coef and moe.bias_update_rate must be >= 0", "and -1.0"]),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "1"], ["profiling.profile_freq must be >= 2"]),
+    (["--job.dry_run", "--job.dry_run_vocab_size", "-1"], ["job.dry_run_vocab_size must be a number of tokens", "got -1"]),
+    (["--job.dry_run", "--job.dry_run_rank", "-2"], ["job.dry_run_rank must be a rank, or -1", "got -2"]),
 ]
 
 BAD_TOML = [
@@ -132,6 +138,9 @@ BAD_TOML = [
     ("[training]\nsteps = 0\n", ["training.steps"]),
     ('[training]\nsteps = "10"\n', ["training.steps", "not the string '10'"]),  # TOML values are typed
     ('[metrics]\nenable_tensorboard = "yes"\n', ["metrics.enable_tensorboard", "true or false"]),
+    ('[experimental]\npipeline_parallel_split_points = "layers.1"\n',  # a list option given one string
+     ["experimental.pipeline_parallel_split_points (", "must be a list, got 'layers.1'"]),
+    ("[training]\nsteps = true\n", ["training.steps (", "must be an integer, got True"]),  # a TOML bool is no int
 ]
 
 

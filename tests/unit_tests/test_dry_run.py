@@ -2,16 +2,19 @@
 counts for a rank of a larger world, the pipeline replay's reading of a schedule, its refusals.
 That its estimates equal what real ranks measure is tests/integration/test_memory_estimate.py."""
 
+import dataclasses
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from torchtitan.config_manager import parse_args
 from torchtitan.errors import ConfigError, UserError
 from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_simulate
 from torchtitan.estimation.pipeline_replay import _compute_actions
 from torchtitan.estimation.tracker import CATEGORIES
+from torchtitan.models import get_train_spec, register_train_spec, registered_names
 
 # The tiny flavor: what the dry run does per block does not need the debug model's 8 blocks.
 DEBUG = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--model.flavor", "tiny", "--training.seq_len", "128",
@@ -76,6 +79,35 @@ def test_mistakes_the_real_job_would_make_are_its_lines():
         parse_args([*DEBUG, "--job.dry_run_world_size", "-1"])
     with pytest.raises(UserError, match="unknown training.dataset 'nope'"):
         estimate("--training.dataset", "nope", world=2)
+
+
+def test_a_pipelining_fn_that_describes_no_stages_is_refused_not_guessed():
+    """A family whose pipelining_fn leaves out what the replay needs (here: the stage ids): the
+    line names the model and what to change, and the fake process group is gone afterwards."""
+    if "llama3_no_replay" not in registered_names():
+        llama3 = get_train_spec("llama3")
+
+        def no_stage_ids(model, **kwargs):
+            return dataclasses.replace(llama3.pipelining_fn(model, **kwargs), stage_ids=())
+
+        register_train_spec(dataclasses.replace(llama3, name="llama3_no_replay", pipelining_fn=no_stage_ids))
+    with pytest.raises(ConfigError) as e:
+        estimate("--model.name", "llama3_no_replay", "--experimental.pipeline_parallel_degree", "2", world=2)
+    assert str(e.value) == ("model llama3_no_replay's pipelining_fn gives no stage description the dry run can replay "
+                            "(Pipeline.stage_ids, microbatch_loss, first_stage); dry-run it without "
+                            "experimental.pipeline_parallel_degree")
+    assert not dist.is_initialized()
+
+
+def test_measuring_real_ranks_needs_the_world_the_launcher_started(monkeypatch):
+    """memory_estimation.disable_fake_mode measures the ranks torchrun started: a different
+    job.dry_run_world_size is refused before any process group."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError) as e:
+        main(parse_args([*DEBUG, "--memory_estimation.disable_fake_mode", "--job.dry_run_world_size", "2"]))
+    assert str(e.value) == ("job.dry_run_world_size 2 is not this job's 1 ranks: memory_estimation.disable_fake_mode "
+                            "measures the ranks the launcher started (set NGPU)")
+    assert not dist.is_initialized()
 
 
 def test_a_tokenizer_only_the_cluster_has_stands_in_with_the_flavors_vocabulary():

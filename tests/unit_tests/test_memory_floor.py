@@ -1,5 +1,7 @@
 """The start-up memory floor: what it counts, how it is split over ranks, and which line it says."""
 
+import os
+
 import pytest
 
 from torchtitan import memory_floor
@@ -65,3 +67,23 @@ def test_a_batch_that_does_not_fit_beside_a_model_that_does(monkeypatch):
     with pytest.raises(ConfigError, match=r"training.batch_size 4096 x training.seq_len 64 needs at least .* which "
                                           r"with the model's .* is more than"):
         check_step_fits(config, dims, _args(config), "cpu", n_params=10**6)
+
+
+def test_host_memory_without_proc_falls_back_to_the_physical_memory_then_to_no_check(monkeypatch):
+    """Without /proc/meminfo (not Linux, a sandbox): the physical memory, shared by the host's ranks;
+    where that cannot be read either, no memory is known and nothing is refused."""
+    def no_proc(path, *args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(memory_floor, "open", no_proc, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert memory_floor.rank_memory_bytes("cpu") == physical // 2
+
+    def unknown(name):
+        raise ValueError("unrecognized configuration name")
+
+    monkeypatch.setattr(memory_floor.os, "sysconf", unknown)
+    assert memory_floor.rank_memory_bytes("cpu") is None
+    config, dims = _job("--training.batch_size", "4096")
+    check_step_fits(config, dims, _args(config), "cpu", n_params=10**12)  # would not fit anywhere: not checked

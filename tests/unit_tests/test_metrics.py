@@ -2,6 +2,7 @@
 across fresh and resumed runs, and the optional Weights & Biases sink (with a fake wandb module)."""
 
 import json
+import platform
 import sys
 import types
 
@@ -101,6 +102,20 @@ def test_unwritable_cache_still_gives_a_peak(measured, monkeypatch, tmp_path):
     monkeypatch.setenv(metrics.CACHE_DIR_ENV, str(tmp_path / "a_file"))
     peak, source = peak_flops(torch.device("cpu"), torch.float32)
     assert peak > 0 and "not cached" in source
+    metrics.raise_cpu_peak(torch.float32, 10 * peak)  # a run faster than the figure: no error either
+    assert (tmp_path / "a_file").read_text() == ""
+
+
+def test_a_cpu_without_proc_cpuinfo_is_named_by_the_platform(measured, monkeypatch):
+    def no_proc(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", no_proc, raising=False)
+    name = platform.processor() or platform.machine()
+    assert name and metrics._cpu_model() == name
+    assert f"for '{name} | " in peak_flops(torch.device("cpu"), torch.float32)[1]
 
 
 def test_two_runs_report_the_same_mfu(tmp_path):

@@ -3,6 +3,7 @@ computes in bf16, what stays fp32, and which layouts leave the casting to FSDP. 
 comparisons (bf16 layouts against one bf16 process, bf16 against fp32 over 30 steps) are in
 tests/integration (test_parity.py's bf16 suite, test_mixed_precision.py)."""
 
+import pytest
 import torch
 
 from tests.unit_tests.test_llama_model import build_tiny
@@ -105,6 +106,19 @@ def test_grouped_experts_compute_in_the_autocast_dtype():
         out = experts(x, counts)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), experts(x, counts), rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("error", [AttributeError, RuntimeError])
+def test_a_pytorch_that_cannot_say_counts_as_a_cpu_without_bf16(monkeypatch, error):
+    """oneDNN's query is private: a PyTorch without it (AttributeError) or built without oneDNN
+    (RuntimeError) gets the warning rather than a crash."""
+    from torchtitan.parallelisms import mixed_precision
+
+    def cannot_say():
+        raise error("no oneDNN here")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", cannot_say)
+    assert mixed_precision.cpu_has_bf16_matmul.__wrapped__() is False  # past functools.cache's answer
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_warns_once(monkeypatch, caplog):

@@ -146,6 +146,20 @@ def test_refused_by_plan_pipeline(case):
         plan_pipeline(raw_config(**options))
 
 
+def test_a_schedule_the_installed_pytorch_lacks_is_one_line(monkeypatch):
+    """SCHEDULES lists what this project knows; an older PyTorch may lack one (simulated here)."""
+    from torchtitan.parallelisms import pipeline_runtime
+
+    def unknown(name):
+        raise ValueError(f"Unknown schedule type {name}")
+
+    monkeypatch.setattr(pipeline_runtime.schedules, "get_schedule_class", unknown)
+    with pytest.raises(ConfigError) as e:
+        pipeline_runtime.build_schedule(plan_pipeline(pp_config(pp=2, schedule="Interleaved1F1B")), [], None)
+    assert str(e.value) == (f"pipeline schedule Interleaved1F1B is not in the installed PyTorch {torch.__version__}; "
+                            "pick another experimental.pipeline_parallel_schedule")
+
+
 def test_just_enough_microbatches_accepted():
     # The boundary of the refusals above: exactly num_stages for 1F1B, exactly pp rounds for interleaved.
     assert plan_pipeline(pp_config(pp=4, schedule="1F1B", microbatches=4)).microbatches == 4

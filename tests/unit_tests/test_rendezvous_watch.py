@@ -98,6 +98,17 @@ def test_a_store_not_yet_open_is_said_without_touching_it(capsys):
     assert watch.arrivals is None
 
 
+def test_a_store_that_holds_something_else_ends_the_watch_quietly(store, capsys):
+    """What answers at the endpoint is not what the launchers write there (here: a key of another
+    format): the watch ends without a line or a traceback, and torchrun's own error says the rest."""
+    store.set("torchtitan/rendezvous/watch-test/arrivals", "node-zero somewhere\n")
+    watch = RendezvousWatch(_args(store.port, 2, "is_host=0"), node_rank=1, interval=0.2)
+    watch.start()
+    watch._thread.join(timeout=5)
+    assert not watch._thread.is_alive() and watch.arrivals is None
+    assert capsys.readouterr().err == ""
+
+
 def test_the_error_at_the_timeout_names_the_missing_nodes(store):
     args = _args(store.port, 12)
     watch = RendezvousWatch(args, node_rank=0, interval=60)

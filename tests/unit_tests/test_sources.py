@@ -2,6 +2,7 @@
 
 import json
 import sys
+import types
 
 import pytest
 
@@ -51,6 +52,28 @@ def test_optional_backends_missing_give_install_hints(tmp_path, monkeypatch):
     (tmp_path / "data.parquet").write_bytes(b"PAR1")
     with pytest.raises(DatasetError, match="needs pyarrow.*pip install pyarrow"):
         list(read_documents(resolve_source("", str(tmp_path / "data.parquet"))))
+
+
+def test_a_hub_stream_that_breaks_off_is_one_line(monkeypatch):
+    """The network gone mid-stream (a stand-in for `datasets`, which CI does not install): the line
+    names the dataset; the trainer's shard reader hands it on as an item's error, which its data
+    loader raises."""
+
+    def load_dataset(path, name, split, streaming):
+        assert (path, name, split, streaming) == ("allenai/c4", "en", "train", True)
+        yield {"text": "first document"}
+        raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    expected = ("cannot stream allenai/c4 from the Hugging Face hub (offline?): Couldn't reach 'allenai/c4' on the Hub "
+                "(LocalEntryNotFoundError)")
+    documents = read_documents(resolve_source("c4", ""))
+    assert next(documents) == "first document"
+    with pytest.raises(DatasetError) as e:
+        next(documents)
+    assert str(e.value) == expected
+    items = list(ShardItems(resolve_source("c4", ""), 0, 1, CharTokenizer(), infinite=False).items())
+    assert items == [{"k": 0, "error": expected}]
 
 
 @pytest.mark.parametrize(
@@ -155,3 +178,12 @@ def test_parquet_is_split_by_row_group(tmp_path):
     pq.write_table(pa.table({"text": list(range(5))}), tmp_path / "ints.parquet")
     with pytest.raises(DatasetError, match="the 'text' column holds int64, not strings"):
         list(read_documents(resolve_source("", str(tmp_path / "ints.parquet"))))
+    pq.write_table(pa.table({"body": ["a"], "id": [1]}), tmp_path / "body.parquet")
+    with pytest.raises(DatasetError) as e:
+        list(read_documents(resolve_source("", str(tmp_path / "body.parquet"))))
+    assert str(e.value) == f"{tmp_path / 'body.parquet'} has no 'text' column (columns: body, id)"
+    (tmp_path / "text.parquet").write_text("a text file named .parquet\n")
+    with pytest.raises(DatasetError) as e:
+        list(read_documents(resolve_source("", str(tmp_path / "text.parquet"))))
+    assert str(e.value).startswith(f"{tmp_path / 'text.parquet'} is not a readable Parquet file: ")
+    assert "\n" not in str(e.value)

@@ -4,17 +4,19 @@ the index at open, a token id outside the vocabulary when its chunk is read (nev
 from the embedding)."""
 
 import json
+import multiprocessing
 
 import pytest
 import torch
 
 from tests.unit_tests.test_text_dataset import CharTokenizer, _corpus
 from tests.unit_tests.test_tokenized_and_mixture import FileCharTokenizer, _docs
+from torchtitan.datasets import pretokenize as pretokenize_module
 from torchtitan.datasets.chunks import ShardItems, Split
 from torchtitan.datasets.pretokenize import pretokenize
 from torchtitan.datasets.sources import resolve_source
 from torchtitan.datasets.text_dataset import PackedTextDataset
-from torchtitan.datasets.tokenized import MANIFEST
+from torchtitan.datasets.tokenized import MANIFEST, TokenFileWriter
 from torchtitan.errors import DatasetError
 
 
@@ -164,6 +166,47 @@ def test_a_manifest_with_negative_counts_is_refused(shards):
     with pytest.raises(DatasetError) as e:
         resolve_source("", str(out))
     _one_line(e, f"{out / MANIFEST}: part-00000.bin has", "-1 documents, which cannot be")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"dtype": "int8"}, "unknown token dtype 'int8' (uint16 or uint32)"),
+    ({"vocab_size": 0}, "vocab_size 0 is not a vocabulary size (a damaged manifest? tokenize the data again)"),
+])
+def test_a_manifest_with_an_unknown_dtype_or_no_vocabulary_is_refused(shards, change, message):
+    out, _ = shards
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({**manifest, **change}))
+    with pytest.raises(DatasetError) as e:
+        resolve_source("", str(out))
+    _one_line(e, f"{out / MANIFEST}: {message}")
+
+
+# The two below run in this process what the pretokenizer's pool workers run: the pool ends its
+# workers with SIGTERM, so what they execute is missing from the suite's coverage data.
+
+
+def test_the_writer_refuses_an_id_outside_the_vocabulary(tmp_path):
+    writer = TokenFileWriter(tmp_path, "part-00000", "uint16", 100)
+    writer.add([0, 99])
+    for ids, bad in (([5, 100, 7], 100), ([3, -1], -1)):
+        with pytest.raises(DatasetError) as e:
+            writer.add(ids)
+        _one_line(e, f"the tokenizer gave token id {bad}, outside its vocabulary of 100")
+    assert writer.close().num_documents == 1  # nothing of the refused documents was written
+
+
+def test_a_bad_line_in_a_part_names_the_scripts_option(tmp_path, monkeypatch):
+    corpus = _corpus(tmp_path, ["fine"])
+    corpus.write_text(corpus.read_text() + "{not json\n")
+    out = tmp_path / "tokens"
+    out.mkdir()
+    tokenizer = FileCharTokenizer(tmp_path)
+    monkeypatch.setattr(pretokenize_module, "_job", {
+        "source": [corpus], "parts": 1, "tokenizer": tokenizer, "skip_bad_lines": False, "out": out,
+        "dtype": "uint16", "bytes": multiprocessing.Value("q", 0), "tokens": multiprocessing.Value("q", 0)})
+    with pytest.raises(DatasetError) as e:
+        pretokenize_module._tokenize_part(0)
+    _one_line(e, f"{corpus}:2: not a JSON object with a 'text' field (set --skip-bad-lines to skip such lines)")
 
 
 def test_a_tokenizer_that_gives_ids_beyond_its_vocabulary_writes_no_shards(tmp_path):

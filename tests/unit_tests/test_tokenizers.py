@@ -102,6 +102,16 @@ def test_bad_tokenizer_files_name_the_path(tmp_path, content, message):
     assert str(path) in str(raised.value)
 
 
+def test_a_rank_file_of_blank_lines_holds_no_tokens(tmp_path):
+    """The TikTokenizer class itself refuses it (build_tokenizer takes such a file for sentencepiece,
+    since its first line is no rank line)."""
+    path = tmp_path / "blank.model"
+    path.write_bytes(b"\n  \n\n")
+    with pytest.raises(TokenizerError) as raised:
+        TikTokenizer(str(path))
+    assert str(raised.value) == f"tokenizer file {path} holds no tokens"
+
+
 def test_missing_file():
     with pytest.raises(TokenizerError, match="not found: no/such.model"):
         _tokenizer("no/such.model")

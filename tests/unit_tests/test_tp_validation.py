@@ -104,6 +104,18 @@ def test_float8_refusals(args, tp, device, fragment):
         check_float8_support(parse_args(["--float8.enable_float8_linear", *args]), device, tp_enabled=tp > 1)
 
 
+def test_float8_on_a_gpu_before_ada_is_refused_by_its_capability(monkeypatch):
+    """Simulated GPUs (CI has none): an A100 (8.0) is refused, naming it; an H100 (9.0) passes."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError) as e:
+        check_float8_support(parse_args(["--float8.enable_float8_linear"]), "cuda", tp_enabled=False)
+    assert str(e.value) == ("float8.enable_float8_linear needs a GPU of compute capability 8.9 or newer; "
+                            "NVIDIA A100-SXM4-80GB has 8.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_float8_support(parse_args(["--float8.enable_float8_linear"]), "cuda", tp_enabled=False)
+
+
 def test_float8_emulated_runs_where_it_can():
     for extra, tp in ([], False), (["--training.tensor_parallel_degree", "2", "--training.disable_sequence_parallel"], True):
         check_float8_support(parse_args(["--float8.enable_float8_linear", "--float8.emulate", *extra]), "cpu", tp)

@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from torchtitan.config_manager import parse_args
+from torchtitan.errors import ConfigError
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.models.train_spec import (
     _BUILDERS,
@@ -16,6 +18,7 @@ from torchtitan.models.train_spec import (
     register_train_spec,
     signature_mismatch,
 )
+from torchtitan.preflight import preflight
 
 
 def _spec(name: str, **changes) -> TrainSpec:
@@ -79,3 +82,23 @@ def test_a_builtin_without_a_signature_is_trusted_and_a_non_callable_refused():
     with pytest.raises(TypeError, match=r"^TrainSpec 'not_callable': loss_fn 42 is not callable; see LossFn "):
         register_train_spec(_spec("not_callable", loss_fn=42))
     assert "not_callable" not in registered_names()
+
+
+@pytest.mark.parametrize("missing,option,world,message", [
+    ("pipelining_fn", ["--experimental.pipeline_parallel_degree", "2"], 2,
+     "model 'no_pipelining_fn' has no pipelining_fn, so experimental.pipeline_parallel_degree must stay 1"),
+    ("hf_adapter", ["--checkpoint.last_save_in_hf"], 1,
+     "checkpoint.last_save_in_hf: model 'no_hf_adapter' has no Hugging Face conversion (TrainSpec.hf_adapter)"),
+    ("build_validation_dataloader_fn", ["--validation.enabled"], 1,
+     "model 'no_build_validation_dataloader_fn' has no build_validation_dataloader_fn, so validation.enabled must stay "
+     "false"),
+])
+def test_an_option_the_family_does_not_provide_for_is_refused_before_start_up(missing, option, world, message):
+    """The optional parts of a TrainSpec: a family without one refuses the option that needs it,
+    naming the model, in the checks every rank runs before any process group."""
+    name = f"no_{missing}"
+    if name not in registered_names():
+        register_train_spec(_spec(name, **{missing: None}))
+    with pytest.raises(ConfigError) as e:
+        preflight(parse_args(["--model.name", name, "--model.flavor", "tiny", *option]), world)
+    assert str(e.value) == message

@@ -81,3 +81,16 @@ def test_a_stop_requested_meanwhile_abandons_the_run():
 def test_validation_data_without_a_batch_is_refused_when_the_validator_is_built():
     with pytest.raises(DatasetError, match="validation: the validation data gives no full batch of 8 x 8 tokens"):
         validator([], [], Recorder())
+
+
+def test_validation_data_that_shrank_after_start_up_is_one_line():
+    """The first batch was there when the validator was built; at a validation the data gives none
+    (the file was replaced meanwhile): the same line as at start-up, and the model back in training."""
+    model = Recorder()
+    v = validator(["--validation.steps", "-1"], [0], model)
+    v.build_dataloader = lambda job_config, tokenizer, shards: []
+    with pytest.raises(DatasetError) as e:
+        v.run(step=4)
+    assert str(e.value) == ("validation: the validation data gives no full batch of 8 x 8 tokens per data-parallel rank; "
+                            "give more validation data or lower validation.batch_size")
+    assert model.training and model.calls == []

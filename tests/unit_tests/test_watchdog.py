@@ -1,9 +1,22 @@
 """The hang watchdog's diagnosis: who is stuck, from every rank's newest heartbeat."""
 
+import json
+import logging
 import threading
 import time
 
-from torchtitan.watchdog import Beat, Watchdog, _ranks_text, beat_interval, collective_timeout, diagnose
+import torch
+
+from torchtitan.watchdog import (
+    KEY,
+    Beat,
+    Watchdog,
+    _dump_flight_recorder,
+    _ranks_text,
+    beat_interval,
+    collective_timeout,
+    diagnose,
+)
 
 NOW = 1000.0
 LIMIT, INTERVAL = 10.0, 1.0
@@ -86,3 +99,59 @@ def test_heartbeats_carry_the_phase_and_where_the_main_thread_is(tmp_path):
     finally:
         dog.stop()
     assert not any(t.name == "torchtitan-watchdog" for t in threading.enumerate())
+
+
+class GoneStore(DictStore):
+    """A store whose host can go away (the job's rank 0 ended) and come back."""
+
+    def __init__(self):
+        super().__init__()
+        self.gone, self.refused = False, 0
+
+    def set(self, key, value):
+        if self.gone:
+            self.refused += 1
+            raise ConnectionError("store gone with its host")
+        super().set(key, value)
+
+
+def _wait_for(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_store_gone_with_its_host_does_not_end_the_watchdog(tmp_path, caplog):
+    """A failed beat is logged at debug level and the thread beats on; when the store answers
+    again, the beats carry on from where the main thread is."""
+    caplog.set_level(logging.DEBUG, logger="torchtitan.watchdog")
+    store = GoneStore()
+    dog = Watchdog(0, 2, store, str(tmp_path), limit_seconds=5)  # a beat every 0.5 s
+    dog._fire = lambda: None  # whatever the timing on a busy machine, this process is never ended
+    dog.start()
+    try:
+        store.gone = True
+        _wait_for(lambda: store.refused >= 2)
+        assert dog._thread.is_alive() and "watchdog: store gone with its host" in caplog.text
+        dog.enter("forward/backward", 3)
+        store.gone = False
+        _wait_for(lambda: json.loads(store.data[f"{KEY}0"])["step"] == 3)
+    finally:
+        dog.stop()
+    assert not dog._thread.is_alive()
+
+
+def test_a_flight_recorder_that_fails_leaves_no_file_and_no_error(tmp_path, monkeypatch):
+    """NCCL's trace dump (simulated: CI has no CUDA) raising must not hide the hang report."""
+    def dump():
+        raise RuntimeError("the NCCL trace buffer is not enabled")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", dump, raising=False)
+    path = tmp_path / "nccl-trace-rank-0.pkl"
+    _dump_flight_recorder(str(path))
+    assert not path.exists()
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"trace", raising=False)
+    _dump_flight_recorder(str(path))
+    assert path.read_bytes() == b"trace"

@@ -128,7 +128,7 @@ def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch
         from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
     except ImportError:
         raise ConfigError(f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
-                          f"which torch {torch.__version__} lacks; shard instead (data_parallel_shard_degree > 1)") from None
+                          f"which torch {torch.__version__} lacks; shard instead (training.data_parallel_shard_degree > 1)") from None
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         replicate_fsdp(block, mesh=mesh, mp_policy=policy)

@@ -40,9 +40,10 @@ def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bo
     if device_type != "cuda":
         raise ConfigError("float8.enable_float8_linear needs CUDA GPUs with float8 units (H100 or newer); "
                           "this machine has none (float8.emulate runs it emulated, for tests)")
-    if torch.cuda.get_device_capability() < (8, 9):
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
         raise ConfigError(f"float8.enable_float8_linear needs a GPU of compute capability 8.9 or newer; "
-                          f"{torch.cuda.get_device_name()} has {torch.cuda.get_device_capability()}")
+                          f"{torch.cuda.get_device_name()} has {major}.{minor}")
 
 
 def apply_float8(model: nn.Module, job_config: JobConfig) -> None:

@@ -38,7 +38,7 @@ def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None):
         cls = schedules.get_schedule_class(plan.schedule)
     except ValueError:
         raise ConfigError(f"pipeline schedule {plan.schedule} is not in the installed PyTorch "
-                          f"{torch.__version__}; pick another") from None
+                          f"{torch.__version__}; pick another experimental.pipeline_parallel_schedule") from None
     target = stages if SCHEDULES[plan.schedule].multi_stage else stages[0]
     return cls(target, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
 

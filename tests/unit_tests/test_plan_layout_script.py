@@ -1,0 +1,73 @@
+"""scripts/plan_layout.py's refusals, in this process: each is one `error:` line on stderr and exit
+status 2 (the planner itself, and its choices checked by the dry run, are test_planner.py and
+integration/test_memory_estimate.py)."""
+
+import logging
+
+import pytest
+
+from scripts.plan_layout import main
+
+TINY = ["--flavor", "tiny", "--ngpu", "2", "--seq-len", "64"]
+
+
+@pytest.fixture(autouse=True)
+def _torchtitan_logger_given_back():
+    """main() sets up the torchtitan logger as for a process of its own; later tests get theirs back."""
+    logger = logging.getLogger("torchtitan")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+
+
+def _refused(capsys, argv: list[str]) -> tuple[str, str]:
+    """Runs the planner; asserts exit 2 and that stderr ends in one `error:` line. Returns that
+    line and stdout."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's mistakes end in the parser
+        code = e.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    assert "Traceback" not in out + err
+    return lines[0], out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--flavor", "nope", "--ngpu", "2"], "error: unknown flavor 'nope' of model 'llama3'; choose from debugmodel, "),
+    (["--flavor", "tiny", "--ngpu", "two"], "error: argument --ngpu: expected a number, got 'two'"),
+    (["--flavor", "tiny", "--ngpu", "2", "--device-memory", "80 GB"],
+     "error: argument --device-memory: expected a number, got '80 GB'"),
+    ([*TINY, "--config", "no/such.toml"], "error: --config file not found: no/such.toml"),
+])
+def test_command_line_mistakes(capsys, argv, expected):
+    line, out = _refused(capsys, argv)
+    assert line.startswith(expected), line
+    assert out == ""
+
+
+def test_a_global_batch_no_layout_takes(capsys):
+    line, _ = _refused(capsys, ["--flavor", "tiny", "--ngpu", "3", "--global-batch", "1", "--seq-len", "64"])
+    assert line == ("error: no layout of llama3 tiny on 3 devices (nodes of 8) takes a global batch of 1 sequences of 64: "
+                    "the batch must divide by the data-parallel degree, with at least as many sequences per rank as "
+                    "pipeline stages")
+
+
+def test_a_device_too_small_for_every_layout(capsys):
+    """Every layout's rough figure is over the device: no dry run is spent, and the line says what to change."""
+    line, out = _refused(capsys, [*TINY, "--device-memory", "0.00001"])
+    assert "dry run:" not in out and "0 layouts that fit" in out
+    assert line == ("error: none of the layouts dry-run (at most --max-dry-runs 8) fits; raise --max-dry-runs, --ngpu "
+                    "or --device-memory, or lower --seq-len or --global-batch")
+
+
+def test_a_config_every_layout_refuses(capsys, tmp_path):
+    """The trainer's own refusal of each layout is printed with it (the config's mistake, named),
+    and is not counted as a dry run."""
+    config = tmp_path / "job.toml"
+    config.write_text("[training]\nsteps = 4\nwarmup_steps = 9\n")
+    line, out = _refused(capsys, [*TINY, "--config", str(config), "--max-dry-runs", "1"])
+    refusals = [row for row in out.splitlines() if row.startswith("  refused: ")]
+    assert len(refusals) > 1 and all("training.warmup_steps 9 is longer than the run" in row for row in refusals)
+    assert line.startswith("error: none of the layouts dry-run")
