@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 from torchtitan import optimizer_options
 from torchtitan.assets import resolve_path
-from torchtitan.errors import ConfigError
+from torchtitan.datasets import shards
+from torchtitan.errors import ConfigError, UserError
 from torchtitan.job_config import JobConfig, Metrics
 from torchtitan.parallelisms import parallel_dims, pipeline
 from torchtitan.parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
@@ -221,7 +222,7 @@ __all__ = ["ConfigError", "JobConfig", "help_text", "main", "parse_args", "valid
 # Cross-option rules, each written in the module of the feature it protects (all torch-free, so
 # the launcher's pre-check stays fast), collected here in the order a run meets them.
 OPTION_RULES = (parallel_dims.check_options, optimizer_options.check_options, pipeline.check_options)
-LAYOUT_RULES = (parallel_dims.check_layout, optimizer_options.check_layout)
+LAYOUT_RULES = (parallel_dims.check_layout, optimizer_options.check_layout, shards.check_layout)
 
 _NOT_YET = {
     ("experimental", "enable_compiled_autograd"): bool,
@@ -447,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             world_size = config.job.dry_run_world_size
         if world_size:
             validate_world_size(config, world_size)
-    except ConfigError as e:
+    except UserError as e:  # ConfigError, and a feature rule's own kind (all one line, exit 2)
         print(e.line, file=sys.stderr)
         return 2
     if launch_mode:

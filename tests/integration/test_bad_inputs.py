@@ -258,6 +258,9 @@ CASES: list[Case] = [
     launcher("RDZV_PROGRESS_INTERVAL=0",
              {"NGPU": "2", "NNODES": "2", "RDZV_ENDPOINT": "node0:29500", "RDZV_PROGRESS_INTERVAL": "0"},
              "RDZV_PROGRESS_INTERVAL must be the seconds between a waiting node's progress lines (1 or more), got '0'"),
+    # The launcher's pre-check knows the data-parallel degree (2 ranks of FSDP): refused before torchrun.
+    launcher("dataset_shards not a multiple of the ranks", {"NGPU": "2"},
+             "training.dataset_shards 3 must be a multiple of the data-parallel degree 2", args="--training.dataset_shards 3"),
     launcher("MAX_RESTARTS=-1", {"NGPU": "2", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number of restarts (0 or more)"),
 
     # --- data ----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 
 from torchtitan.datasets.shards import DataShards, decide_data_shards
-from torchtitan.errors import DatasetError
+from torchtitan.errors import ConfigError
 
 
 def test_one_shard_per_rank_by_default_and_a_count_that_splits_evenly():
@@ -12,9 +12,10 @@ def test_one_shard_per_rank_by_default_and_a_count_that_splits_evenly():
 
 
 def test_a_count_the_ranks_cannot_split_is_one_line_naming_the_option():
-    with pytest.raises(DatasetError) as e:
+    with pytest.raises(ConfigError) as e:
         decide_data_shards(6, 0, 4)
-    assert str(e.value) == "training.dataset_shards 6 must be a multiple of the data-parallel degree 4"
+    assert str(e.value) == ("training.dataset_shards 6 must be a multiple of the data-parallel degree 4 "
+                            "(training.data_parallel_replicate_degree x data_parallel_shard_degree)")
 
 
 def test_a_resumed_checkpoints_count_wins_over_the_configured_one():

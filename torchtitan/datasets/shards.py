@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torchtitan.datasets.sources import DatasetError
+from torchtitan.errors import ConfigError  # torch-free: the launcher's pre-check runs check_layout
+
+if TYPE_CHECKING:
+    from torchtitan.job_config import JobConfig
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,18 @@ def decide_data_shards(configured: int, dp_rank: int, dp_degree: int, resumed: i
                         "data-parallel rank)")
         return DataShards(dp_rank, dp_degree, resumed)
     count = dp_degree if configured == -1 else configured
-    if count % dp_degree:
-        raise DatasetError(f"training.dataset_shards {count} must be a multiple of the data-parallel degree {dp_degree}")
+    _check_count(count, dp_degree)
     return DataShards(dp_rank, dp_degree, count)
+
+
+def _check_count(count: int, dp_degree: int) -> None:
+    if count % dp_degree:
+        raise ConfigError(f"training.dataset_shards {count} must be a multiple of the data-parallel degree {dp_degree} "
+                           "(training.data_parallel_replicate_degree x data_parallel_shard_degree)")
+
+
+def check_layout(config: JobConfig, dims: ParallelDims) -> None:
+    """The launcher's pre-check of the count against the layout (a resumed run must ask for the
+    count its checkpoint holds anyway, so this refuses nothing a resume could use)."""
+    if config.training.dataset_shards != -1:
+        _check_count(config.training.dataset_shards, dims.dp_replicate * dims.dp_shard)
