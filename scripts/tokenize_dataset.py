@@ -20,13 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-try:
-    from torchtitan.datasets.pretokenize import pretokenize
-except ImportError:  # torchtitan not installed in this interpreter: fall back to the checkout it lives in
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchtitan.datasets.pretokenize import pretokenize
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, also where it is not installed
 
 from torchtitan.assets import resolve_path
+from torchtitan.datasets.pretokenize import pretokenize  # noqa: E402 - after the path above
 from torchtitan.datasets.sources import DATASETS, DatasetError, local_source, resolve_source
 from torchtitan.datasets.tokenizer import tokenizer_from_file
 from torchtitan.errors import UserError

@@ -16,12 +16,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-try:
-    from torchtitan.datasets.bpe_trainer import save_tiktoken_ranks, train_bpe
-except ImportError:  # torchtitan not installed in this interpreter: fall back to the checkout it lives in
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchtitan.datasets.bpe_trainer import save_tiktoken_ranks, train_bpe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, also where it is not installed
 
+from torchtitan.datasets.bpe_trainer import save_tiktoken_ranks, train_bpe  # noqa: E402 - after the path above
 from torchtitan.errors import DatasetError, UserError  # noqa: E402
 
 

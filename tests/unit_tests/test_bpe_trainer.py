@@ -2,11 +2,8 @@
 scripts/train_tiktoken_bpe.py's mistakes."""
 
 import base64
-import builtins
 import json
 import random
-import runpy
-import sys
 import time
 from pathlib import Path
 
@@ -215,20 +212,3 @@ def test_a_vocabulary_below_the_single_bytes_is_a_usage_error(tmp_path, capsys):
     assert e.value.code == 2
     assert "--vocab-size: must be a whole number >= 256 (the single bytes), got '255'" in capsys.readouterr().err
 
-
-def test_a_checkout_without_torchtitan_installed_finds_it_beside_the_script(monkeypatch):
-    """Run by path from an interpreter that has no torchtitan installed, the script imports the
-    checkout it lives in (simulated: the first import of torchtitan fails)."""
-    script = Path(train_tiktoken_bpe.__file__)
-    real_import, failed = builtins.__import__, []
-
-    def first_import_fails(name, *args, **kwargs):
-        if name == "torchtitan.datasets.bpe_trainer" and not failed:
-            failed.append(name)
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(builtins, "__import__", first_import_fails)
-    namespace = runpy.run_path(str(script), run_name="train_tiktoken_bpe_without_install")
-    assert failed and sys.path[0] == str(script.parents[1]) and namespace["train_bpe"] is train_bpe

@@ -1,15 +1,10 @@
 """scripts/tokenize_dataset.py's mistakes (issue 37): each is one `error:` line on stderr and exit
 status 2, with nothing written where the shards would have gone and the input left as it was."""
 
-import builtins
 import json
-import runpy
-import sys
-from pathlib import Path
 
 import pytest
 
-from scripts import tokenize_dataset
 from scripts.tokenize_dataset import main
 from torchtitan.datasets.tokenized import MANIFEST
 
@@ -159,21 +154,3 @@ def test_an_unreadable_input_file(data, capsys, monkeypatch):
     line = _refused(capsys, data, "--input", "web", "--out", "t")
     assert line == "error: cannot read web/a.jsonl: Permission denied"
 
-
-def test_a_checkout_without_torchtitan_installed_finds_it_beside_the_script(monkeypatch):
-    """Run by path from an interpreter that has no torchtitan installed, the script imports the
-    checkout it lives in (simulated: the first import of torchtitan fails)."""
-    script = Path(tokenize_dataset.__file__)
-    real_import, failed = builtins.__import__, []
-
-    def first_import_fails(name, *args, **kwargs):
-        if name == "torchtitan.datasets.pretokenize" and not failed:
-            failed.append(name)
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(builtins, "__import__", first_import_fails)
-    namespace = runpy.run_path(str(script), run_name="tokenize_dataset_without_install")
-    assert failed and sys.path[0] == str(script.parents[1])
-    assert namespace["pretokenize"] is tokenize_dataset.pretokenize
