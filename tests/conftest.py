@@ -74,3 +74,18 @@ class SuiteClock:
             if seconds > TEST_BUDGET_SECONDS and nodeid not in self.reasons:
                 write(f"over the {TEST_BUDGET_SECONDS:.0f} s budget without a reason (@pytest.mark.budget): "
                       f"{nodeid} ({seconds:.1f} s)")
+
+
+@pytest.fixture
+def process_state_given_back():
+    """For tests that call a `main()` in this process: it sets up the process as its own (the
+    torchtitan logger's handlers and propagation, gc.freeze of the imports); later tests get the
+    state back."""
+    import gc
+    import logging
+
+    logger = logging.getLogger("torchtitan")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+    gc.unfreeze()

@@ -2,7 +2,6 @@
 status 2 (the planner itself, and its choices checked by the dry run, are test_planner.py and
 integration/test_memory_estimate.py)."""
 
-import logging
 
 import pytest
 
@@ -11,13 +10,7 @@ from scripts.plan_layout import main
 TINY = ["--flavor", "tiny", "--ngpu", "2", "--seq-len", "64"]
 
 
-@pytest.fixture(autouse=True)
-def _torchtitan_logger_given_back():
-    """main() sets up the torchtitan logger as for a process of its own; later tests get theirs back."""
-    logger = logging.getLogger("torchtitan")
-    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+pytestmark = pytest.mark.usefixtures("process_state_given_back")
 
 
 def _refused(capsys, argv: list[str]) -> tuple[str, str]:

@@ -2,8 +2,6 @@
 nothing to save, so Ctrl-C (and SIGTERM for a single process) ends the run at once, with one line
 and the shell's code for the signal. Stops once training runs are tests/integration/test_bad_inputs.py's."""
 
-import gc
-import logging
 import os
 import signal
 import time
@@ -12,15 +10,7 @@ import pytest
 
 from torchtitan import train
 
-
-@pytest.fixture(autouse=True)
-def _process_state_given_back():
-    """main() sets up the process (logger, frozen imports) as for a process of its own."""
-    logger = logging.getLogger("torchtitan")
-    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("process_state_given_back")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
