@@ -76,11 +76,11 @@ class SuiteClock:
                       f"{nodeid} ({seconds:.1f} s)")
 
 
-@pytest.fixture
-def process_state_given_back():
-    """For tests that call a `main()` in this process: it sets up the process as its own (the
-    torchtitan logger's handlers and propagation, gc.freeze of the imports); later tests get the
-    state back."""
+@pytest.fixture(autouse=True)
+def _process_state_given_back():
+    """Many tests call a script's or the trainer's `main()` in this process, which sets up the
+    process as its own (the torchtitan logger's handlers, and no propagation, which would hide its
+    records from later tests' caplog; gc.freeze of the imports): every test gets the state back."""
     import gc
     import logging
 

@@ -448,7 +448,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
         "no head count": (["dcp-to-hf", no_config, tmp / "out"], "the checkpoint's model llama3 unknown is not a registered "
                                                                  "flavor, so its head count is unknown; pass --n-heads"),
         "damaged metadata": (["dcp-to-torch", damaged["metadata"], tmp / "out.pt"], "its DCP metadata cannot be read "
-                             "safely (ModuleNotFoundError: No module named 'torch.distributed.checkpoinX')"),
+                             "safely (refusing to load torch.distributed.checkpoinX.metadata.Metadata from a checkpoint's "
+                             "metadata)"),
         "no model weights": (["dcp-to-torch", empty, tmp / "out.pt"], f"checkpoint {empty} holds no model weights"),
         "kept config.json no object": (["dcp-to-hf", damaged["config"], tmp / "out"], "/hf/files/config.json is not a "
                                                                                       "JSON object"),

@@ -10,8 +10,6 @@ from scripts.plan_layout import main
 TINY = ["--flavor", "tiny", "--ngpu", "2", "--seq-len", "64"]
 
 
-pytestmark = pytest.mark.usefixtures("process_state_given_back")
-
 
 def _refused(capsys, argv: list[str]) -> tuple[str, str]:
     """Runs the planner; asserts exit 2 and that stderr ends in one `error:` line. Returns that

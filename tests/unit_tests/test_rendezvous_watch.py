@@ -11,6 +11,7 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
+from torchtitan import launch
 from torchtitan.launch import RendezvousWatch, _rendezvous_failure
 
 pytestmark = pytest.mark.fast
@@ -19,6 +20,13 @@ pytestmark = pytest.mark.fast
 def _args(port: int, nnodes: int, conf: str = "is_host=1,join_timeout=6") -> argparse.Namespace:
     return argparse.Namespace(rdzv_endpoint=f"127.0.0.1:{port}", nnodes=str(nnodes), rdzv_id="watch-test",
                               rdzv_conf=conf)
+
+
+@pytest.fixture(autouse=True)
+def _no_ranks_started(monkeypatch):
+    """The watch also ends once its launcher has child processes (the ranks); this process's
+    children, if any, are the test suite's (its warm launcher), not ranks."""
+    monkeypatch.setattr(launch, "_started_ranks", lambda: False)
 
 
 @pytest.fixture
@@ -107,6 +115,35 @@ def test_a_store_that_holds_something_else_ends_the_watch_quietly(store, capsys)
     watch._thread.join(timeout=5)
     assert not watch._thread.is_alive() and watch.arrivals is None
     assert capsys.readouterr().err == ""
+
+
+def test_node_0_gone_while_waiting_ends_the_watch_quietly(capsys):
+    """Node 0's store closes under a waiting node (node 0 failed): torchrun's own error ends the
+    wait, so the watch stops reading without a line or a traceback."""
+    node0 = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=5))
+    watch = RendezvousWatch(_args(node0.port, 2, "is_host=0"), node_rank=1, interval=0.2)
+    watch.start()
+    _wait_for(lambda: watch.arrivals is not None)
+    del node0  # the last reference: the store's server stops
+    watch._thread.join(timeout=10)
+    assert not watch._thread.is_alive()
+    assert all(line.startswith("waiting: 1 of 2 nodes") for line in _lines(capsys))
+
+
+def test_without_the_proc_socket_tables_node_0_reads_its_store_as_not_open(store, monkeypatch):
+    """A kernel without /proc/self/net/tcp6 (no IPv6) or tcp: the store cannot be seen listening,
+    so node 0's watch says the store is not open rather than failing."""
+    real_open = open
+
+    def no_tables(path, *args, **kwargs):
+        if str(path).startswith("/proc/self/net/"):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_open(path, *args, **kwargs)
+
+    assert launch._listening_here(store.port)
+    monkeypatch.setattr(launch, "open", no_tables, raising=False)
+    assert not launch._listening_here(store.port)
 
 
 def test_the_error_at_the_timeout_names_the_missing_nodes(store):

@@ -10,8 +10,6 @@ import pytest
 
 from torchtitan import train
 
-pytestmark = pytest.mark.usefixtures("process_state_given_back")
-
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_ends_the_run_at_once(monkeypatch, capsys, sig):
