@@ -19,9 +19,15 @@ COMPILED = pytest.mark.budget("a compiled point: inductor's C++ build and dynamo
                               "compiles only the points a goal needs (layout_matrix._compile_sparingly)")
 
 
+# A trained point proves numerics; the refusals and error paths it could meet are the refused
+# points' and other tests' (docs/testing.md "Error paths"), so its ranks run without coverage.
+UNMEASURED = pytest.mark.unmeasured("numerics only: trains and compares losses")
+
+
 def marks(point) -> list:
     compiled = point.value("compile") == "on" and not point.refused_by_design
-    return [mark for mark, wanted in ((pytest.mark.fast, point.name in FAST), (COMPILED, compiled)) if wanted]
+    return [mark for mark, wanted in ((pytest.mark.fast, point.name in FAST), (COMPILED, compiled),
+                                      (UNMEASURED, not point.refused_by_design)) if wanted]
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=marks(p)) for n, p in POINTS.items()])

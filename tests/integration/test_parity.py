@@ -13,6 +13,7 @@ from torchtitan.tools.parity import DOCUMENT_MASK, SUITES, Layout, ParityError, 
 FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2")
 
 
+@pytest.mark.unmeasured("numerics only: trains and compares losses; the harness's verdicts are test_parity_harness.py's")
 @pytest.mark.parametrize("name", [pytest.param(layout.name, marks=pytest.mark.fast) if layout.name in FAST else layout.name
                                   for suite in SUITES.values() for layout in suite])
 def test_layout_matches_single_process(parity, name):

@@ -35,12 +35,27 @@ from torchtitan.tools.runs import raise_for_exit, trainer_env
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _stop_coverage() -> None:
+    """The whole suite measures every process, this server included, and its forks restart the
+    measurement; a job of an `unmeasured` test (tests/conftest.py) stops it, and its ranks, forked
+    from it without the variable that starts coverage, then run unmeasured too."""
+    try:
+        import coverage
+    except ImportError:
+        return
+    current = coverage.Coverage.current()
+    if current is not None:
+        current.stop()
+
+
 def _run_job(request: dict) -> int:
     """In the forked job process: becomes the requested run and returns its exit code."""
     os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if "COVERAGE_PROCESS_CONFIG" not in os.environ:
+        _stop_coverage()
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
