@@ -73,16 +73,18 @@ def test_stuck_ranks_that_end_before_the_kill_are_no_error(children, tmp_path, m
         raise ProcessLookupError(3, "No such process")
 
     _hang_report(tmp_path, monkeypatch, *(c.pid for c in children))
-    monkeypatch.setattr(launch.os, "kill", already_gone)
-    done, thread = _watch(tmp_path)
-    try:
-        deadline = time.monotonic() + 10
-        while len(tried) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert tried == [(c.pid, signal.SIGKILL) for c in children]
-    finally:
-        done.set()
-        thread.join(timeout=5)
+    # os.kill is patched for the whole process: given back before the fixture ends the children.
+    with monkeypatch.context() as patched:
+        patched.setattr(launch.os, "kill", already_gone)
+        done, thread = _watch(tmp_path)
+        try:
+            deadline = time.monotonic() + 10
+            while len(tried) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert tried == [(c.pid, signal.SIGKILL) for c in children]
+        finally:
+            done.set()
+            thread.join(timeout=5)
     assert not thread.is_alive()
 
 
