@@ -42,6 +42,17 @@ def parse_split_points(points: list[str], n_layers: int) -> list[int]:
     return starts
 
 
+def decoder_unit_costs(block_flops: float, n_layers: int, vocab_rows: int, dim: int, seq_len: int) -> list[float]:
+    """Estimated training cost of each transformer block, in FLOPs per token: `block_flops` (the
+    family's per-block cost, the one its FLOP count uses) for every block, with the output
+    projection added to the last block (it runs on the last stage) and the embedding lookup, which
+    costs memory but almost no compute, counted by its parameters on the first."""
+    costs = [float(block_flops)] * n_layers
+    costs[-1] += 6.0 * vocab_rows * dim
+    costs[0] += vocab_rows * dim / seq_len  # the embedding's weight update, spread over the tokens
+    return costs
+
+
 def stage_starts(n_layers: int, unit_costs: list[float], job_config: JobConfig, plan: PipelinePlan) -> list[int]:
     """The block index where each stage after the first starts: as configured, or balancing
     `unit_costs` (one estimated cost per block)."""
