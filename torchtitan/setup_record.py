@@ -30,6 +30,7 @@ from torchtitan.metrics import MetricsLogger, local_state_bytes
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline_runtime import schedule_stages
 from torchtitan.parallelisms.ring_attention import ring_attention
 
 if TYPE_CHECKING:
@@ -84,8 +85,7 @@ def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, p
     facts = {"rank": dist.get_rank() if dist.is_initialized() else 0, "parameter_bytes": param_bytes,
              "optimizer_state_bytes": state_bytes}
     if pipeline is not None:
-        # The schedule keeps this rank's stages in `_stages` (multi-stage) or `_stage` (no public getter).
-        stages = getattr(pipeline.schedule, "_stages", None) or [pipeline.schedule._stage]
+        stages = schedule_stages(pipeline.schedule)
         facts["pipeline_stages"] = [{"stage": s.stage_index, "blocks": _blocks(s.submod)} for s in stages]
     return facts
 

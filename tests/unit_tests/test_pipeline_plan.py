@@ -26,6 +26,7 @@ from torchtitan.parallelisms.pipeline import (
     balanced_split,
     plan_pipeline,
     stage_ids_for_rank,
+    stage_ranks,
     theoretical_bubble,
 )
 
@@ -233,6 +234,9 @@ def test_every_stage_placed_exactly_once(pp, schedule, stages_per_rank):
     placed = [s for rank in range(pp) for s in stage_ids_for_rank(rank, plan)]
     assert sorted(placed) == list(range(plan.num_stages))
     assert all(len(stage_ids_for_rank(rank, plan)) == stages_per_rank for rank in range(pp))
+    # stage_ranks is the same placement seen from the stages.
+    assert stage_ranks(plan) == {s: rank for rank in range(pp) for s in stage_ids_for_rank(rank, plan)}
+    assert sorted(stage_ranks(plan)) == list(range(plan.num_stages))
 
 
 # ----------------------------------------------------------------------------- balanced_split

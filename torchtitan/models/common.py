@@ -95,6 +95,12 @@ def build_norm(norm_type: str, dim: int, eps: float = 1e-6) -> nn.Module:
     raise ValueError(f"unknown norm_type {norm_type!r}; expected rmsnorm, layernorm or np_layernorm")
 
 
+def norm_params(norm_type: str, dim: int) -> int:
+    """Parameters of the norm `build_norm(norm_type, dim)` makes (a weight, or nothing), from the
+    shapes alone, for the FLOP counts."""
+    return 0 if norm_type == "np_layernorm" else dim
+
+
 def reset_norm(norm: nn.Module) -> None:
     """Re-initialises a norm's parameters in place (weights to one)."""
     if getattr(norm, "weight", None) is not None:

@@ -180,6 +180,11 @@ def stage_ids_for_rank(pp_rank: int, plan: PipelinePlan) -> list[int]:
     return [pp_rank + s * plan.pp for s in range(plan.stages_per_rank)]
 
 
+def stage_ranks(plan: PipelinePlan) -> dict[int, int]:
+    """The pp rank that runs each stage: the inverse of stage_ids_for_rank."""
+    return {stage: rank for rank in range(plan.pp) for stage in stage_ids_for_rank(rank, plan)}
+
+
 def balanced_split(costs: Sequence[float], num_stages: int) -> list[int]:
     """Cuts a sequence of per-unit costs into `num_stages` contiguous non-empty parts so that the
     most expensive part is as cheap as possible (exact, by dynamic programming). Returns the index

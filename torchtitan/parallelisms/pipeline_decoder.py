@@ -21,7 +21,7 @@ from torch import nn
 from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split, stage_ids_for_rank
+from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split, stage_ids_for_rank, stage_ranks
 from torchtitan.parallelisms.pipeline_runtime import Pipeline, build_schedule, forward_only_schedule, make_stages
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
@@ -40,6 +40,17 @@ def parse_split_points(points: list[str], n_layers: int) -> list[int]:
     if starts != sorted(set(starts)):
         raise ConfigError(f"experimental.pipeline_parallel_split_points must be increasing and distinct, got {points}")
     return starts
+
+
+def decoder_unit_costs(block_flops: float, n_layers: int, vocab_rows: int, dim: int, seq_len: int) -> list[float]:
+    """Estimated training cost of each transformer block, in FLOPs per token: `block_flops` (the
+    family's per-block cost, the one its FLOP count uses) for every block, with the output
+    projection added to the last block (it runs on the last stage) and the embedding lookup, which
+    costs memory but almost no compute, counted by its parameters on the first."""
+    costs = [float(block_flops)] * n_layers
+    costs[-1] += 6.0 * vocab_rows * dim
+    costs[0] += vocab_rows * dim / seq_len  # the embedding's weight update, spread over the tokens
+    return costs
 
 
 def stage_starts(n_layers: int, unit_costs: list[float], job_config: JobConfig, plan: PipelinePlan) -> list[int]:
@@ -105,7 +116,8 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
         # The embedding (first stage) and the output projection (last stage) share one matrix.
         by_stage = dict(zip(stage_ids, modules))
         last_stage = plan.num_stages - 1
-        owners = tuple(next(r for r in range(plan.pp) if s in stage_ids_for_rank(r, plan)) for s in (0, last_stage))
+        placement = stage_ranks(plan)
+        owners = (placement[0], placement[last_stage])
         tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
                            (by_stage[last_stage], "output") if last_stage in by_stage else None,
                            owners, parallel_dims.world_mesh)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms import distributed as tt_dist
-from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan, stage_ids_for_rank
+from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan, stage_ids_for_rank, stage_ranks
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
 
 
@@ -55,7 +55,7 @@ def forward_only_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable):
                       for mb in range(plan.microbatches)] for rank in range(plan.pp)}
     # Lowered here rather than by _prepare_schedule_with_comms, whose check wants every microbatch's
     # backward: FSDP's unshard/reshard around each stage's run, then the sends and receives.
-    placement = {stage: rank for rank in range(plan.pp) for stage in stage_ids_for_rank(rank, plan)}
+    placement = stage_ranks(plan)
     schedule.stage_index_to_group_rank = placement
     for stage in stages:
         stage.stage_index_to_group_rank = placement
@@ -78,6 +78,12 @@ def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePl
             for module, stage_id in zip(modules, stage_ids)]
 
 
+def schedule_stages(schedule) -> list[PipelineStage]:
+    """This rank's stages in a schedule, in the schedule's order. PyTorch 2.13 has no public getter:
+    single-stage schedules keep theirs in `_stage`, multi-stage ones in `_stages`."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
 class BusyTimer:
     """Measures how much of a schedule's step this rank spends computing (its stages' forward and
     backward chunks and the loss); the rest of the step is the pipeline bubble plus waiting for
@@ -88,9 +94,7 @@ class BusyTimer:
 
     def __init__(self, schedule) -> None:
         self.busy = 0.0
-        # Single-stage schedules keep their stage in `_stage`, multi-stage ones in `_stages`.
-        stages = getattr(schedule, "_stages", None) or [schedule._stage]
-        for stage in stages:
+        for stage in schedule_stages(schedule):
             for name in self._STAGE_METHODS:
                 if hasattr(stage, name):
                     setattr(stage, name, self._timed(getattr(stage, name)))
@@ -113,7 +117,7 @@ def _count_statistics_in_chunks_only(schedule, counting_on: Callable[[], bool]) 
     counts) count only in the schedule's microbatch forwards of training steps (`counting_on()`):
     on its first step a schedule also runs each stage forward once to learn the shapes it
     exchanges, and validation runs forwards too; neither must count."""
-    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+    for stage in schedule_stages(schedule):
         counters = [m for m in stage.submod.modules() if hasattr(m, "count_step_stats")]
         if not counters:
             continue

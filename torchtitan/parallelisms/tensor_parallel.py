@@ -1,6 +1,6 @@
 """Tensor-parallel pieces every decoder family shares: the plan of the model's root (embedding,
 final norm, output projection), the padded-vocabulary mask for sharded logits, async TP, and
-per-block compilation. Each family's parallelize function adds its own per-block plan.
+per-block compilation. The block's plan is decoder_tp_plan.py's, which each family extends.
 
 The root plan assumes the decoder layout both families use: `tok_embeddings`, `layers`, `norm`,
 `output` and an optional `vocab_mask` (any of them None on a pipeline stage that lacks it).

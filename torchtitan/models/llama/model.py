@@ -37,6 +37,7 @@ from torchtitan.models.common import (  # noqa: F401  (RopeScaling, apply_rope: 
     build_norm,
     causal_attention,
     document_causal_mask,
+    norm_params,
     reset_norm,
     rope_table,
     trunc_normal,
@@ -203,11 +204,20 @@ class Transformer(nn.Module):
         return self.vocab_mask(logits) if self.vocab_mask is not None else logits
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 per non-embedding parameter plus causal-free attention
-        scores (the common convention, so MFU figures compare with other stacks)."""
-        n_params = sum(p.numel() for p in self.parameters())
-        # An untied embedding is a lookup, not a matmul; a tied one is also the output projection.
-        if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
-            n_params -= self.tok_embeddings.weight.numel()
+        """Training FLOPs per token: every block's (`block_flops`) plus 6 per parameter of the final
+        norm and the output projection. An untied embedding is a lookup, not a matmul; a tied one
+        counts once, as the output projection."""
         a = self.args
-        return int(6 * n_params + 12 * a.n_layers * a.n_heads * (a.dim // a.n_heads) * seq_len)
+        rows = a.vocab_size + a.vocab_padding
+        return a.n_layers * block_flops(a, seq_len) + 6 * (norm_params(a.norm_type, a.dim) + rows * a.dim)
+
+
+def block_flops(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token of one transformer block, the cost the FLOP count (MFU) and the
+    pipeline split share: 6 per parameter (2 forward, 4 backward) plus the attention scores without
+    the causal half (the common convention, so MFU figures compare with other stacks)."""
+    head_dim = args.dim // args.n_heads
+    kv_dim = (args.n_kv_heads or args.n_heads) * head_dim
+    attention = args.dim * (2 * args.n_heads * head_dim + 2 * kv_dim)
+    params = attention + 3 * args.dim * ffn_hidden_dim(args) + 2 * norm_params(args.norm_type, args.dim)
+    return 6 * params + 12 * args.n_heads * head_dim * seq_len

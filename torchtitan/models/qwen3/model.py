@@ -194,12 +194,11 @@ class Qwen3(nn.Module):
         return flops_per_token(self.args, seq_len)
 
 
-def param_counts(args: Qwen3ModelArgs) -> tuple[int, int]:
-    """(total, activated per token) parameters of a whole model, embeddings included, from the
-    shapes alone. Activated counts top_k of the experts (and the router)."""
+def block_params(args: Qwen3ModelArgs) -> tuple[int, int]:
+    """(total, activated per token) parameters of one block, from the shapes alone. Activated
+    counts top_k of the experts (and the router)."""
     a = args
-    rows = a.vocab_size + a.vocab_padding
-    attention = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) + 2 * a.head_dim
+    attention = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) + 2 * a.head_dim  # and the q/k norms
     norms = 2 * a.dim
     if a.is_moe:
         expert = 3 * a.dim * a.moe_hidden_dim
@@ -207,15 +206,27 @@ def param_counts(args: Qwen3ModelArgs) -> tuple[int, int]:
         ffn_active = a.top_k * expert + a.dim * a.num_experts
     else:
         ffn_total = ffn_active = 3 * a.dim * a.hidden_dim
+    return attention + norms + ffn_total, attention + norms + ffn_active
+
+
+def param_counts(args: Qwen3ModelArgs) -> tuple[int, int]:
+    """(total, activated per token) parameters of a whole model, embeddings included, from the
+    shapes alone."""
+    a = args
+    rows = a.vocab_size + a.vocab_padding
+    block_total, block_active = block_params(a)
     embeddings = rows * a.dim * (1 if a.tie_word_embeddings else 2)
-    total = a.n_layers * (attention + norms + ffn_total) + a.dim + embeddings
-    active = a.n_layers * (attention + norms + ffn_active) + a.dim + embeddings
-    return total, active
+    return a.n_layers * block_total + a.dim + embeddings, a.n_layers * block_active + a.dim + embeddings
+
+
+def block_flops(args: Qwen3ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token of one block, the cost the FLOP count (MFU) and the pipeline split
+    share: 6 per activated parameter plus the attention scores (Llama's convention)."""
+    return 6 * block_params(args)[1] + 12 * args.n_heads * args.head_dim * seq_len
 
 
 def flops_per_token(args: Qwen3ModelArgs, seq_len: int) -> int:
-    _, active = param_counts(args)
+    """Every block's FLOPs plus 6 per parameter of the final norm and the output projection (an
+    untied embedding is a lookup, not a matmul; a tied one counts once, as the output)."""
     rows = args.vocab_size + args.vocab_padding
-    if not args.tie_word_embeddings:
-        active -= rows * args.dim  # an untied embedding is a lookup, not a matmul
-    return int(6 * active + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len)
+    return args.n_layers * block_flops(args, seq_len) + 6 * (args.dim + rows * args.dim)

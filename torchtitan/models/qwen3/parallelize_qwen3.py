@@ -12,14 +12,7 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
@@ -27,6 +20,7 @@ from torchtitan.models.qwen3.model import Qwen3ModelArgs
 from torchtitan.models.qwen3.pipeline_qwen3 import stage_starts_for
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
+from torchtitan.parallelisms.decoder_tp_plan import apply_decoder_tp, decoder_block_plan
 from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, configure_moe, moe_fsdp_units, moe_tp_plan
 from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -35,7 +29,6 @@ from torchtitan.parallelisms.tensor_parallel import (
     apply_ac_and_compile,
     apply_async_tp,
     apply_compile,
-    apply_root_tp,
     check_tp_shapes,
 )
 
@@ -119,36 +112,19 @@ def apply_compile_attention(model: nn.Module) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
-    """Llama's Megatron-style plan for attention and dense feed-forwards (see parallelize_llama),
-    plus the per-head q/k norms, which see a slice of the heads (their weights stay whole and
-    get the sum of the slices' gradients), and MoE layers, which take their rank's slice of the
-    sequence (expert_parallel.moe_tp_plan)."""
-    seq = Shard(1) if sequence_parallel else Replicate()
-    apply_root_tp(model, tp_mesh, loss_parallel, sequence_parallel)
-    for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            # q and k are (batch, seq, local heads, head_dim): sharded on dim 2.
-            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        }
-        if block.moe is not None:
-            plan["moe"] = moe_tp_plan(sequence_parallel)
-        else:
-            plan.update({
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            })
-        if sequence_parallel:
-            plan.update({
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            })
-            if block.moe is None:
-                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        parallelize_module(block, tp_mesh, plan)
+    """The shared decoder plan (parallelisms/decoder_tp_plan.py) plus what Qwen3's blocks add."""
+    apply_decoder_tp(model, tp_mesh, loss_parallel, sequence_parallel,
+                     lambda block: qwen3_block_plan(block, sequence_parallel))
+
+
+def qwen3_block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The per-head q/k norms see a slice of the heads (their weights stay whole and get the sum of
+    the slices' gradients); MoE layers take their rank's slice of the sequence
+    (expert_parallel.moe_tp_plan) in place of the dense feed-forward's plan."""
+    plan = decoder_block_plan(block, sequence_parallel)
+    # q and k are (batch, seq, local heads, head_dim): sharded on dim 2.
+    plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if block.moe is not None:
+        plan["moe"] = moe_tp_plan(sequence_parallel)
+    return plan

@@ -7,25 +7,18 @@ import torch
 from torch import nn
 
 from torchtitan.job_config import JobConfig
-from torchtitan.models.qwen3.model import Qwen3ModelArgs, param_counts
+from torchtitan.models.qwen3.model import Qwen3ModelArgs, block_flops
 from torchtitan.models.train_spec import LossFn, ParallelizeFn
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
-from torchtitan.parallelisms.pipeline_decoder import build_decoder_pipeline, stage_starts
+from torchtitan.parallelisms.pipeline_decoder import build_decoder_pipeline, decoder_unit_costs, stage_starts
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 
 
 def unit_costs(args: Qwen3ModelArgs, seq_len: int) -> list[float]:
-    """Training FLOPs per token of each block (its activated parameters and attention scores),
-    with the output projection on the last block and the embedding's update on the first."""
-    _, active = param_counts(args)
-    rows = args.vocab_size + args.vocab_padding
-    embeddings = rows * args.dim * (1 if args.tie_word_embeddings else 2)
-    block = 6.0 * (active - embeddings - args.dim) / args.n_layers + 12.0 * args.n_heads * args.head_dim * seq_len
-    costs = [block] * args.n_layers
-    costs[-1] += 6.0 * rows * args.dim
-    costs[0] += rows * args.dim / seq_len
-    return costs
+    """Estimated training cost of each block (pipeline_decoder.decoder_unit_costs)."""
+    return decoder_unit_costs(block_flops(args, seq_len), args.n_layers, args.vocab_size + args.vocab_padding,
+                              args.dim, seq_len)
 
 
 def stage_starts_for(args: Qwen3ModelArgs, job_config: JobConfig, plan: PipelinePlan) -> list[int]:
