@@ -309,9 +309,8 @@ class Trainer:
         if not ran_out:  # the step's own tail
             mark.step_done()  # the profiler's and the memory snapshot's step
             self.stop_if_agreed(result)
-        if self.validator is not None and result is not None and self.validated < step and (
-                last or self.validator.due(step)):
-            # A stop abandons a validation, as the step after it stops the run: none follows the last.
+        if self.validation_due(result, last):
+            # A stop abandons a validation, since the step after it stops the run; none follows the last.
             self.validate_in_run(step, None if ran_out else self.stops)
         if not ran_out:
             self.progress.step_done(step)
@@ -324,6 +323,11 @@ class Trainer:
         if result is None or self.logged >= result.step:
             return False
         return last or bool(result.stop_signal) or result.step == 1 or result.step % self.job_config.metrics.log_freq == 0
+
+    def validation_due(self, result: StepResult | None, last: bool) -> bool:
+        if self.validator is None or result is None or self.validated >= result.step:
+            return False
+        return last or self.validator.due(result.step)
 
     def log(self, result: StepResult) -> None:
         """One step line (console, TensorBoard, metrics.jsonl) over the steps since the last one."""
