@@ -72,6 +72,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
+    """This rank's part of the job: the build sequence, then the Trainer's run (trainer/loop.py)."""
     started = time.perf_counter()
     t = job_config.training
     # Everything that can be checked without a process group is checked first, on every rank.
