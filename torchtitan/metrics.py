@@ -294,7 +294,7 @@ class StepMetrics:
     model_values: dict[str, float] = field(default_factory=dict)
     model_summary: str = ""
     # Straggler report: (slowest rank, its seconds, the median) of the ranks' own time per step
-    # (data loading and optimizer step, train_loop); None on one process.
+    # (data loading and optimizer step, trainer/instruments.py); None on one process.
     own_seconds: tuple[int, float, float] | None = None
     steps: int = 1  # steps since the last log line
     total_steps: int = 0  # training.steps, for `step: 10/100`; 0 leaves it out

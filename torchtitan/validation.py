@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan import watchdog
 from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.text_dataset import validation_batch_size
@@ -35,7 +34,8 @@ from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
-from torchtitan.step import document_mask_eos, model_kwargs
+from torchtitan.trainer.step import document_mask_eos, model_kwargs
+from torchtitan.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +103,11 @@ class Validator:
         return sum(p.double() * n for p, n in zip(parts, sizes)) / sum(sizes)
 
     @torch.no_grad()
-    def run(self, step: int, stops: Any = None) -> ValidationResult | None:
+    def run(self, step: int, stops: Any = None, watchdog: Watchdog | None = None) -> ValidationResult | None:
         """Validates the model as it is after `step`; None when a stop (a signal, a preemption) was
         requested on some rank meanwhile: the validation is abandoned at the next batch, so that the
-        training loop can stop and save without waiting for it."""
+        training loop can stop and save without waiting for it. `watchdog`: this rank's, told of each
+        batch (a rank stuck in validation is named like one stuck in a step)."""
         start = time.perf_counter()
         batches = iter(self.build_dataloader(self.job_config, self.tokenizer, self.shards))
         counters = {m: m.count_step_stats for part in self.model_parts for m in part.modules()
@@ -118,7 +119,8 @@ class Validator:
         total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
         try:
             while self.v.steps < 0 or n < self.v.steps:
-                watchdog.enter("validation", step)
+                if watchdog is not None:
+                    watchdog.enter("validation", step)
                 batch = next(batches, None)
                 # Every rank stops after the same batch: at the end of the data, or for a stop.
                 ended, stop = tt_dist.max_across_ranks([batch is None, stops.requested if stops is not None else 0])

@@ -1,7 +1,7 @@
 """No silent hangs: every rank publishes where it is, and a rank that waits too long says who is stuck.
 
-The training loop marks each phase of a step (`enter("forward/backward", step)`: an attribute write,
-no communication). A daemon thread per rank publishes a heartbeat (host, pid, step, phase, the
+The trainer builds one Watchdog per rank (`watch_this_rank`) and marks each phase of a step
+(`enter("forward/backward", step)`: an attribute write, no communication). A daemon thread per rank publishes a heartbeat (host, pid, step, phase, the
 innermost Python frame of the main thread, the time) into the job's c10d store every few seconds.
 When this rank's main thread has stayed in one phase longer than the limit (the collective timeout
 in force: `comm.init_timeout_seconds` until the first step is done, `comm.train_timeout_seconds`
@@ -130,6 +130,8 @@ class Watchdog:
     """One rank's progress marker, heartbeat and hang detector (see the module docstring)."""
 
     def __init__(self, rank: int, world_size: int, store, dump_folder: str, limit_seconds: float):
+        """`store`: the job's c10d store the heartbeats go through; None for one that only records
+        the phase (a single process)."""
         self.rank, self.world_size, self.store = rank, world_size, store
         self.dumps = os.path.join(dump_folder, DUMP_FOLDER)
         self.limit = float(limit_seconds)
@@ -151,8 +153,9 @@ class Watchdog:
         self._wake.set()
 
     def start(self) -> Watchdog:
-        self._publish()
-        self._thread.start()
+        if self.store is not None:
+            self._publish()
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -160,6 +163,12 @@ class Watchdog:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     # ------------------------------------------------------------------------------------------
     # The watchdog thread
@@ -242,32 +251,12 @@ def _dump_flight_recorder(path: str) -> None:
         logger.debug(f"flight recorder dump failed: {e}")
 
 
-_current: Watchdog | None = None
-
-
-def start(rank: int, world_size: int, dump_folder: str, limit_seconds: float) -> None:
-    """Starts this rank's watchdog on the default process group's store (multi-rank runs only)."""
-    global _current
+def watch_this_rank(rank: int, world_size: int, dump_folder: str, limit_seconds: float) -> Watchdog:
+    """This rank's watchdog, started on the default process group's store. A single process has no
+    peer to wait for: its watchdog records the phase and nothing watches it."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or world_size < 2:
-        return
-    _current = Watchdog(rank, world_size, dist.distributed_c10d._get_default_store(), dump_folder,
-                        limit_seconds).start()
-
-
-def enter(phase: str, step: int | None = None) -> None:
-    if _current is not None:
-        _current.enter(phase, step)
-
-
-def set_limit(seconds: float) -> None:
-    if _current is not None:
-        _current.set_limit(seconds)
-
-
-def stop() -> None:
-    global _current
-    if _current is not None:
-        _current.stop()
-        _current = None
+    store = None
+    if dist.is_initialized() and world_size > 1:
+        store = dist.distributed_c10d._get_default_store()
+    return Watchdog(rank, world_size, store, dump_folder, limit_seconds).start()

@@ -8,7 +8,7 @@ import torch
 from torchtitan.config_manager import parse_args
 from torchtitan.models.train_spec import get_train_spec
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.step import with_compiled_loss
+from torchtitan.trainer.step import with_compiled_loss
 
 
 def dims(tp=1):

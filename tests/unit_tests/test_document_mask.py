@@ -189,7 +189,7 @@ def test_masked_kernel_keeps_the_cpu_upcast_of_bf16():
 def test_the_training_step_passes_document_ids_only_with_the_option():
     """Off, the model gets the tokens alone (today's call); on, the ids of the whole sequences."""
     from torchtitan.config_manager import parse_args
-    from torchtitan.step import document_mask_eos, model_kwargs
+    from torchtitan.trainer.step import document_mask_eos, model_kwargs
 
     class Vocabulary:
         eos_id = EOS

@@ -18,6 +18,7 @@ import torch
 import torchtitan.preflight
 import torchtitan.profiling
 import torchtitan.train
+import torchtitan.trainer.step
 from tests.helpers import TINY_RUN, run_train
 from torchtitan.config_manager import parse_args
 from torchtitan.errors import ConfigError
@@ -205,7 +206,7 @@ def test_the_training_loop_dumps_at_its_steps(tmp_path, trainer_with_fake_cuda):
 
 
 def test_out_of_memory_in_the_training_loop_is_dumped(tmp_path, trainer_with_fake_cuda, monkeypatch):
-    real_forward_backward = torchtitan.train.forward_backward
+    real_forward_backward = torchtitan.trainer.step.forward_backward
     calls = []
 
     def runs_out_in_step_3(*args, **kwargs):
@@ -214,7 +215,7 @@ def test_out_of_memory_in_the_training_loop_is_dumped(tmp_path, trainer_with_fak
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real_forward_backward(*args, **kwargs)
 
-    monkeypatch.setattr(torchtitan.train, "forward_backward", runs_out_in_step_3)
+    monkeypatch.setattr(torchtitan.trainer.step, "forward_backward", runs_out_in_step_3)
     with pytest.raises(torch.OutOfMemoryError):
         torchtitan.train.train(tiny_run(tmp_path, "--training.steps", "5", "--profiling.profile_freq", "2"))
     assert snapshot_folders(tmp_path) == ["iteration_2", "iteration_2_exit"]

@@ -16,6 +16,7 @@ from torchtitan.watchdog import (
     beat_interval,
     collective_timeout,
     diagnose,
+    watch_this_rank,
 )
 
 NOW = 1000.0
@@ -155,3 +156,15 @@ def test_a_flight_recorder_that_fails_leaves_no_file_and_no_error(tmp_path, monk
     monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"trace", raising=False)
     _dump_flight_recorder(str(path))
     assert path.read_bytes() == b"trace"
+
+
+def test_a_single_process_watchdog_records_the_phase_and_starts_no_thread(tmp_path):
+    """Without a process group (one process) there is no peer to wait for: the trainer's marks are
+    kept, nothing beats and nothing can end the process."""
+    with watch_this_rank(0, 1, str(tmp_path), limit_seconds=0.01) as dog:
+        dog.enter("forward/backward", 2)
+        dog.set_limit(0.01)
+        time.sleep(0.05)
+        assert (dog.step, dog.phase) == (2, "forward/backward")
+        assert not dog._thread.is_alive() and dog.store is None
+    assert not (tmp_path / "hang_dumps").exists()

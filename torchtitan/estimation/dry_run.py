@@ -52,7 +52,7 @@ from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.preflight import preflight
 from torchtitan.setup_record import describe_parallelisms
-from torchtitan.step import document_mask_eos, forward_backward, materialize, parallelize_model
+from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model
 
 logger = logging.getLogger("torchtitan")
 GiB = 2**30

@@ -1,18 +1,18 @@
-"""The parts of a training step that the trainer (train.py) and the dry run (estimation/dry_run.py)
-share: the model parts built for this rank, and one optimizer step's forwards and backwards."""
+"""The parts of a training step that the trainer (trainer/loop.py) and the dry run
+(estimation/dry_run.py) share: the model parts built for this rank, one optimizer step's forwards
+and backwards, and the context the loss is computed in (validation uses it too)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.job_config import JobConfig
-from torchtitan.metrics import LogWindow
 from torchtitan.models import TrainSpec
 from torchtitan.models.common import document_ids
 from torchtitan.parallelisms.context_parallel import shard_batch
@@ -107,27 +107,29 @@ def model_kwargs(inputs: torch.Tensor, eos_id: int | None) -> dict[str, torch.Te
     return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
 
 
+def loss_context(parallel_dims: ParallelDims) -> Callable[[], ContextManager]:
+    """What the loss (and its backward) is computed in, training and validation alike: with loss
+    parallelism, DTensor's loss_parallel, whose cross-entropy consumes vocabulary-sharded logits."""
+    return loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+
+
 def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_parts: list[torch.nn.Module],
                      pipeline: Pipeline | None, micro_batches: list, device: torch.device,
-                     window: LogWindow | None = None, defer_sharded_reduction: bool = False,
-                     eos_id: int | None = None) -> torch.Tensor:
+                     defer_sharded_reduction: bool = False, eos_id: int | None = None) -> torch.Tensor:
     """One optimizer step's forwards and backwards over its micro-batches (gradient accumulation);
     returns the step's loss on this rank (a pipeline's last stage holds it, the others zero).
     `defer_sharded_reduction`: training.defer_sharded_gradient_reduction. `eos_id`: document
     masking's separator (`document_mask_eos`), None without it."""
     accum = len(micro_batches)
-    # Loss parallelism: the cross-entropy (and its backward) consumes vocabulary-sharded logits.
-    loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+    in_loss_context = loss_context(parallel_dims)
     step_loss = torch.zeros((), device=device)
     for micro, (inputs, labels) in enumerate(micro_batches):
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        if window is not None:
-            window.tokens += labels.numel()  # the whole sequences, before context parallelism cuts them
         extra = model_kwargs(inputs, eos_id)  # (document masking does not compose with context parallelism)
         inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
         if accum > 1:
             _skip_reductions(parallel_dims, model_parts, micro == accum - 1, defer_sharded_reduction)
-        with loss_context():
+        with in_loss_context():
             if pipeline is not None:
                 loss = pipeline.forward_backward(inputs, labels, device, **extra)
             else:

@@ -1,0 +1,48 @@
+"""How a run ends on the console and in metrics.jsonl: its closing lines, its summary row, and the
+newest checkpoint that the last line names."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from torchtitan.checkpoint import folders as checkpoint_folders
+from torchtitan.checkpoint.hf_training import hf_export_path
+from torchtitan.job_config import JobConfig
+from torchtitan.metrics import MetricsLogger
+from torchtitan.progress import Progress, summary
+
+logger = logging.getLogger("torchtitan")
+
+
+def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progress, last_step: int, tokens: int,
+                ended: str = "done") -> None:
+    """The run's closing lines on the console and its summary row in metrics.jsonl. `tokens`: the
+    training tokens this run took (a resumed run's own)."""
+    if last_step < progress.first_step:  # no step ran (the data ran out at once)
+        return
+    dump, m = job_config.job.dump_folder, job_config.metrics
+    outputs = {}
+    c = job_config.checkpoint
+    if c.enable_checkpoint:
+        outputs["checkpoints"] = newest_checkpoint(job_config).removeprefix("newest checkpoint: ")
+    hf_export = hf_export_path(os.path.join(dump, c.folder), last_step)
+    if c.last_save_in_hf and os.path.isdir(hf_export):
+        outputs["Hugging Face weights"] = hf_export
+    if m.save_jsonl:
+        outputs["metrics"] = os.path.join(dump, "metrics.jsonl")
+    if m.enable_tensorboard:
+        outputs["TensorBoard"] = os.path.join(dump, m.save_tb_folder)
+    lines, record = summary(progress, last_step, tokens, *metrics.mean_throughput(), metrics.validations, outputs,
+                            ended)
+    for line in lines:
+        logger.info(line)
+    metrics.log_record(record)
+
+
+def newest_checkpoint(job_config: JobConfig) -> str:
+    if not job_config.checkpoint.enable_checkpoint:
+        return "checkpointing is off (checkpoint.enable_checkpoint)"
+    found, _ = checkpoint_folders.scan(os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder))
+    complete = [f for f in found if f.problem is None]
+    return f"newest checkpoint: {complete[-1].path}" if complete else "no checkpoint saved yet"
