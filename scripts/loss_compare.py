@@ -12,8 +12,9 @@ deterministic fp32 on the CPU (torchtitan/tools/parity.py, the harness the parit
 Runs are real processes started in the repository root: `python -m torchtitan.train` for one
 process, torchrun (`torchtitan.launch`) for several ranks.
 Prints one table row per layout and exits with 1 when any layout is outside the tolerance.
-The `matrix` suites are the generated layout matrix (torchtitan/tools/layout_matrix.py): each
-point is either refused before start-up (its row gives the one-line reason) or compared; any
+The `matrix` suites are the generated layout matrix, test machinery this repository tool drives
+from the checkout (tests/machinery/layout_matrix.py, its models in tests/machinery/matrix_model.py):
+each point is either refused before start-up (its row gives the one-line reason) or compared; any
 other outcome (a crash, a missing log line, a difference outside the tolerance, a refusal the
 generator did not plan) fails.
 """
@@ -27,13 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchtitan.config_manager import ConfigError
-from torchtitan.tools import layout_matrix
-from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts
-from torchtitan.tools.runs import Runner, TrainingFailed, run_trainer
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # the checkout's tests/ (the matrix suites), from any folder
+
+from tests.machinery import layout_matrix  # noqa: E402
+from torchtitan.config_manager import ConfigError  # noqa: E402
+from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts  # noqa: E402
+from torchtitan.tools.runs import Runner, TrainingFailed, run_trainer  # noqa: E402
 
 MATRIX_SUITES = ("matrix", "matrix-ci")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real processes in the repository root, where the runs' relative paths (train_configs/...) resolve.
 REPO_RUNNER: Runner = functools.partial(run_trainer, cwd=REPO_ROOT)
 

@@ -10,6 +10,9 @@ has logged a randomly drawn step, one random rank is killed with SIGKILL (with -
 rank of one random host). torchrun restarts every rank, which resumes from the newest complete
 checkpoint. A trial passes when the job exits 0 on its own and its per-step losses (metrics.jsonl,
 one row per step) equal the reference's exactly. Prints a table; exits 1 if any trial failed.
+
+A repository tool run from the checkout: it drives test machinery (tests/machinery/namespaces.py
+for the two hosts, tests/machinery/tiny_run.py for the job).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from torchtitan.tools.netns import TwoHosts, unavailable  # noqa: E402
-from torchtitan.tools.runs import TINY_RUN, read_metrics  # noqa: E402
+from tests.machinery.namespaces import TwoHosts, unavailable  # noqa: E402
+from tests.machinery.tiny_run import TINY_RUN  # noqa: E402
+from torchtitan.tools.runs import read_metrics  # noqa: E402
 
 RESTARTS_NOTE = re.compile(r"torchrun restarted the ranks (\d+) times?")
 RDZV_PORT = 29731

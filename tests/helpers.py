@@ -1,8 +1,9 @@
 """Helpers for tests that run the trainer as real processes (one process or several ranks).
 
 `run_train` is the suite's warm runner (tests/machinery/warm_launcher.py): each run forks from a
-process that imported the trainer once. The tiny-run arguments and the metrics reader come from
-torchtitan/tools/runs.py, the product runner's module that the parity tool and the scripts use.
+process that imported the trainer once. The tiny-run arguments are test machinery
+(tests/machinery/tiny_run.py); the metrics readers come from torchtitan/tools/runs.py, the product
+runner's module that the parity tool and the scripts use.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.machinery.tiny_run import TINY_RUN as _TINY_RUN
 from tests.machinery.warm_launcher import REPO_ROOT
 from tests.machinery.warm_launcher import run_warm as run_train
-from torchtitan.tools.runs import TINY_RUN as _TINY_RUN
 from torchtitan.tools.runs import read_metrics, read_setup
 
 __all__ = ["REPO_ROOT", "TINY_RUN", "losses", "read_metrics", "read_setup", "run_ranks_script", "run_train"]
 
-# The product's tiny run on the smallest model (llama3 `tiny`: 2 blocks of width 128), a quarter of
+# The tiny run on the smallest model (llama3 `tiny`: 2 blocks of width 128), a quarter of
 # the debug model's cost per run; a test that needs depth or width asks for its flavor.
 TINY_RUN = [*_TINY_RUN, "--model.flavor", "tiny"]
 

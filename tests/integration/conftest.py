@@ -1,8 +1,8 @@
 import pytest
 
 from tests.helpers import TINY_RUN, losses
+from tests.machinery.layout_matrix import MatrixRunner
 from tests.machinery.warm_launcher import run_warm
-from torchtitan.tools.layout_matrix import MatrixRunner
 from torchtitan.tools.parity import ParityHarness
 
 

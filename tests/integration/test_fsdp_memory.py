@@ -9,7 +9,7 @@ and optimizer-state bytes after its first step, gathered once on rank 0.
 import pytest
 
 from tests.integration.test_layout_matrix import marks
-from torchtitan.tools.layout_matrix import ci_points
+from tests.machinery.layout_matrix import ci_points
 
 MIB = 2**20
 # Data-parallel points only: TP and PP split the model itself, by other rules.

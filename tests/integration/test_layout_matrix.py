@@ -5,7 +5,7 @@ planned. The whole matrix runs with `scripts/loss_compare.py --suite matrix` (do
 
 import pytest
 
-from torchtitan.tools.layout_matrix import ci_points
+from tests.machinery.layout_matrix import ci_points
 
 POINTS = {p.name: p for p in ci_points()}
 # The fast tier's points: FSDP, DDP and HSDP, TP, CP and PP each at least once, with every AC mode,

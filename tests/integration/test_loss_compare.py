@@ -50,7 +50,7 @@ def test_list_and_bad_names(capsys):
 def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(tmp_path, capsys):
     """The matrix part of the script: a refused point's row carries its one-line reason; a point
     whose outcome differs from the plan (here: planned as refused, but it trains) counts as failed."""
-    from torchtitan.tools import layout_matrix as lm
+    from tests.machinery import layout_matrix as lm
 
     refused = next(p for p in lm.generate() if p.refused_by_design)
     plain = lm._point({}, dp_shard=1)

@@ -11,7 +11,7 @@ import pytest
 
 from scripts import restart_trials as trials
 from tests.integration.conftest import UNINTERRUPTED_STEPS
-from torchtitan.tools.netns import unavailable
+from tests.machinery.namespaces import unavailable
 
 
 @pytest.mark.parametrize("hosts", [1, 2], ids=["one host, a random rank", "two hosts, one host's ranks"])

@@ -1,4 +1,4 @@
-"""Two simulated hosts for tests (torchtitan/tools/netns.py), or a skip that says why not.
+"""Two simulated hosts for tests (namespaces.py), or a skip that says why not.
 
 Building network namespaces needs root and iproute2; where that is not permitted the tests that
 need two hosts are skipped with the one-line reason, and run everywhere else (CI runs as root)."""
@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from tests.machinery.namespaces import TwoHosts, unavailable
 from tests.machinery.warm_launcher import REPO_ROOT
-from torchtitan.tools.netns import TwoHosts, unavailable
 from torchtitan.tools.runs import raise_for_exit
 
 RDZV_PORT = 29741

@@ -1,14 +1,22 @@
-"""The product package's import graph: no circles among its modules, nothing imported from tests.
+"""The product package's import graph: no circles among its modules, nothing from tests, and the
+model code free of the dry run.
 
 Every import statement counts, wherever it sits (module level, inside a function, under
 `if TYPE_CHECKING:`), and importing `a.b.c` also counts as importing the packages `a` and `a.b`,
 whose `__init__` runs first. A circle hidden in a function-level import is still a circle: it
 only moves the failure to the first call.
+
+Layering rules: no product module imports `tests` (test machinery lives there; the installed
+package does not ship it), nor names a tests module in a string that something may import at run
+time (`experimental.custom_import`, importlib); no module under torchtitan/models/ reaches the
+estimation package, directly or through other modules: the dry run reaches the model only through
+seams the estimation package fills (torchtitan/estimation/shapes_only.py).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Mapping
 
@@ -104,6 +112,58 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def within(name: str, packages: tuple[str, ...]) -> bool:
+    """`name` is one of `packages` or inside one of them."""
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def forbidden_imports(imports: Mapping[str, set[str]], importers: tuple[str, ...],
+                      forbidden: tuple[str, ...]) -> list[str]:
+    """'module -> name' for every module within `importers` whose imports (`imports`: module ->
+    the names its import statements refer to) include a name within `forbidden`."""
+    return sorted(f"{module} -> {name}" for module, names in imports.items() if within(module, importers)
+                  for name in names if within(name, forbidden))
+
+
+def forbidden_reach(graph: Mapping[str, set[str]], importers: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    """For every module within `importers` that reaches a module within `forbidden` through the
+    import `graph`, one chain of imports that gets there ('a -> b -> c'), shortest first found."""
+    chains = []
+    for start in sorted(m for m in graph if within(m, importers)):
+        came_from: dict[str, str] = {start: ""}
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            if node != start and within(node, forbidden):
+                chain = [node]
+                while came_from[chain[-1]]:
+                    chain.append(came_from[chain[-1]])
+                chains.append(" -> ".join(reversed(chain)))
+                break
+            for nxt in sorted(graph.get(node, ())):
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    queue.append(nxt)
+    return chains
+
+
+# A dotted name of a module under tests/ inside a string ("tests.machinery.matrix_model").
+_TESTS_MODULE_IN_TEXT = re.compile(r"(?<![\w.])tests(?:\.[A-Za-z_]\w*)+")
+
+
+def named_tests_modules(path: Path) -> set[str]:
+    """The dotted tests modules `path`'s string literals name: what a custom import, importlib or
+    a subprocess could import at run time without an import statement."""
+    return {match for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            for match in _TESTS_MODULE_IN_TEXT.findall(node.value)}
+
+
+MODELS = ("torchtitan.models",)
+ESTIMATION = ("torchtitan.estimation", "torchtitan.shapes_only")  # shapes_only: the dry run's, wherever it lives
+TESTS = ("tests",)
+
+
 def test_product_modules_import_no_circles():
     graph = import_graph()
     assert len(graph) > 50  # the walk found the package
@@ -113,11 +173,46 @@ def test_product_modules_import_no_circles():
 
 
 def test_product_imports_nothing_from_tests():
-    offenders = sorted(
-        module for module, path in product_modules().items()
-        if any(name == "tests" or name.startswith("tests.") for name in imported_names(path, module))
-    )
+    modules = product_modules()
+    imports = {module: imported_names(path, module, modules) for module, path in modules.items()}
+    offenders = forbidden_imports(imports, ("torchtitan",), TESTS)
     assert not offenders, f"product modules importing from tests/: {offenders}"
+    named = {module: named_tests_modules(path) for module, path in modules.items()}
+    offenders = forbidden_imports(named, ("torchtitan",), TESTS)
+    assert not offenders, f"product modules naming a tests module for a run-time import: {offenders}"
+
+
+def test_models_do_not_reach_estimation():
+    graph = import_graph()
+    assert any(within(m, MODELS) for m in graph) and any(within(m, ESTIMATION) for m in graph)
+    chains = forbidden_reach(graph, MODELS, ESTIMATION)
+    assert not chains, "model code importing the dry run's (give the model a seam instead):\n" + "\n".join(chains)
+
+
+def test_the_layering_rules_can_fail(tmp_path):
+    # The checkers themselves, on a synthetic package: an import of tests inside a function, a
+    # tests module named in a string, and models reaching estimation directly or through a module
+    # between are all found; what the rules allow is not.
+    modules = {name: tmp_path for name in ("torchtitan.tools", "torchtitan.tools.parity", "torchtitan.models",
+                                           "torchtitan.models.moe", "torchtitan.estimation",
+                                           "torchtitan.estimation.shapes_only")}
+    module = tmp_path / "parity.py"
+    module.write_text("import os\n\ndef f():\n    from tests.machinery import layout_matrix\n"
+                      "    return '--experimental.custom_import tests.machinery.matrix_model'\n"
+                      "DOC = 'see tests/machinery/ and tests.'\n")
+    imports = {"torchtitan.tools.parity": imported_names(module, "torchtitan.tools.parity", modules),
+               "tests.helpers": {"tests.machinery.warm_launcher"}}  # tests may import tests
+    assert forbidden_imports(imports, ("torchtitan",), TESTS) == ["torchtitan.tools.parity -> tests.machinery"]
+    assert named_tests_modules(module) == {"tests.machinery.matrix_model"}
+    direct = {"torchtitan.models.moe": {"torchtitan.estimation.shapes_only"}, "torchtitan.estimation.shapes_only": set()}
+    assert forbidden_reach(direct, MODELS, ESTIMATION) == ["torchtitan.models.moe -> torchtitan.estimation.shapes_only"]
+    through = {"torchtitan.models": {"torchtitan.models.moe"}, "torchtitan.models.moe": {"torchtitan.tools.parity"},
+               "torchtitan.tools.parity": {"torchtitan.estimation"}, "torchtitan.estimation": set()}
+    assert forbidden_reach(through, MODELS, ESTIMATION) == [
+        "torchtitan.models -> torchtitan.models.moe -> torchtitan.tools.parity -> torchtitan.estimation",
+        "torchtitan.models.moe -> torchtitan.tools.parity -> torchtitan.estimation"]
+    allowed = {"torchtitan.estimation.shapes_only": {"torchtitan.models.moe"}, "torchtitan.models.moe": set()}
+    assert forbidden_reach(allowed, MODELS, ESTIMATION) == []  # estimation may import the model
 
 
 def test_the_walk_sees_circles_and_hidden_imports(tmp_path):

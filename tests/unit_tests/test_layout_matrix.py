@@ -1,4 +1,4 @@
-"""The layout matrix generator (torchtitan/tools/layout_matrix.py): the points it must contain, the
+"""The layout matrix generator (tests/machinery/layout_matrix.py): the points it must contain, the
 coverage it promises, and the CI subset. No training runs here; refusals use the in-process preflight."""
 
 import dataclasses
@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
+from tests.machinery import layout_matrix as lm
 from tests.machinery.fake_runner import FakeRunner
-from torchtitan.tools import layout_matrix as lm
-from torchtitan.tools.matrix_model import flavor_name
+from tests.machinery.matrix_model import flavor_name
 from torchtitan.tools.parity import ParityError, unmet
 
 Degrees = lm.Degrees

@@ -1,4 +1,4 @@
-"""Two simulated hosts (torchtitan/tools/netns.py) when `ip` refuses a step: a one-line error that
+"""Two simulated hosts (tests/machinery/namespaces.py) when `ip` refuses a step: a one-line error that
 names the command, and nothing left behind. `ip` is a stand-in here; building real namespaces (root,
 iproute2) is tested by tests/integration/test_multinode.py."""
 
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from torchtitan.tools import netns
+from tests.machinery import namespaces as netns
 
 
 def test_a_refused_step_removes_what_was_built_and_names_the_command(monkeypatch):

@@ -5,7 +5,8 @@ PyTorch's fake process group as rank r of N (collectives return at once and move
 builds everything under FakeTensorMode (tensors with shapes, dtypes and devices but no storage):
 the config checks of a real start-up (preflight), the named mesh, the model on the meta device,
 the model family's real parallelize and pipelining functions, the materialised parameters and the
-optimizer and its state (what a first step leaves). Then it runs one training step of rank r's
+optimizer and its state (what a first step leaves), with shape-only stand-ins in the model's seams
+where shapes depend on values (MoE routing: shapes_only.py). Then it runs one training step of rank r's
 share, as every later step runs, under PyTorch's memory tracker (tracker.py), and reports the peak.
 
 Pipeline ranks are replayed in their schedule's order (pipeline_replay.py); ranks of one pipeline
@@ -42,6 +43,7 @@ from torchtitan.datasets.text_dataset import training_source
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.errors import ConfigError, UserError
 from torchtitan.estimation.pipeline_replay import PipelineReplay, replayable
+from torchtitan.estimation.shapes_only import on_fake_tensors
 from torchtitan.estimation.tracker import CATEGORIES, StepMemory, StepTracker
 from torchtitan.job_config import JobConfig
 from torchtitan.memory_floor import rank_memory_bytes
@@ -226,6 +228,9 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                 materialize(job_config, [first_stage], device)
             if pipeline is not None and pipeline.tied is not None:
                 pipeline.tied.sync_values()
+            if fake:
+                # Where the model's shapes depend on values (MoE routing), the fake tensors' stand-ins.
+                on_fake_tensors([*model_parts, *([first_stage] if replayed else [])])
             if fake and target == "cuda":
                 _as_on_cuda(model_parts)
             optimizers = spec.build_optimizers_fn(model_parts, job_config, parallel_dims)

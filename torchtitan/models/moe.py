@@ -1,8 +1,8 @@
 """Mixture-of-experts feed-forward: a token-choice top-k router and stacked SwiGLU experts.
 
 Shared by the model families that have MoE variants (Qwen3-MoE here). Like the rest of the model
-code it knows nothing about parallelism; parallelism reaches it through a few attributes that
-default to "one device" and that torchtitan/parallelisms/expert_parallel.py sets:
+code it knows nothing about parallelism or the dry run; they reach it through a few attributes
+that default to "one device, real tensors". torchtitan/parallelisms/expert_parallel.py sets:
 
 - `MoE.experts` computes tokens already sorted by expert. Expert parallelism wraps that module so
   the sorted tokens travel to the ranks owning their experts and back (all-to-all), and shards the
@@ -14,6 +14,10 @@ default to "one device" and that torchtitan/parallelisms/expert_parallel.py sets
 - `MoE.sequences_per_step` is how many sequences this rank trains on per optimizer step (batch x
   gradient accumulation), so the loss is a mean per sequence over the step whatever the number of
   forwards (accumulation, pipeline microbatches).
+
+The dry run (torchtitan/estimation/shapes_only.py) replaces the two that need values, on fake
+tensors that have none: `MoE.count_tokens` (bincount of the routing) and `GroupedExperts.kernels`
+(which expert matmul runs, and running it).
 
 Routing (as Qwen3-MoE): softmax over the experts' scores in fp32, the top k chosen (plus a
 per-expert bias when auxiliary-loss-free balancing is on; the bias steers the choice only), the
@@ -33,14 +37,18 @@ Load balancing, either or both:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.module_tracker import ModuleTracker
 
 from torchtitan.models.common import trunc_normal
-from torchtitan.shapes_only import balanced_counts, grouped_matmul_shapes, is_fake
+
+# Asked only whether autograd is running backward (`is_bw`, public), which a tracker answers
+# without being entered: it registers no hooks and keeps no state this file reads.
+_AUTOGRAD_PHASE = ModuleTracker()
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +66,7 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def _in_backward() -> bool:
     """True while autograd runs backward: activation checkpointing then re-runs forwards, which
     must not count their tokens a second time."""
-    return torch._C._current_graph_task_id() != -1
+    return _AUTOGRAD_PHASE.is_bw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,21 +74,16 @@ def _in_backward() -> bool:
 
 
 def expert_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many (token, choice) pairs each expert receives; even spread on fake tensors."""
-    if is_fake(flat_experts):
-        return balanced_counts(flat_experts.numel(), num_experts, flat_experts.device)
+    """How many (token, choice) pairs each expert receives (`MoE.count_tokens`' default)."""
     return torch.bincount(flat_experts, minlength=num_experts)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands on their device: CUDA from compute
     capability 9.0 (bf16), CPU in fp32 outside torch.compile (its bf16 backward fails on CPU);
-    every feature dim a multiple of 8 (16-byte rows in bf16). On fake tensors (the dry run),
-    always: it stands for the GPUs' kernel, and the loop would need the groups' sizes as values."""
+    every feature dim a multiple of 8 (16-byte rows in bf16)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if is_fake(x):
-        return True
     if any(d % 8 for w in weights for d in w.shape[1:]) or x.shape[-1] % 8:
         return False
     if x.device.type == "cuda":
@@ -96,8 +99,6 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_
     `use_grouped`: one `torch._grouped_mm` call; otherwise a loop of one matmul per expert (the
     exact fallback: the same products, one group at a time)."""
     if use_grouped:
-        if is_fake(x) and x.dtype != torch.bfloat16:  # the dry run standing for a CPU job
-            return grouped_matmul_shapes(x, weight.transpose(-2, -1))
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     # split / unbind / cat, not `weight[e]` and writes into a buffer: their backward gathers the
@@ -105,6 +106,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_
     # gradient the size of the whole stacked weight, E of them per backward.
     groups = zip(x.split(counts.tolist()), weight.unbind(0))
     return torch.cat([xe @ we.T for xe, we in groups])
+
+
+class ExpertKernels(NamedTuple):
+    """How `GroupedExperts` multiplies: `supported(x, *weights)` says whether the grouped kernel runs
+    these operands, `matmul(x, weight, counts, use_grouped)` runs one grouped matmul either way."""
+
+    supported: Callable[..., bool]
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+DEVICE_KERNELS = ExpertKernels(grouped_mm_supported, grouped_mm)
 
 
 @torch.compiler.disable
@@ -127,8 +139,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        # None: torch._grouped_mm where grouped_mm_supported says so; False: always the loop.
+        # None: torch._grouped_mm where `kernels.supported` says so; False: always the loop.
         self.use_grouped_mm: bool | None = None
+        self.kernels = DEVICE_KERNELS  # a seam (module docstring): the dry run's differ
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal(self.w1, 0.02)
@@ -142,9 +155,10 @@ class GroupedExperts(nn.Module):
             # torch._grouped_mm has no autocast rule: cast its operands as autocast casts any matmul.
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
-        grouped = self.use_grouped_mm is not False and grouped_mm_supported(x, w1, w2, w3)
-        h = F.silu(grouped_mm(x, w1, counts, grouped)) * grouped_mm(x, w3, counts, grouped)
-        return grouped_mm(h, w2, counts, grouped)
+        grouped = self.use_grouped_mm is not False and self.kernels.supported(x, w1, w2, w3)
+        matmul = self.kernels.matmul
+        h = F.silu(matmul(x, w1, counts, grouped)) * matmul(x, w3, counts, grouped)
+        return matmul(h, w2, counts, grouped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +219,8 @@ class MoE(nn.Module):
         self.aux_loss_rank_weight = 1
         self.sequences_per_step: int | None = None
         self.count_step_stats = True
+        # Tokens per expert from the chosen experts (T*k,): a seam (module docstring).
+        self.count_tokens: Callable[[torch.Tensor, int], torch.Tensor] = expert_token_counts
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         trunc_normal(self.router.gate.weight, 0.02)
@@ -220,7 +236,7 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.bias_update_rate > 0 else None
         probs, experts, weights = self.router(tokens, bias)
         flat_experts = experts.flatten()  # (T*k,), token t's choices at t*k ... t*k+k-1
-        counts = expert_token_counts(flat_experts, self.num_experts)
+        counts = self.count_tokens(flat_experts, self.num_experts)
         # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.
         order = torch.argsort(flat_experts, stable=True)
         routed = tokens[order // self.top_k]

@@ -13,6 +13,9 @@ slice (sequence-parallel layout) and routes them itself, so MoE parameters are d
 tp as well as dp x cp: their FSDP units (`moe_fsdp_units`) shard over meshes that include tp and
 divide gradients by the data-parallel size alone. Expert weights are not split by TP.
 
+The dry run, whose fake tensors hold no counts to exchange, replaces the exchange of counts
+(`exchange_counts`, kept on the experts module) with an even spread (torchtitan/estimation).
+
 `configure_moe` sets the layer's seams: the per-sequence count sum over cp x tp ranks, and the
 number of sequences per step, which keep the load-balancing loss the same under every layout.
 """
@@ -23,6 +26,7 @@ import logging
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,7 +36,6 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.shapes_only import balanced_counts, is_fake
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +60,7 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
     group = mesh.get_group()
     local_experts = counts.numel() // ep
     send_counts = counts.view(ep, local_experts)  # row r: tokens for rank r's experts
-    if is_fake(counts):
-        # The dry run's tensors have no values: every rank is taken to send every other an even share.
-        recv_counts = balanced_counts(tokens.shape[0], ep * local_experts, tokens.device).view(ep, local_experts)
-        send_splits = recv_splits = [tokens.shape[0] // ep + (r < tokens.shape[0] % ep) for r in range(ep)]
-    else:
-        # recv_counts[s, e]: tokens rank s sends to this rank's expert e.
-        recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(ep, local_experts)
-        send_splits = send_counts.sum(dim=1).tolist()
-        recv_splits = recv_counts.sum(dim=1).tolist()
+    recv_counts, send_splits, recv_splits = module.exchange_counts(send_counts, tokens, group)
     received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
     received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
     # Received tokens come grouped by source rank, then expert; the experts want them by expert.
@@ -75,6 +70,16 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
     order = torch.argsort(by_expert, stable=True)
     module._ep_dispatch = _Dispatch(send_splits, recv_splits, order)
     return received[order], recv_counts.sum(dim=0)
+
+
+def exchange_counts(send_counts: torch.Tensor, tokens: torch.Tensor,
+                    group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Tells every rank how many tokens it receives for each of its experts. `send_counts` (ep,
+    local experts): row r, this rank's tokens for rank r's experts. Returns recv_counts (ep, local
+    experts; [s, e]: tokens rank s sends to this rank's expert e) and the tokens sent to and
+    received from each rank."""
+    recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(send_counts.shape)
+    return recv_counts, send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
 
 
 def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -96,6 +101,7 @@ def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> N
             module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
     for layer in layers:
+        layer.experts.exchange_counts = exchange_counts  # a seam: the dry run's spreads tokens evenly
         distribute_module(layer.experts, ep_mesh, shard_by_expert,
                           input_fn=lambda mod, inputs, mesh: _dispatch(mod, inputs, mesh),
                           output_fn=lambda mod, output, mesh: _combine(mod, output, mesh))

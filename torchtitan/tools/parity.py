@@ -8,8 +8,8 @@ per-rank batch size from the layout's data-parallel degree and gradient-accumula
 the global batch never changes.
 
 A user tool: scripts/loss_compare.py runs it for any layout, prints a table and can plot the
-loss curves. The layout matrix (layout_matrix.py) and the parity tests
-(tests/integration/test_parity.py) use it too. Runs go through a `Runner` (runs.py): real
+loss curves. The test suite's layout matrix (tests/machinery/layout_matrix.py) and the parity
+tests (tests/integration/test_parity.py) use it too. Runs go through a `Runner` (runs.py): real
 processes, torchrun for several ranks, unless the caller passes another (the tests' warm one).
 """
 
@@ -24,9 +24,19 @@ from typing import Any, Callable
 from torchtitan.config_manager import parse_args
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
-from torchtitan.tools.runs import TINY_RUN, Runner, read_metrics, read_setup, read_validations, run_trainer
+from torchtitan.tools.runs import Runner, read_metrics, read_setup, read_validations, run_trainer
 
-# What every run of a comparison shares, on top of TINY_RUN. The baseline uses library defaults
+# The job a comparison starts from unless the caller gives another (`base_args`): the debug model
+# (8 blocks) on short sequences, real text and tokenizer, a few seconds per run on a CPU.
+DEBUG_RUN = (
+    "--job.config_file", "bundled:train_configs/debug_model.toml",  # found from any working directory
+    "--training.seq_len", "64",
+    "--training.steps", "10",
+    "--training.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.disable_color_printing",
+)
+# What every run of a comparison shares, on top of the base arguments. The baseline uses library defaults
 # for everything else (no AC, no compile), and a layout's overrides come last, so they win. Every
 # run validates too (a held-out batch every 3 steps and at the last), so each layout's validation
 # losses are compared as well, and a layout whose validation disturbs training shows in its losses.
@@ -111,25 +121,23 @@ FLOAT8_TOLERANCE = 1e-3
 QWEN3_MOE = "--model.name qwen3 --model.flavor tiny_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
 QWEN3_DENSE = "--model.name qwen3 --model.flavor tiny"
 POSITIVE = Check("a count above 0", lambda n: n > 0)
-# bf16 compute (training.mixed_precision_param) on the layout matrix's 2-block model: the seed and
+# bf16 compute (training.mixed_precision_param) on llama3's 2-block `tiny` model: the seed and
 # the baseline (one process under autocast) too. bf16 rounds each matmul's output to 8 bits of
 # mantissa, and layouts split those matmuls differently (rows over ranks, columns over TP ranks,
 # FSDP casting the norm weights too), so their losses agree to bf16's precision, not fp32's.
-BF16 = ("--experimental.custom_import torchtitan.tools.matrix_model --model.name llama3_matrix --model.flavor L2 "
-        "--training.mixed_precision_param bfloat16")
+BF16 = "--model.name llama3 --model.flavor tiny --training.mixed_precision_param bfloat16"
 # Measured over 6 steps: DDP, TP and PP (autocast, as the baseline) within 1.1e-4 of the loss and
 # 3.4e-5 of the grad norm; FSDP (whose policy casts every parameter, norms included) 1.8e-3 and 1.1e-3.
 BF16_TOLERANCES = {"loss_tolerance": 1e-3, "grad_norm_rtol": 1e-3}
 BF16_FSDP_TOLERANCES = {"loss_tolerance": 1e-2, "grad_norm_rtol": 1e-2}
 # Document masking (training.document_mask): the seed and the baseline mask documents too.
 DOCUMENT_MASK = "--training.document_mask"
-# An interleaved pipeline of 4 stages on 2 ranks needs 4 blocks: the matrix model's L4.
-DOCUMENT_MASK_4_BLOCKS = (f"{DOCUMENT_MASK} --experimental.custom_import torchtitan.tools.matrix_model "
-                          "--model.name llama3_matrix --model.flavor L4")
+# An interleaved pipeline of 4 stages on 2 ranks needs at least 4 blocks: the debug model's 8.
+DOCUMENT_MASK_8_BLOCKS = f"{DOCUMENT_MASK} --model.name llama3 --model.flavor debugmodel"
 
 
-# Hand-picked layouts for what the layout matrix (layout_matrix.py) does not vary: options of one
-# parallelism (DDP buckets, FSDP resharding and offload, vocabulary padding, CSV schedules) and
+# Hand-picked layouts for what the layout matrix (tests/machinery/layout_matrix.py) does not vary:
+# options of one parallelism (DDP buckets, FSDP resharding and offload, vocabulary padding, CSV schedules) and
 # float8. The layouts themselves, every combination of degrees and the variants that interact
 # with them, are the matrix's job. Each suite runs against a baseline of the debug model.
 SUITES: dict[str, list[Layout]] = {
@@ -192,10 +200,10 @@ SUITES: dict[str, list[Layout]] = {
           shared=DOCUMENT_MASK),
         L("docmask_pp2_interleaved", 2, "--experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_schedule Interleaved1F1B",
-          {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK_4_BLOCKS),
+          {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK_8_BLOCKS),
     ],
     # bf16 compute: FSDP's mixed-precision policy, or autocast where FSDP does not shard (one
-    # process, DDP, TP, PP), against one process under autocast. The small matrix model keeps
+    # process, DDP, TP, PP), against one process under autocast. The 2-block `tiny` model keeps
     # emulated bf16 (CPUs without AVX512-BF16 or AMX) fast; see BF16_TOLERANCES.
     "bf16": [
         L("bf16_fsdp2", 2, "--training.data_parallel_shard_degree 2",
@@ -263,7 +271,7 @@ class ParityError(AssertionError):
 def local_batch_size(global_batch: int, overrides: tuple[str, ...], nproc: int) -> int:
     """Rows per rank and micro-step that keep `global_batch` rows per optimizer step; ConfigError
     when the layout's data-parallel degree x accumulation does not divide them."""
-    config = parse_args([*TINY_RUN, *overrides])
+    config = parse_args([*DEBUG_RUN, *overrides])
     dims = parallel_dims_from_config(config, nproc)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps
     if global_batch % per_step:
@@ -282,10 +290,10 @@ class ParityHarness:
 
     def __init__(self, workdir: Path, steps: int = 10, global_batch: int = 8, dataset_shards: int = 4,
                  loss_tolerance: float = 1e-4, grad_norm_rtol: float = 1e-3, timeout: int = 400,
-                 runner: Runner = run_trainer, base_args: Sequence[str] = TINY_RUN):
+                 runner: Runner = run_trainer, base_args: Sequence[str] = DEBUG_RUN):
         self.workdir = Path(workdir)
         self.runner = runner
-        self.base_args = tuple(base_args)  # the job every run starts from (TINY_RUN: the debug model)
+        self.base_args = tuple(base_args)  # the job every run starts from (DEBUG_RUN: the debug model)
         self.steps, self.global_batch, self.dataset_shards = steps, global_batch, dataset_shards
         self.loss_tolerance, self.grad_norm_rtol, self.timeout = loss_tolerance, grad_norm_rtol, timeout
         self._runs: dict[str, RunResult] = {}

@@ -3,8 +3,8 @@
 One process is `python -m torchtitan.train`; several ranks are torchrun through our launcher,
 `python -m torchtitan.launch --standalone --nproc_per_node N -m torchtitan.train` (what
 run_llama_train.sh runs), which ends with the root cause in one line. Whatever takes a `Runner`
-(the parity harness, the layout matrix) trains through `run_trainer` unless given another: the
-test suite passes a faster one that forks runs from a warm process (tests/machinery/).
+(the parity harness, the scripts' measurements) trains through `run_trainer` unless given another:
+the test suite passes a faster one that forks runs from a warm process (tests/machinery/).
 """
 
 from __future__ import annotations
@@ -18,15 +18,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-# The debug model on short sequences: real text and tokenizer, a few seconds per run on a CPU.
-TINY_RUN = (
-    "--job.config_file", "bundled:train_configs/debug_model.toml",  # found from any working directory
-    "--training.seq_len", "64",
-    "--training.steps", "10",
-    "--training.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--metrics.disable_color_printing",
-)
 # Variables of an outer torchrun that would confuse the inner launch.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")

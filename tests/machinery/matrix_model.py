@@ -1,9 +1,9 @@
 """The layout matrix's model: Llama 3 at the smallest sizes that still exercise every layout.
 
-Registered as model `llama3_matrix` when imported (`--experimental.custom_import
-torchtitan.tools.matrix_model`), through the same public TrainSpec API as any user model. On a
-small CPU a parity run is bound by per-block overheads (collectives, DTensor dispatch), not by
-FLOPs, so the matrix uses as few blocks as each layout's pipeline needs: flavor `L<n>` has n
+Test machinery. Registered as model `llama3_matrix` when imported (`--experimental.custom_import
+tests.machinery.matrix_model`, from the repository root), through the same public TrainSpec API
+as any user model. On a small CPU a parity run is bound by per-block overheads (collectives,
+DTensor dispatch), not by FLOPs, so the matrix uses as few blocks as each layout's pipeline needs: flavor `L<n>` has n
 blocks (2, 4, 8 or 16; a pipeline of s stages needs s blocks), `L<n>_tied` ties the embedding to the
 output. Width 128 with 16 query and 8 key/value heads keeps grouped-query attention and lets
 tensor parallelism go to 8 (heads, KV heads, the 512-wide feed-forward and the 2,256-token

@@ -1,5 +1,8 @@
 """The layout matrix: every parallel layout up to 8 ranks, with its variants, proven or refused.
 
+Test machinery (the test suite's and `scripts/loss_compare.py --suite matrix`'s), built on the
+product's parity harness (torchtitan/tools/parity.py).
+
 Hand-picked parity layouts miss the combinations nobody thought of, so the layout space is
 generated instead:
 
@@ -36,7 +39,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from torchtitan.tools.matrix_model import DEPTHS, MODEL_NAME, MOE_MODEL_NAME, flavor_name
+from tests.machinery.matrix_model import DEPTHS, MODEL_NAME, MOE_MODEL_NAME, flavor_name
+from tests.machinery.tiny_run import TINY_RUN
 from torchtitan.tools.parity import (
     COMPARISON_ARGS,
     POSITIVE,
@@ -47,7 +51,7 @@ from torchtitan.tools.parity import (
     ParityError,
     ParityHarness,
 )
-from torchtitan.tools.runs import TINY_RUN, Runner, TrainingFailed, run_trainer
+from torchtitan.tools.runs import Runner, TrainingFailed, run_trainer
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 _SHORT = {"dp_replicate": "rep", "dp_shard": "fsdp", "cp": "cp", "tp": "tp", "pp": "pp"}
@@ -209,7 +213,7 @@ class Point:
 
     def shared(self) -> tuple[str, ...]:
         """Overrides that define the model (the seed checkpoint and the baseline use them too)."""
-        return ("--experimental.custom_import", "torchtitan.tools.matrix_model", "--model.name",
+        return ("--experimental.custom_import", "tests.machinery.matrix_model", "--model.name",
                 MOE_MODEL_NAME if self.moe else MODEL_NAME, "--model.flavor", self.flavor)
 
     def overrides(self) -> tuple[str, ...]:
@@ -502,7 +506,7 @@ class MatrixRunner:
 
     def __init__(self, workdir: Path, steps: int = 10, timeout: int = 400, runner: Runner = run_trainer):
         self.harness = ParityHarness(workdir, steps=steps, global_batch=GLOBAL_BATCH, dataset_shards=DATASET_SHARDS,
-                                     timeout=timeout, runner=runner)
+                                     timeout=timeout, runner=runner, base_args=TINY_RUN)
 
     def run(self, point: Point) -> Outcome:
         reason = refusal(point)

@@ -3,7 +3,8 @@
 Each namespace has its own loopback, its own interface and address, so processes started in it
 can only reach the other "host" over that link, as two machines on a network would. Multi-node
 launches (NNODES=2, a c10d rendezvous at host 0's address) are tested this way without a second
-machine. Needs root and iproute2's `ip`; `unavailable()` says why not, in one line.
+machine. Needs root and iproute2's `ip`; `unavailable()` says why not, in one line. Test machinery
+(tests/machinery/netns.py gives tests the hosts as a fixture), also driven by scripts/restart_trials.py.
 
     with TwoHosts() as hosts:
         proc = hosts.popen(0, ["./run_llama_train.sh"], env=hosts.node_env(0, nproc=2, port=29500))

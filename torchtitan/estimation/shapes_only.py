@@ -1,0 +1,85 @@
+"""Tensors with shapes but no values: the dry run's stand-ins where shapes depend on values.
+
+How many tokens each expert of an MoE layer receives is data: the routing's bincount, and under
+expert parallelism the counts the ranks exchange. The dry run's fake tensors hold no values, so it
+puts these stand-ins into the model's seams (`on_fake_tensors`): tokens spread evenly over the
+experts and ranks, so the estimate of an MoE layer is that of perfectly balanced routing; and the
+grouped expert matmul always grouped, as the GPUs' kernel it stands for (the loop would need the
+groups' sizes as values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan.models.moe import DEVICE_KERNELS, ExpertKernels, expert_token_counts, grouped_mm
+from torchtitan.parallelisms.expert_parallel import exchange_counts
+
+
+def balanced_counts(total: int, n: int, device: torch.device) -> torch.Tensor:
+    """`total` tokens spread as evenly as they go over `n` experts (or ranks)."""
+    return torch.tensor([total // n + (i < total % n) for i in range(n)], device=device)
+
+
+def balanced_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`MoE.count_tokens` on fake tensors: every (token, choice) pair spread evenly."""
+    return balanced_counts(flat_experts.numel(), num_experts, flat_experts.device)
+
+
+def balanced_exchange(send_counts: torch.Tensor, tokens: torch.Tensor,
+                      group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Expert parallelism's `exchange_counts` on fake tensors: every rank is taken to send every
+    other an even share, nothing is exchanged."""
+    ep, local_experts = send_counts.shape
+    n = tokens.shape[0]
+    recv_counts = balanced_counts(n, ep * local_experts, tokens.device).view(ep, local_experts)
+    splits = [n // ep + (r < n % ep) for r in range(ep)]
+    return recv_counts, splits, splits
+
+
+class _GroupedMatmulShapes(torch.autograd.Function):
+    """What `torch._grouped_mm` allocates, for fake tensors in a dtype its shape function refuses
+    (it takes bf16 only, while CPU runs it in fp32): an (N, out) result holding on to x and the
+    weight for backward, and gradients of their shapes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight_t)
+        return x.new_empty(x.shape[0], weight_t.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight_t = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight_t)
+
+
+def _grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_grouped: bool) -> torch.Tensor:
+    if use_grouped and x.dtype != torch.bfloat16:  # standing for a CPU job: the kernel's shapes alone
+        return _GroupedMatmulShapes.apply(x, weight.transpose(-2, -1))
+    return grouped_mm(x, weight, counts, use_grouped)
+
+
+FAKE_KERNELS = ExpertKernels(_grouped_mm_available, _grouped_mm_shapes)
+
+
+def on_fake_tensors(modules: Iterable[nn.Module]) -> None:
+    """Puts the stand-ins into the seams of `modules` and their submodules, where the defaults are
+    still in place (a seam another component filled keeps its own)."""
+    for root in modules:
+        for module in root.modules():
+            if getattr(module, "count_tokens", None) is expert_token_counts:
+                module.count_tokens = balanced_token_counts
+            kernels = getattr(module, "kernels", None)
+            # Equal, not the same object: splitting a model into pipeline stages deep-copies it.
+            if isinstance(kernels, ExpertKernels) and kernels == DEVICE_KERNELS:
+                module.kernels = FAKE_KERNELS
+            if getattr(module, "exchange_counts", None) is exchange_counts:
+                module.exchange_counts = balanced_exchange
