@@ -109,7 +109,10 @@ RULES: tuple[Rule, ...] = (
          "torchtitan.optimizer_options:check_layout"),
     Rule("dataset_shards", "layout", ("training.dataset_shards",), "torchtitan.datasets.shards:check_layout"),
     # model and device: run one by one by preflight, each with what it needs
-    Rule("output_locations", "device", ("job.dump_folder", "checkpoint.*", "metrics.*", "profiling.*"),
+    Rule("output_locations", "device", ("job.dump_folder", "checkpoint.folder", "checkpoint.enable_checkpoint",
+                                        "checkpoint.create_seed_checkpoint", "checkpoint.last_save_in_hf",
+                                        "metrics.save_tb_folder", "metrics.enable_tensorboard", "profiling.save_*",
+                                        "profiling.enable_profiling", "profiling.enable_memory_snapshot"),
          "torchtitan.output_locations:check_output_locations"),
     Rule("flavor", "model", ("model.name", "model.flavor"), "torchtitan.preflight:check_flavor"),
     Rule("document_mask", "model", ("training.document_mask", "model.tokenizer_path"),
@@ -120,7 +123,8 @@ RULES: tuple[Rule, ...] = (
                                      "checkpoint.folder", "training.steps"),
          "torchtitan.checkpoint.hf_training:check_export_target"),
     Rule("validation_loader", "model", ("validation.enabled",), "torchtitan.preflight:check_validation_loader"),
-    Rule("experts", "model", ("training.expert_parallel_degree",), "torchtitan.preflight:check_experts"),
+    Rule("experts", "model", ("training.expert_parallel_degree", "model.name", "model.flavor"),
+         "torchtitan.preflight:check_experts"),
     Rule("model_shapes", "model", ("*",), "torchtitan.preflight:check_model_shapes"),
     Rule("async_tp_device", "device", ("experimental.enable_async_tensor_parallel",),
          "torchtitan.parallelisms.distributed:check_device_features"),
@@ -128,7 +132,10 @@ RULES: tuple[Rule, ...] = (
          "torchtitan.parallelisms.float8:check_float8_support"),
     Rule("memory_snapshot_device", "device", ("profiling.enable_memory_snapshot",),
          "torchtitan.profiling:check_memory_snapshot_support"),
-    Rule("memory_floor", "device", ("training.*", "optimizer.*", "model.*"),
+    Rule("memory_floor", "device", ("training.batch_size", "training.seq_len", "training.enable_cpu_offload",
+                                    "training.mixed_precision_param", "training.disable_sequence_parallel",
+                                    "optimizer.early_step_in_backward", "optimizer.zero1", "model.name", "model.flavor",
+                                    "experimental.pipeline_parallel_microbatches"),
          "torchtitan.memory_floor:check_step_fits"),
 )
 
