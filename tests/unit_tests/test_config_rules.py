@@ -101,7 +101,7 @@ def test_the_model_and_device_rules_read_only_what_they_declare(tmp_path):
     for name, args in arguments.items():
         read: set[str] = set()
         rules.run(name, *args(_Recorder(config, read)))
-        declared = rules._BY_NAME[name].reads
+        declared = next(r.reads for r in rules.RULES if r.name == name)
         undeclared = {o for o in read if not any(fnmatch.fnmatch(o, p) for p in declared)}
         assert not undeclared, f"rule {name} reads {sorted(undeclared)} without declaring them"
 
