@@ -103,8 +103,7 @@ def check_profiling(config: JobConfig) -> None:
 
 def check_checkpoint(config: JobConfig) -> None:
     c = config.checkpoint
-    if c.interval < 1:
-        raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
+    _at_least_one({"checkpoint.interval": c.interval})
     if c.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {c.keep_latest_k}")
     if c.load_step < -1:
