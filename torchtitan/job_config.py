@@ -27,7 +27,6 @@ class Job:
                            "bundled:train_configs/<name>.toml names a config the package ships.")
     dump_folder: str = opt("./outputs", "Folder for everything a run writes: logs, TensorBoard, checkpoints, traces.")
     description: str = opt("default job", "Free-text description of the job, printed at start-up.")
-    use_for_integration_test: bool = opt(False, "Marks a config as part of the integration-test set.")
     print_args: bool = opt(False, "Print the fully merged configuration at start-up.")
     dry_run: bool = opt(
         False, "Start the job in ONE process, on fake tensors over PyTorch's fake process group, as one rank of "
@@ -214,9 +213,6 @@ class Experimental:
     context_parallel_backend: str = opt(
         "ring", "CP attention: ring (this project's ring attention, CPU and CUDA) or torch (PyTorch's; not yet offered).",
         choices=["ring", "torch"])
-    context_parallel_rotate_method: str = opt(
-        "allgather", "How PyTorch's CP backend exchanges keys/values (the ring backend always passes them around "
-        "the ring).", choices=["allgather", "alltoall"])
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
     enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
     custom_import: str = opt("", "Python module imported at start-up, e.g. one that registers a new model.")
@@ -236,7 +232,6 @@ class MoE:
 class Checkpoint:
     enable_checkpoint: bool = opt(False, "Save checkpoints, and resume from the newest complete one at start-up.")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder; holds one step-N folder per save.")
-    interval_type: str = opt("steps", "Unit of checkpoint.interval.", choices=["steps"])
     interval: int = opt(500, "Steps between checkpoints (the last step is always saved).")
     model_weights_only: bool = opt(
         False, "The last step's checkpoint holds model weights only (for inference, fine-tuning or conversion), "

@@ -1,5 +1,8 @@
-"""The checks and builds a job passes before any process group exists: the layout, the model's
-TrainSpec and arguments, the model on the meta device. One line and exit code 2 for each mistake."""
+"""The checks and builds a job passes before any process group exists: the rule phases shapes,
+layout, model and device of torchtitan/config/rules.py (parse_args ran the options phase), with
+the builds they check: the TrainSpec, the tokenizer, the model's arguments, the model on the meta
+device. One line and exit code 2 for each mistake. The model and device rules are defined here or
+in the module of the feature they protect."""
 
 from __future__ import annotations
 
@@ -10,19 +13,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchtitan.checkpoint.hf_training import check_export_target
-from torchtitan.config_manager import validate_world_size
+from torchtitan.config import rules
 from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
-from torchtitan.memory_floor import check_step_fits
 from torchtitan.models import TrainSpec, get_train_spec
-from torchtitan.output_locations import check_output_locations
 from torchtitan.parallelisms import distributed as tt_dist
-from torchtitan.parallelisms.float8 import check_float8_support
 from torchtitan.parallelisms.mixed_precision import warn_if_emulated
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.pipeline import PipelinePlan, plan_pipeline
-from torchtitan.profiling import check_memory_snapshot_support
+from torchtitan.parallelisms.pipeline import PipelinePlan
 
 
 def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
@@ -62,6 +60,58 @@ def check_document_mask(job_config: JobConfig, tokenizer: Any, model_cls: type |
                           "forward (see torchtitan/models/llama/model.py); leave training.document_mask off for it")
 
 
+def check_pipelining_fn(train_spec: TrainSpec, parallel_dims: ParallelDims) -> None:
+    if parallel_dims.pp_enabled and train_spec.pipelining_fn is None:
+        raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
+                          "must stay 1")
+
+
+def check_hf_adapter(job_config: JobConfig, train_spec: TrainSpec) -> None:
+    if job_config.checkpoint.last_save_in_hf and train_spec.hf_adapter is None:
+        raise ConfigError(f"checkpoint.last_save_in_hf: model {train_spec.name!r} has no Hugging Face conversion "
+                          "(TrainSpec.hf_adapter)")
+
+
+def check_validation_loader(job_config: JobConfig, train_spec: TrainSpec) -> None:
+    if job_config.validation.enabled and train_spec.build_validation_dataloader_fn is None:
+        raise ConfigError(f"model {train_spec.name!r} has no build_validation_dataloader_fn, so validation.enabled "
+                          "must stay false")
+
+
+def check_experts(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
+                  model: torch.nn.Module) -> None:
+    """Expert parallelism splits a model's experts (modules with `num_experts`); a model with none
+    has nothing to split. The one place this is checked, for every model family."""
+    ep = parallel_dims.ep
+    if ep == 1 or any(hasattr(m, "num_experts") for m in model.modules()):
+        return
+    needs = f"training.expert_parallel_degree {ep} needs a mixture-of-experts model"
+    model_name = f"{job_config.model.name} {job_config.model.flavor}"
+    moe_flavors = [name for name, args in train_spec.config.items() if getattr(args, "num_experts", 0)]
+    if moe_flavors:
+        raise ConfigError(f"{needs}; model {model_name} is dense (use a mixture-of-experts flavor: "
+                          f"{', '.join(moe_flavors)}; or leave it at 1)")
+    raise ConfigError(f"{needs}; {model_name} has no experts (leave it at 1)")
+
+
+def check_model_shapes(train_spec: TrainSpec, model_args: Any, parallel_dims: ParallelDims,
+                       plan: PipelinePlan | None, job_config: JobConfig) -> None:
+    """The model family's own rules (its TrainSpec's validate_fn): head and vocabulary counts
+    against TP, enough blocks for the pipeline's stages, ..."""
+    if train_spec.validate_fn is not None:
+        train_spec.validate_fn(model_args, parallel_dims, plan, job_config)
+
+
+def _import_custom_models(module: str) -> None:
+    try:
+        importlib.import_module(module)  # registers extra models
+    except ModuleNotFoundError as e:
+        if e.name is None or not module.startswith(e.name):
+            raise  # the module exists but imports something missing: its own bug
+        raise ConfigError(f"experimental.custom_import {module!r}: no module named {e.name!r} on the Python path "
+                          f"(run from the folder that holds it, or add that folder to PYTHONPATH)") from None
+
+
 class Preflight(NamedTuple):
     """What a job is checked and built from before any process group exists."""
 
@@ -75,52 +125,38 @@ class Preflight(NamedTuple):
 
 def preflight(job_config: JobConfig, world_size: int, device_type: str | None = None,
               check_memory: bool = True, tokenizer: Any = None) -> Preflight:
-    """Every check that needs no process group, in the order a run meets them; raises ConfigError
-    (or another user error) with one line. Runs on every rank before start-up, and in-process
-    wherever a layout must be judged without starting it (the layout matrix, the dry run).
+    """The rule phases shapes, layout, model and device (torchtitan/config/rules.py), in the order
+    a run meets them; raises ConfigError (or another user error) with one line. Runs on every rank
+    before start-up, and in-process wherever a layout must be judged without starting it (the
+    layout matrix, the dry run).
 
     `device_type`: the device the job runs on (this machine's by default; a dry run names the
     cluster's). `check_memory` False leaves out the start-up memory floor (a dry run measures).
     `tokenizer`: one already built (the dry run's stand-in where the file is on the cluster only)."""
-    parallel_dims = validate_world_size(job_config, world_size)
-    check_output_locations(job_config)
+    plan = rules.check_shapes(job_config)
+    parallel_dims = rules.check_layout(job_config, world_size)
+    rules.run("output_locations", job_config)
     if job_config.experimental.custom_import:
-        module = job_config.experimental.custom_import
-        try:
-            importlib.import_module(module)  # registers extra models
-        except ModuleNotFoundError as e:
-            if e.name is None or not module.startswith(e.name):
-                raise  # the module exists but imports something missing: its own bug
-            raise ConfigError(f"experimental.custom_import {module!r}: no module named {e.name!r} on the Python path "
-                              f"(run from the folder that holds it, or add that folder to PYTHONPATH)") from None
+        _import_custom_models(job_config.experimental.custom_import)
     train_spec = get_train_spec(job_config.model.name)
-    check_flavor(train_spec, job_config.model.flavor)
+    rules.run("flavor", train_spec, job_config.model.flavor)
     tokenizer = tokenizer or train_spec.build_tokenizer_fn(job_config)
-    check_document_mask(job_config, tokenizer, train_spec.model_cls)
+    rules.run("document_mask", job_config, tokenizer, train_spec.model_cls)
     model_args = build_model_args(train_spec, job_config, tokenizer.n_words)
-    if parallel_dims.pp_enabled and train_spec.pipelining_fn is None:
-        raise ConfigError(f"model {train_spec.name!r} has no pipelining_fn, so experimental.pipeline_parallel_degree "
-                          "must stay 1")
-    plan = plan_pipeline(job_config) if parallel_dims.pp_enabled else None
-    if job_config.checkpoint.last_save_in_hf and train_spec.hf_adapter is None:
-        raise ConfigError(f"checkpoint.last_save_in_hf: model {train_spec.name!r} has no Hugging Face conversion "
-                          "(TrainSpec.hf_adapter)")
-    check_export_target(job_config)
-    if job_config.validation.enabled and train_spec.build_validation_dataloader_fn is None:
-        raise ConfigError(f"model {train_spec.name!r} has no build_validation_dataloader_fn, so validation.enabled "
-                          "must stay false")
-    if train_spec.validate_fn is not None:
-        train_spec.validate_fn(model_args, parallel_dims, plan, job_config)
-    device_type = device_type or tt_dist.device_type()
-    tt_dist.check_device_features(job_config, device_type)
-    check_float8_support(job_config, device_type, parallel_dims.tp_enabled)
-    check_memory_snapshot_support(job_config, device_type)
-    warn_if_emulated(job_config.training, device_type)
+    rules.run("pipelining_fn", train_spec, parallel_dims)
+    rules.run("hf_export", job_config, train_spec)
+    rules.run("export_target", job_config)
+    rules.run("validation_loader", job_config, train_spec)
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
-    if parallel_dims.ep > 1 and not any(hasattr(m, "num_experts") for m in model.modules()):
-        raise ConfigError(f"training.expert_parallel_degree {parallel_dims.ep} needs a mixture-of-experts model; "
-                          f"{job_config.model.name} {job_config.model.flavor} has no experts (leave it at 1)")
+    rules.run("experts", job_config, train_spec, parallel_dims, model)
+    rules.run("model_shapes", train_spec, model_args, parallel_dims, plan, job_config)
+    device_type = device_type or tt_dist.device_type()
+    rules.run("async_tp_device", job_config, device_type)
+    rules.run("float8_device", job_config, device_type, parallel_dims.tp_enabled)
+    rules.run("memory_snapshot_device", job_config, device_type)
+    warn_if_emulated(job_config.training, device_type)
     if check_memory:
-        check_step_fits(job_config, parallel_dims, model_args, device_type, sum(p.numel() for p in model.parameters()))
+        rules.run("memory_floor", job_config, parallel_dims, model_args, device_type,
+                  sum(p.numel() for p in model.parameters()))
     return Preflight(parallel_dims, plan, train_spec, tokenizer, model_args, model)

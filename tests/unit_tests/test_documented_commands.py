@@ -13,6 +13,7 @@ import pytest
 
 from tests.documented_command_checks import in_repo_root, precheck_calls, problem, run_precheck, written_by_runnable
 from tests.documented_commands import Marker, extract, extract_all
+from torchtitan.config import rules
 from torchtitan.config_manager import parse_args
 from torchtitan.errors import ConfigError
 
@@ -58,15 +59,15 @@ def test_every_marker_marks_a_command():
 
 def test_the_batch_that_does_not_split_into_microbatches_is_refused_by_the_precheck():
     """The README's dry run as it was (405B's batch 2 per rank into 8 pipeline microbatches): the
-    pre-check refuses it in milliseconds, before torch, with the same line that parse_args gives
-    every start-up (the trainer, the dry run)."""
+    pre-check refuses it in milliseconds, before torch, with the same line that the shapes phase
+    gives every start-up (preflight: the trainer, the dry run)."""
     old = ["--job.config_file", "train_configs/llama3_405b.toml", "--job.dry_run", "--job.dry_run_world_size", "512",
            "--training.data_parallel_shard_degree", "8", "--experimental.pipeline_parallel_degree", "8",
            "--memory_estimation.device_memory_gib", "80"]
     line = "training.batch_size 2 must split into experimental.pipeline_parallel_microbatches = 8 equal microbatches"
     assert run_precheck(["--launch-mode", *old], 2) == (2, f"error: {line}")
     with pytest.raises(ConfigError, match=line), in_repo_root():
-        parse_args(old)
+        rules.check_shapes(parse_args(old))
     assert run_precheck(["--launch-mode", *old, "--training.batch_size", "32"], 2) == (0, "")
 
 

@@ -1,19 +1,21 @@
 """Expert-parallel layouts, judged before any process group exists: the world mesh dims that
 ParallelDims plans for each valid layout, and the one-line refusals of the ones that cannot run
-(ParallelDims, validate_qwen3, and the trainer's preflight for models without experts)."""
+(ParallelDims, validate_qwen3, and the trainer's preflight for models without experts or a dense flavor)."""
 
 import dataclasses
 import math
 import re
 
 import pytest
+import torch
 
 from tests.helpers import TINY_RUN
 from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.models import get_train_spec
 from torchtitan.models.qwen3.flavors import qwen3_configs
 from torchtitan.models.qwen3.parallelize_qwen3 import validate_qwen3
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.preflight import preflight
+from torchtitan.preflight import check_experts, preflight
 
 MOE = qwen3_configs["debugmodel_moe"]  # 8 experts, top-2
 DENSE = qwen3_configs["debugmodel"]
@@ -110,8 +112,12 @@ def test_moe_layouts_that_fit_pass(kwargs):
 
 
 def test_ep_on_a_dense_flavor_is_refused():
+    """By the one rule every family shares (preflight's `experts`), which validate_qwen3 leaves to it."""
+    spec = get_train_spec("qwen3")
+    with torch.device("meta"):
+        model = spec.model_cls.from_model_args(DENSE)
     with refused(["training.expert_parallel_degree 2 needs a mixture-of-experts model", "qwen3 debugmodel is dense"]):
-        validate_qwen3(DENSE, dims(2, dp_shard=2, ep=2), None, qwen3_job("debugmodel"))
+        check_experts(qwen3_job("debugmodel"), spec, dims(2, dp_shard=2, ep=2), model)
 
 
 def test_ep_must_divide_the_experts():

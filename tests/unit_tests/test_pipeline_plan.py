@@ -1,7 +1,7 @@
 """Tests for pipeline-parallel planning, all on one process without any process group.
 
 Covers `torchtitan.parallelisms.pipeline` (schedule table, `plan_pipeline` validation both
-directly and through `parse_args`, stage placement, the cost-balanced split, bubble formulas)
+directly and through the config checks before start-up, stage placement, the cost-balanced split, bubble formulas)
 and the model-dependent part of `torchtitan.models.llama.pipeline_llama` (cost estimate, split
 points, pre-flight validation and cutting a model into stage modules).
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan.config import rules
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.parallelize_llama import validate_llama
@@ -35,8 +36,16 @@ SHIPPED_CSV = REPO_ROOT / "train_configs" / "pipeline_schedules" / "1f1b_pp2_2mi
 SMALL_ARGS = ModelArgs(dim=64, n_layers=8, n_heads=4, vocab_size=100)
 
 
+def checked(argv: list[str]) -> JobConfig:
+    """parse_args (the options phase), then the shapes phase that makes the pipeline plan: the
+    checks the launcher runs, and each rank before start-up."""
+    config = parse_args(argv)
+    rules.check_shapes(config)
+    return config
+
+
 def pp_config(pp=2, schedule="1F1B", batch_size=8, **experimental) -> JobConfig:
-    """parse_args with pipeline options; `foo=3` becomes --experimental.pipeline_parallel_foo 3."""
+    """The config checks with pipeline options; `foo=3` becomes --experimental.pipeline_parallel_foo 3."""
     argv = [
         "--experimental.pipeline_parallel_degree", str(pp),
         "--experimental.pipeline_parallel_schedule", schedule,
@@ -44,7 +53,7 @@ def pp_config(pp=2, schedule="1F1B", batch_size=8, **experimental) -> JobConfig:
     ]
     for key, value in experimental.items():
         argv += [f"--experimental.pipeline_parallel_{key}", str(value)]
-    return parse_args(argv)
+    return checked(argv)
 
 
 def raw_config(pp=2, schedule="1F1B", batch_size=8, **experimental) -> JobConfig:
@@ -113,7 +122,7 @@ def test_unknown_schedule_lists_choices():
     assert all(name in message for name in SCHEDULES)
 
 
-# Each case: options, a fragment the message must contain. Checked via parse_args and directly.
+# Each case: options, a fragment the message must contain. Checked via the config checks and directly.
 REFUSED = {
     "stages_per_rank_on_single_stage": (dict(schedule="1F1B", stages_per_rank=2), "one stage per rank"),
     "stages_per_rank_on_gpipe": (dict(schedule="GPipe", stages_per_rank=3), "one stage per rank"),
@@ -134,7 +143,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_refused_by_parse_args(case):
+def test_refused_by_the_config_checks(case):
     options, fragment = REFUSED[case]
     with pytest.raises(ConfigError, match=fragment):
         pp_config(**options)
@@ -194,7 +203,7 @@ def test_op_level_checkpointing_refused_with_split_backward_schedules(schedule):
     op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
     base = ["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_schedule", schedule]
     with pytest.raises(ConfigError, match="selective_ac_option 'op' cannot run under pipeline schedule"):
-        parse_args([*base, *op_ac])
+        checked([*base, *op_ac])
     # Block-level checkpointing, and op-level with a schedule that runs backward in one pass, are fine.
     assert plan_pipeline(parse_args([*base, "--activation_checkpoint.mode", "full"])).split_backward
     assert not plan_pipeline(parse_args([*op_ac, *base[:3], "Interleaved1F1B"])).split_backward
@@ -206,9 +215,9 @@ def test_csv_with_weight_gradient_actions_splits_backward(tmp_path):
     assert plan_pipeline(pp_config(pp=2, schedule_csv=csv, microbatches=1)).split_backward
     assert not plan_pipeline(pp_config(pp=2, schedule_csv=SHIPPED_CSV)).split_backward
     with pytest.raises(ConfigError, match="schedule CSV"):
-        parse_args(["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_schedule_csv",
-                    str(csv), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                    "op"])
+        checked(["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_schedule_csv",
+                 str(csv), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                 "op"])
 
 
 # ----------------------------------------------------------------------------- stage placement

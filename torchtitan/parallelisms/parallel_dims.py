@@ -65,10 +65,8 @@ class ParallelDims:
         self._validate()
 
     def _validate(self) -> None:
-        for name in MESH_DIM_ORDER:
-            value = getattr(self, name)
-            if value < 1 and not (name == "dp_shard" and value == -1):
-                raise ConfigError(f"{_OPTION[name]} must be >= 1{' or -1' if name == 'dp_shard' else ''}, got {value}")
+        # A ParallelDims built by hand (tools, tests) passes the same rule as a config's degrees.
+        check_degrees({name: getattr(self, name) for name in _OPTION})
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others or self.world_size < others:
@@ -92,8 +90,6 @@ class ParallelDims:
         self._validate_ep()
 
     def _validate_ep(self) -> None:
-        if self.ep < 1:
-            raise ConfigError(f"training.expert_parallel_degree must be >= 1, got {self.ep}")
         if self.ep == 1:
             return
         borrowed = self.dp_shard * self.cp * self.tp
@@ -318,17 +314,30 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
 
+def _config_degrees(job_config: JobConfig) -> dict[str, int]:
+    """The configured degree of each mesh dim (and ep), as _OPTION names them."""
+    return {name: getattr(getattr(job_config, option.split(".")[0]), option.split(".")[1])
+            for name, option in _OPTION.items()}
+
+
+def check_degrees(degrees: dict[str, int]) -> None:
+    """Every degree is >= 1; dp_shard may also be -1 (the ranks the others leave)."""
+    for name, value in degrees.items():
+        if value < 1 and not (name == "dp_shard" and value == -1):
+            raise ConfigError(f"{_OPTION[name]} must be >= 1{' or -1' if name == 'dp_shard' else ''}, got {value}")
+
+
+def check_degree_options(config: JobConfig) -> None:
+    """The options phase's degree rule (the world size is not known yet)."""
+    check_degrees(_config_degrees(config))
+
+
 def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> ParallelDims:
-    t, e = job_config.training, job_config.experimental
+    t = job_config.training
     return ParallelDims(
-        dp_replicate=t.data_parallel_replicate_degree,
-        dp_shard=t.data_parallel_shard_degree,
-        cp=e.context_parallel_degree,
-        tp=t.tensor_parallel_degree,
-        pp=e.pipeline_parallel_degree,
+        **_config_degrees(job_config),
         world_size=world_size,
         enable_loss_parallel=t.enable_loss_parallel and not t.disable_loss_parallel,
-        ep=t.expert_parallel_degree,
         world_size_from="job.dry_run_world_size" if job_config.job.dry_run and job_config.job.dry_run_world_size else "NGPU",
     )
 

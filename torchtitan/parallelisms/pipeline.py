@@ -147,10 +147,10 @@ def plan_pipeline(job_config: JobConfig) -> PipelinePlan:
     return PipelinePlan(schedule, pp, stages_per_rank, microbatches, split_backward, csv_path)
 
 
-def check_options(config: JobConfig) -> None:
-    """The config pass's pipeline rule: a plan can be made (see plan_pipeline)."""
-    if config.experimental.pipeline_parallel_degree > 1:
-        plan_pipeline(config)
+def plan_if_pipelined(config: JobConfig) -> PipelinePlan | None:
+    """The shapes phase's rule (torchtitan/config/rules.py): the job's plan, made once per process
+    and handed on; None without pipeline parallelism."""
+    return plan_pipeline(config) if config.experimental.pipeline_parallel_degree > 1 else None
 
 
 def _splits_backward(csv_path: str, kind: ScheduleKind | None) -> bool:

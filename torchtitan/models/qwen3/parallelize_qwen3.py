@@ -42,10 +42,8 @@ def validate_qwen3(args: Qwen3ModelArgs, parallel_dims: ParallelDims, plan: Pipe
     if plan is not None:
         stage_starts_for(args, job_config, plan)  # raises when the stages cannot be cut
     ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
-    if ep > 1 and not args.is_moe:
-        raise ConfigError(f"training.expert_parallel_degree {ep} needs a mixture-of-experts model; {flavor} is dense "
-                          "(use a *_moe or -A*B flavor, or leave it at 1)")
-    if ep > 1 and args.num_experts % ep:
+    # A dense flavor with ep > 1 is refused by preflight's `experts` rule, for every model family.
+    if ep > 1 and args.is_moe and args.num_experts % ep:
         raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {args.num_experts} experts of {flavor}")
     if args.is_moe and (ep > 1 or tp > 1):
         # The MoE layers then have FSDP units of their own inside each block (expert_parallel.py).
