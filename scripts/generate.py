@@ -41,10 +41,11 @@ from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanne
 from torchtitan.checkpoint.states import ModelState
 from torchtitan.config_manager import parse_args
 from torchtitan.datasets.tokenizer import tokenizer_from_file
-from torchtitan.errors import ConfigError, UserError, out_of_memory, reporting_to_folder, say_how_it_ended
+from torchtitan.errors import ConfigError, UserError, out_of_memory
 from torchtitan.generation import Continuation, Sampling, eval_mode, generate, positions_needed
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.runtime.reports import reporting_to_folder, say_how_it_ended
 
 DEFAULT_TOKENIZER = "bundled:stdlib_docs/tokenizer.model"
 # DCP says so whenever a single process loads, which is how one-process generation works.

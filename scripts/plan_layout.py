@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, from any folder
 
-from torchtitan.errors import UserError  # noqa: E402
+from torchtitan.errors import UserError
 from torchtitan.estimation.planner import GiB, Hardware, Model, as_record, plan  # noqa: E402
 from torchtitan.logging import init_logger  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, also where it is not installed
 
 from torchtitan.datasets.bpe_trainer import save_tiktoken_ranks, train_bpe  # noqa: E402 - after the path above
-from torchtitan.errors import DatasetError, UserError  # noqa: E402
+from torchtitan.errors import DatasetError, UserError
 
 
 def read_texts(path: Path) -> Iterator[str]:

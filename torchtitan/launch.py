@@ -1,7 +1,7 @@
 """torchrun with one line at the end: `python -m torchtitan.launch [torchrun options] -m torchtitan.train ...`.
 
 run_llama_train.sh starts training through this wrapper. It runs torchrun's own launcher in this
-process with a report folder for the ranks (torchtitan.errors), and when the job ends it prints
+process with a report folder for the ranks (torchtitan.runtime.reports), and when the job ends it prints
 why, once: the `error:` line of whichever rank found a mistake first, the `stopped:` line of a
 Ctrl-C, or the one traceback of a bug, instead of torchrun's multi-screen failure report (which a
 rank's one-line error would be buried in, or which, with LOG_RANK=0, is all a user would see of a
@@ -28,7 +28,8 @@ import threading
 import time
 from datetime import timedelta
 
-from torchtitan.errors import EXIT_USER, REPORT_DIR_ENV, attempts_started, read_reports, summarize
+from torchtitan.errors import EXIT_USER
+from torchtitan.runtime.reports import REPORT_DIR_ENV, attempts_started, read_reports, summarize
 
 STOP_GRACE_SECONDS = 300  # TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides it
 PROGRESS_INTERVAL_SECONDS = 30  # RDZV_PROGRESS_INTERVAL overrides it

@@ -33,16 +33,7 @@ import torch
 from torchtitan.checkpoint import CheckpointManager, ResumePoint, TrainState, find_resume_point
 from torchtitan.config_manager import help_text, parse_args
 from torchtitan.datasets.shards import DataShards, decide_data_shards
-from torchtitan.errors import (
-    PREEMPTION_SIGNALS,
-    Stopped,
-    StopRequests,
-    UserError,
-    attempt,
-    mark_attempt,
-    reporting_to_folder,
-    say_how_it_ended,
-)
+from torchtitan.errors import Stopped, UserError
 from torchtitan.estimation.dry_run import estimate_before_training
 from torchtitan.estimation.dry_run import main as dry_run_main
 from torchtitan.job_config import JobConfig
@@ -54,6 +45,8 @@ from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.preflight import preflight
 from torchtitan.progress import Progress
+from torchtitan.runtime.reports import attempt, mark_attempt, reporting_to_folder, say_how_it_ended
+from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.setup_record import SetupRecord
 from torchtitan.trainer.loop import RunRecords, TrainedModel, Trainer
 from torchtitan.trainer.step import build_model_parts, document_mask_eos, loss_context, with_compiled_loss

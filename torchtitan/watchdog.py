@@ -14,7 +14,7 @@ after it), the thread reads every rank's heartbeat and decides who is stuck:
 
 It then writes the Python stacks of its threads to `<job.dump_folder>/hang_dumps/rank-<r>.txt`
 (and, on NCCL, the flight recorder's trace next to them), tells the launcher in one line (the
-report folder of torchtitan/errors.py; the line names the stuck ranks with host and pid, which the
+report folder of torchtitan/runtime/reports.py; the line names the stuck ranks with host and pid, which the
 launcher kills), flags the hang in the store so every other waiting rank dumps its stacks at its
 next heartbeat too, and ends the process with exit code 5. The process group's own timeout is set
 a margin beyond the limit (`collective_timeout`), so this clear report comes first and a gloo
@@ -33,7 +33,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from torchtitan.errors import EXIT_HANG, Hang, reporting_to_folder, write_report
+from torchtitan.errors import EXIT_HANG, Hang
+from torchtitan.runtime.reports import reporting_to_folder, write_report
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import traceback
 
-from torchtitan.errors import REPORT_DIR_ENV, read_reports, summarize
+from torchtitan.runtime.reports import REPORT_DIR_ENV, read_reports, summarize
 
 
 def _free_port() -> int:

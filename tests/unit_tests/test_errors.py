@@ -7,22 +7,17 @@ import pytest
 import torch
 
 from torchtitan.config_manager import ConfigError
-from torchtitan.errors import (
-    EXIT_PREEMPTED,
+from torchtitan.errors import EXIT_PREEMPTED, OutOfMemory, Preempted, Stopped, TrainingDiverged, out_of_memory
+from torchtitan.runtime.reports import (
     REPORT_DIR_ENV,
-    OutOfMemory,
-    Preempted,
     Report,
-    Stopped,
-    StopRequests,
-    TrainingDiverged,
     mark_attempt,
-    out_of_memory,
     read_reports,
     say_how_it_ended,
     summarize,
     write_report,
 )
+from torchtitan.runtime.signals import StopRequests
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from torchtitan import launch
-from torchtitan.errors import REPORT_DIR_ENV, write_report
 from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.runtime.reports import REPORT_DIR_ENV, write_report
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torchtitan.errors import CheckpointError  # defined there (models raise it too); also imported from here
+from torchtitan.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

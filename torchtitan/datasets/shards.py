@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchtitan.errors import ConfigError  # torch-free: the launcher's pre-check runs check_layout
+from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
     from torchtitan.job_config import JobConfig

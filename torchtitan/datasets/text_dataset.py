@@ -33,8 +33,8 @@ from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
 from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
-from torchtitan.errors import StopRequests
 from torchtitan.job_config import JobConfig
+from torchtitan.runtime.signals import StopRequests
 
 logger = logging.getLogger(__name__)
 # torchdata's loader calls a deprecated torch function at every start; nothing for users to act on.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
-from torchtitan.errors import PREEMPTION_SIGNALS, Preempted, Stopped, StopRequests, TrainingDiverged
+from torchtitan.errors import Preempted, Stopped, TrainingDiverged
 from torchtitan.job_config import JobConfig
 from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec
@@ -28,6 +28,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.progress import Progress
+from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.setup_record import SetupRecord
 from torchtitan.trainer import step as shared_step
 from torchtitan.trainer.instruments import StepInstruments
