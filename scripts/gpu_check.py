@@ -245,11 +245,11 @@ def estimate(trainer_args: list[str]) -> dict[str, Any]:
     memory = result.largest.memory
     model = preflight(config, 1, result.device_type, check_memory=False).model  # meta: the run's real vocabulary
     block = next(iter(model.layers.values()))
-    t = config.training
+    training = config.training
     return {"peak_bytes": memory.peak, "at_peak": memory.at_peak, "compute_dtype": result.compute_dtype,
             "n_params": sum(p.numel() for p in model.parameters()), "n_layers": len(model.layers),
             "layer_params": sum(p.numel() for p in block.parameters()), "dim": model.args.dim,
-            "tokens": t.batch_size * t.seq_len, "seconds": round(time.perf_counter() - start, 1)}
+            "tokens": training.batch_size * training.seq_len, "seconds": round(time.perf_counter() - start, 1)}
 
 
 # ---------------------------------------------------------------------------------------------

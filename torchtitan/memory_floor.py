@@ -38,8 +38,8 @@ def tt_device_is_cuda() -> bool:
 
 
 def step_floor_bytes(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Any) -> int:
-    t = job_config.training
-    tokens = t.batch_size * t.seq_len // parallel_dims.cp
+    training = job_config.training
+    tokens = training.batch_size * training.seq_len // parallel_dims.cp
     if parallel_dims.pp > 1:
         microbatches = job_config.experimental.pipeline_parallel_microbatches
         tokens //= microbatches if microbatches > 0 else parallel_dims.pp
@@ -48,8 +48,8 @@ def step_floor_bytes(job_config: JobConfig, parallel_dims: ParallelDims, model_a
         vocab //= parallel_dims.tp
     dim, layers = getattr(model_args, "dim", 0), getattr(model_args, "n_layers", 0)
     layers = -(-layers // parallel_dims.pp)
-    act_bytes = 4 if t.mixed_precision_param == "float32" else 2  # "auto" may mean bf16: count the lesser
-    sequence_parallel = parallel_dims.tp > 1 and not t.disable_sequence_parallel
+    act_bytes = 4 if training.mixed_precision_param == "float32" else 2  # "auto" may mean bf16: count the lesser
+    sequence_parallel = parallel_dims.tp > 1 and not training.disable_sequence_parallel
     per_layer = tokens * dim * act_bytes // (parallel_dims.tp if sequence_parallel else 1)
     return tokens * vocab * 4 + layers * per_layer
 
@@ -98,15 +98,15 @@ def check_step_fits(job_config: JobConfig, parallel_dims: ParallelDims, model_ar
     memory = rank_memory_bytes(device_type)
     if memory is None or state + floor <= memory:
         return
-    t, m = job_config.training, job_config.model
+    training, model = job_config.training, job_config.model
     where = "GPU" if device_type == "cuda" else "host memory available per rank"
     if state > memory:  # the model alone is the problem, whatever the batch
         raise ConfigError(
-            f"model {m.name} {m.flavor} ({n_params / 1e9:.1f} billion parameters) needs at least {_size(state)} per rank "
+            f"model {model.name} {model.flavor} ({n_params / 1e9:.1f} billion parameters) needs at least {_size(state)} per rank "
             f"for its weights, gradients and optimizer state, more than this {where} ({_size(memory)}); use a smaller "
             "model.flavor, or shard it over more ranks (data_parallel_shard_degree, tensor or pipeline parallel)")
     raise ConfigError(
-        f"training.batch_size {t.batch_size} x training.seq_len {t.seq_len} needs at least {_size(floor)} per rank "
+        f"training.batch_size {training.batch_size} x training.seq_len {training.seq_len} needs at least {_size(floor)} per rank "
         f"for one step's activations (the logits and each layer's input), which with the model's {_size(state)} is more "
         f"than this {where} ({_size(memory)}); "
         "lower training.batch_size or training.seq_len, or spread the work over more ranks (context, tensor or "

@@ -332,22 +332,22 @@ class MetricsLogger:
                  compute_dtype: torch.dtype = torch.float32, resumed_step: int = 0):
         self.device = device
         self.flops_per_token = flops_per_token
-        m = job_config.metrics
-        self.peak_flops, peak_source = peak_flops(device, compute_dtype, m.peak_tflops)
+        metrics = job_config.metrics
+        self.peak_flops, peak_source = peak_flops(device, compute_dtype, metrics.peak_tflops)
         # A measured CPU peak that a run outpaces was measured on a busy machine (see raise_cpu_peak).
-        self._cpu_peak_dtype = compute_dtype if device.type == "cpu" and m.peak_tflops <= 0 else None
-        self.colors = _Colors(m.enable_color_printing and not m.disable_color_printing)
+        self._cpu_peak_dtype = compute_dtype if device.type == "cpu" and metrics.peak_tflops <= 0 else None
+        self.colors = _Colors(metrics.enable_color_printing and not metrics.disable_color_printing)
         self.writer = None
-        self.wandb = _WandbSink(job_config) if m.enable_wandb and rank == 0 else None
+        self.wandb = _WandbSink(job_config) if metrics.enable_wandb and rank == 0 else None
         self.jsonl = None
-        if m.save_jsonl and rank == 0:
+        if metrics.save_jsonl and rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
             self.jsonl = _open_jsonl(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), resumed_step)
-        if m.enable_tensorboard and (rank == 0 or not m.rank_0_only):
+        if metrics.enable_tensorboard and (rank == 0 or not metrics.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 
-            folder = os.path.join(job_config.job.dump_folder, m.save_tb_folder)
-            if not m.rank_0_only:
+            folder = os.path.join(job_config.job.dump_folder, metrics.save_tb_folder)
+            if not metrics.rank_0_only:
                 folder = os.path.join(folder, f"rank_{rank}")
             self.writer = SummaryWriter(folder)
             logger.info(f"TensorBoard scalars go to {folder}")

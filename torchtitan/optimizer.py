@@ -150,28 +150,28 @@ class OptimizersInBackwardContainer(OptimizersContainer):
 
 def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
                      parallel_dims: ParallelDims | None = None) -> OptimizersContainer:
-    o = job_config.optimizer
+    optimizer = job_config.optimizer
     kwargs = {
-        "lr": o.lr,
-        "betas": (o.beta1, o.beta2),
-        "eps": o.eps,
-        "weight_decay": o.weight_decay,
+        "lr": optimizer.lr,
+        "betas": (optimizer.beta1, optimizer.beta2),
+        "eps": optimizer.eps,
+        "weight_decay": optimizer.weight_decay,
         # PyTorch has fused kernels for CPU and CUDA; foreach (multi-tensor) is the fallback for others.
-        "fused": o.fused,
-        "foreach": not o.fused,
+        "fused": optimizer.fused,
+        "foreach": not optimizer.fused,
     }
-    if o.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config_manager)
+    if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config_manager)
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")
-        return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[o.name], kwargs)
+        return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs)
     zero1 = None
-    if o.zero1:  # validated to come with dp_replicate > 1 (config_manager)
+    if optimizer.zero1:  # validated to come with dp_replicate > 1 (config_manager)
         zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)
         owned = [p for p in zero1.params if zero1.owns(p)]
         logger.info(f"applied ZeRO-1 over mesh {{'dp_replicate': {zero1.size}}}: this replica keeps the optimizer state "
                     f"of {len(owned)} of {len(zero1.params)} parameter tensors "
                     f"({sum(_local_numel(p) for p in owned):,} of {sum(_local_numel(p) for p in zero1.params):,} elements)")
-    return OptimizersContainer(model_parts, _OPTIMIZERS[o.name], kwargs, zero1)
+    return OptimizersContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs, zero1)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:
@@ -221,8 +221,8 @@ class LRSchedulersContainer(Stateful):
 
 
 def build_lr_schedulers(optimizers: OptimizersContainer, job_config: JobConfig) -> LRSchedulersContainer:
-    t = job_config.training
+    training = job_config.training
     factor = functools.partial(
-        lr_factor, warmup_steps=t.warmup_steps, total_steps=t.steps, decay_type=t.decay_type, lr_min=t.lr_min
+        lr_factor, warmup_steps=training.warmup_steps, total_steps=training.steps, decay_type=training.decay_type, lr_min=training.lr_min
     )
     return LRSchedulersContainer(optimizers, factor)

@@ -21,11 +21,11 @@ def check_options(config: JobConfig) -> None:
     step, cannot compose with it."""
     if not config.optimizer.early_step_in_backward:
         return
-    t, name = config.training, "optimizer.early_step_in_backward"
-    if t.max_norm > 0:
+    training, name = config.training, "optimizer.early_step_in_backward"
+    if training.max_norm > 0:
         raise ConfigError(f"{name} applies and frees each gradient during backward, so no global norm can clip "
-                          f"them; set training.max_norm 0 (got {t.max_norm})")
-    if t.gradient_accumulation_steps > 1:
+                          f"them; set training.max_norm 0 (got {training.max_norm})")
+    if training.gradient_accumulation_steps > 1:
         raise ConfigError(f"{name} would step after the first micro-batch's gradient; set "
                           "training.gradient_accumulation_steps 1")
     if config.experimental.pipeline_parallel_degree > 1:

@@ -18,12 +18,12 @@ from torchtitan.job_config import JobConfig
 
 def output_locations(job_config: JobConfig) -> list[tuple[str, str]]:
     """(option, path) of every folder this run will write into."""
-    dump, c, m, p = job_config.job.dump_folder, job_config.checkpoint, job_config.metrics, job_config.profiling
+    dump, checkpoint, metrics, profiling = job_config.job.dump_folder, job_config.checkpoint, job_config.metrics, job_config.profiling
     wanted = [
-        ("checkpoint.folder", c.folder, c.enable_checkpoint or c.create_seed_checkpoint or c.last_save_in_hf),
-        ("metrics.save_tb_folder", m.save_tb_folder, m.enable_tensorboard),
-        ("profiling.save_traces_folder", p.save_traces_folder, p.enable_profiling),
-        ("profiling.save_memory_snapshot_folder", p.save_memory_snapshot_folder, p.enable_memory_snapshot),
+        ("checkpoint.folder", checkpoint.folder, checkpoint.enable_checkpoint or checkpoint.create_seed_checkpoint or checkpoint.last_save_in_hf),
+        ("metrics.save_tb_folder", metrics.save_tb_folder, metrics.enable_tensorboard),
+        ("profiling.save_traces_folder", profiling.save_traces_folder, profiling.enable_profiling),
+        ("profiling.save_memory_snapshot_folder", profiling.save_memory_snapshot_folder, profiling.enable_memory_snapshot),
     ]
     return [("job.dump_folder", dump)] + [(option, os.path.join(dump, sub)) for option, sub, used in wanted if used]
 

@@ -31,15 +31,15 @@ def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
 
 
 def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: int):
-    m = job_config.model
-    flavor = train_spec.config[m.flavor]
+    model = job_config.model
+    flavor = train_spec.config[model.flavor]
     # vocab_size is required of every model's args; the others are set where the model has them.
-    updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": m.norm_type,
+    updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": model.norm_type,
                "moe_aux_loss_coef": job_config.moe.aux_loss_coef, "moe_bias_update_rate": job_config.moe.bias_update_rate}
-    padding = -vocab_size % m.vocab_size_divisible_by
+    padding = -vocab_size % model.vocab_size_divisible_by
     if padding:
         if not hasattr(flavor, "vocab_padding"):
-            raise ConfigError(f"model.vocab_size_divisible_by: model {m.name!r} cannot pad its vocabulary (its args have "
+            raise ConfigError(f"model.vocab_size_divisible_by: model {model.name!r} cannot pad its vocabulary (its args have "
                               "no vocab_padding field); leave it at 1")
         updates["vocab_padding"] = padding
     return dataclasses.replace(flavor, **{k: v for k, v in updates.items() if k == "vocab_size" or hasattr(flavor, k)})

@@ -25,12 +25,12 @@ def maybe_enable_profiling(job_config: JobConfig, rank: int, global_step: int = 
 
     global_step is the step training resumes from, so trace folders carry true step numbers.
     """
-    p = job_config.profiling
-    if not p.enable_profiling:
+    profiling = job_config.profiling
+    if not profiling.enable_profiling:
         yield None
         return
-    folder = os.path.join(job_config.job.dump_folder, p.save_traces_folder)
-    wait = p.profile_freq - (WARMUP + ACTIVE)
+    folder = os.path.join(job_config.job.dump_folder, profiling.save_traces_folder)
+    wait = profiling.profile_freq - (WARMUP + ACTIVE)
 
     def save_trace(prof: torch.profiler.profile) -> None:
         step_folder = os.path.join(folder, f"iteration_{prof.step_num + global_step}")
@@ -42,7 +42,7 @@ def maybe_enable_profiling(job_config: JobConfig, rank: int, global_step: int = 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    logger.info(f"profiling every {p.profile_freq} steps into {folder}")
+    logger.info(f"profiling every {profiling.profile_freq} steps into {folder}")
     with torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=wait, warmup=WARMUP, active=ACTIVE),
@@ -99,15 +99,15 @@ def maybe_enable_memory_snapshot(job_config: JobConfig, rank: int,
     on. A CUDA out-of-memory error leaving the block is dumped to iteration_<last step>_exit before
     it goes on: the history then shows what filled the memory. Recording stops when the block ends.
     """
-    p = job_config.profiling
-    if not p.enable_memory_snapshot:
+    profiling = job_config.profiling
+    if not profiling.enable_memory_snapshot:
         yield None
         return
     # preflight refused it already; a caller that skipped preflight gets the same line here.
     check_memory_snapshot_support(job_config, "cuda" if torch.cuda.is_available() else "cpu")
-    snapshot = MemorySnapshot(os.path.join(job_config.job.dump_folder, p.save_memory_snapshot_folder), rank,
-                              p.profile_freq, global_step)
-    logger.info(f"recording CUDA memory history; a snapshot every {p.profile_freq} steps and at an out-of-memory "
+    snapshot = MemorySnapshot(os.path.join(job_config.job.dump_folder, profiling.save_memory_snapshot_folder), rank,
+                              profiling.profile_freq, global_step)
+    logger.info(f"recording CUDA memory history; a snapshot every {profiling.profile_freq} steps and at an out-of-memory "
                 f"error, into {snapshot.folder}")
     torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_MAX_ENTRIES)
     try:

@@ -46,10 +46,10 @@ class SetupRecord:
 
     def __init__(self, job_config: JobConfig, model_args: Any, n_params: int, resume: ResumePoint | None,
                  resumed_step: int, data_shards: int):
-        m = job_config.model
+        model = job_config.model
         self.first_step = resumed_step + 1
         self.start: dict[str, Any] = {
-            "model": {"name": m.name, "flavor": m.flavor, "parameters": n_params, "vocab_size": model_args.vocab_size,
+            "model": {"name": model.name, "flavor": model.flavor, "parameters": n_params, "vocab_size": model_args.vocab_size,
                       "vocab_padding": getattr(model_args, "vocab_padding", 0)},
             # A seed or exported checkpoint (weights only) starts at step 0; a full one resumes after its step.
             "initial_load": None if resume is None else {"path": str(resume.path), "weights_only": resume.weights_only,

@@ -67,20 +67,20 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     """This rank's part of the job: the build sequence, then the Trainer's run (trainer/loop.py)."""
     started = time.perf_counter()
-    t = job_config.training
+    training = job_config.training
     # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
     if job_config.memory_estimation.enabled:
         estimate_before_training(job_config)  # this rank's peak, before any process group (estimation/dry_run.py)
     device_type = tt_dist.device_type()
-    c = job_config.comm
-    device = tt_dist.init_distributed(device_type, collective_timeout(c.init_timeout_seconds),
-                                      c.trace_buf_size, job_config.job.dump_folder)
+    comm = job_config.comm
+    device = tt_dist.init_distributed(device_type, collective_timeout(comm.init_timeout_seconds),
+                                      comm.trace_buf_size, job_config.job.dump_folder)
     # From here on a rank that stops making progress is named within the timeout (watchdog.py).
     with watch_this_rank(tt_dist.rank(), tt_dist.world_size(), job_config.job.dump_folder,
-                         c.init_timeout_seconds) as watchdog:
+                         comm.init_timeout_seconds) as watchdog:
         parallel_dims.build_mesh(device_type)
-        tt_dist.set_determinism(DEFAULT_SEED if t.seed < 0 else t.seed, t.deterministic)
+        tt_dist.set_determinism(DEFAULT_SEED if training.seed < 0 else training.seed, training.deterministic)
         logger.info(f"job: {job_config.job.description}")
         if job_config.job.print_args:
             logger.info(f"job config: {job_config.to_dict()}")
@@ -104,10 +104,10 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         checkpoint.load(resume)
         trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device)
         setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
-        metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype(t, device_type),
+        metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype(training, device_type),
                                 resumed_step=train_state.step)
         validator = build_validator(job_config, trained, tokenizer, shards)
-        progress = Progress(t.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=started)
+        progress = Progress(training.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=started)
         records = RunRecords(checkpoint, metrics, progress, validator, setup)
         Trainer(job_config, trained, dataloader, train_state, records, watchdog, stops,
                 eos_id=document_mask_eos(job_config, tokenizer)).run()
@@ -118,14 +118,14 @@ def build_dataloader(job_config: JobConfig, train_spec: TrainSpec, tokenizer: An
     """This rank's training data and the shards it reads: each data-parallel rank reads its own
     share; tp/cp/pp peers read the same. A resumed run reads the data in as many shards as its
     checkpoint's data position refers to."""
-    t = job_config.training
+    training = job_config.training
     dp_rank, dp_degree = parallel_dims.data_parallel_coordinates()
     if attempt():
         logger.warning(f"restart {attempt()} of this job (torchrun, MAX_RESTARTS): "
                        + (f"resuming from {resume.path}" if resume is not None else "starting from step 0 again, as "
                           "there is no checkpoint to resume from (checkpoint.enable_checkpoint)"))
-    resumed_shards = resume.data_shards(t.dataset_shards, dp_degree) if resume is not None else None
-    shards = decide_data_shards(t.dataset_shards, dp_rank, dp_degree, resumed_shards)
+    resumed_shards = resume.data_shards(training.dataset_shards, dp_degree) if resume is not None else None
+    shards = decide_data_shards(training.dataset_shards, dp_rank, dp_degree, resumed_shards)
     return train_spec.build_dataloader_fn(job_config, tokenizer, shards), shards
 
 

@@ -58,7 +58,7 @@ class Validator:
                  parallel_dims: ParallelDims, model_parts: list[nn.Module], loss_fn: Callable,
                  loss_context: Callable[[], contextlib.AbstractContextManager], pipeline: Pipeline | None,
                  device: torch.device, shards: DataShards):
-        self.v, self.t = job_config.validation, job_config.training
+        self.validation, self.training = job_config.validation, job_config.training
         self.job_config, self.build_dataloader, self.tokenizer = job_config, build_dataloader, tokenizer
         self.parallel_dims, self.model_parts, self.loss_fn = parallel_dims, model_parts, loss_fn
         self.loss_context, self.pipeline, self.device = loss_context, pipeline, device
@@ -75,11 +75,11 @@ class Validator:
             raise DatasetError(self._too_small())
 
     def _too_small(self) -> str:
-        return (f"validation: the validation data gives no full batch of {self.batch_size} x {self.t.seq_len} tokens "
+        return (f"validation: the validation data gives no full batch of {self.batch_size} x {self.training.seq_len} tokens "
                 "per data-parallel rank; give more validation data or lower validation.batch_size")
 
     def due(self, step: int) -> bool:
-        return step % self.v.freq == 0 or step == self.t.steps
+        return step % self.validation.freq == 0 or step == self.training.steps
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss (on a pipeline's last stage; zero on its other stages).
@@ -91,15 +91,15 @@ class Validator:
         multiple). Parts of one size weigh alike in the mean."""
         parts = []
         with self.loss_context():
-            for x, y in zip(inputs.split(self.t.batch_size), labels.split(self.t.batch_size)):
+            for x, y in zip(inputs.split(self.training.batch_size), labels.split(self.training.batch_size)):
                 extra = model_kwargs(x, self.eos_id)
                 if self.pipeline is not None:
-                    parts.append(self.pipeline.evaluate(x, y, self.device, self.t.gradient_accumulation_steps,
+                    parts.append(self.pipeline.evaluate(x, y, self.device, self.training.gradient_accumulation_steps,
                                                         **extra))
                     continue
                 loss = self.loss_fn(self.model_parts[0](x, **extra), y)
                 parts.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-        sizes = [len(x) for x in inputs.split(self.t.batch_size)]
+        sizes = [len(x) for x in inputs.split(self.training.batch_size)]
         return sum(p.double() * n for p, n in zip(parts, sizes)) / sum(sizes)
 
     @torch.no_grad()
@@ -118,7 +118,7 @@ class Validator:
             m.count_step_stats = False
         total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
         try:
-            while self.v.steps < 0 or n < self.v.steps:
+            while self.validation.steps < 0 or n < self.validation.steps:
                 if watchdog is not None:
                     watchdog.enter("validation", step)
                 batch = next(batches, None)
@@ -149,5 +149,5 @@ class Validator:
         if self.pipeline is not None:  # only the last stage holds the loss; the others add zero
             total = tt_dist.sum_across(total, self.parallel_dims.pp_mesh)
         loss = tt_dist.mean_across(total / n, self.parallel_dims.loss_mesh)
-        tokens = n * self.batch_size * self.t.seq_len * self.shards.dp_degree
+        tokens = n * self.batch_size * self.training.seq_len * self.shards.dp_degree
         return ValidationResult(step, loss, n, tokens, time.perf_counter() - start)

@@ -83,11 +83,11 @@ def hf_export_path(checkpoint_folder: str, step: int) -> str:
 def check_export_target(job_config: Any) -> None:
     """Refuses an export that would replace the folder the run starts from (a job started from its
     own earlier export of the same step), before anything is trained."""
-    c = job_config.checkpoint
-    if not (c.last_save_in_hf and c.initial_load_path):
+    checkpoint = job_config.checkpoint
+    if not (checkpoint.last_save_in_hf and checkpoint.initial_load_path):
         return
-    target = hf_export_path(os.path.join(job_config.job.dump_folder, c.folder), job_config.training.steps)
-    if os.path.realpath(target) == os.path.realpath(c.initial_load_path):
+    target = hf_export_path(os.path.join(job_config.job.dump_folder, checkpoint.folder), job_config.training.steps)
+    if os.path.realpath(target) == os.path.realpath(checkpoint.initial_load_path):
         raise CheckpointError(f"checkpoint.last_save_in_hf would write the final weights over {target}, the folder "
                               "this run starts from (checkpoint.initial_load_path); use another job.dump_folder, or "
                               "copy the folder elsewhere first")

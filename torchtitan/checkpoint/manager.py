@@ -86,12 +86,12 @@ class CheckpointManager:
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, model_parts: list[nn.Module],
                  optimizers: Stateful, lr_schedulers: Stateful, dataloader: Any, train_state: TrainState,
                  data_shards: int):
-        c = job_config.checkpoint
+        checkpoint = job_config.checkpoint
         self.job_config = job_config
-        self.enabled = c.enable_checkpoint or c.create_seed_checkpoint
-        self.folder = os.path.join(job_config.job.dump_folder, c.folder)
-        self.interval, self.keep_latest_k = c.interval, c.keep_latest_k
-        self.weights_only_at_end, self.export_dtype = c.model_weights_only, _DTYPES[c.export_dtype]
+        self.enabled = checkpoint.enable_checkpoint or checkpoint.create_seed_checkpoint
+        self.folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
+        self.interval, self.keep_latest_k = checkpoint.interval, checkpoint.keep_latest_k
+        self.weights_only_at_end, self.export_dtype = checkpoint.model_weights_only, _DTYPES[checkpoint.export_dtype]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.layout = _layout(parallel_dims)
         self.parallel_dims = parallel_dims
@@ -108,26 +108,26 @@ class CheckpointManager:
         }
         self._in_flight: tuple[Any, str, Manifest, float] | None = None
         self._async = None
-        if self.enabled and c.async_mode != "disabled":
+        if self.enabled and checkpoint.async_mode != "disabled":
             from torchtitan.checkpoint.async_save import AsyncSaver
 
-            self._async = AsyncSaver(c.async_mode)
+            self._async = AsyncSaver(checkpoint.async_mode)
         # One name for this job's unfinished saves, the same on every rank.
         self._attempt = decide_on_rank0(lambda: f"{os.getpid()}-{time.time_ns()}")
         self._cleaned = False
         self._record: ModelRecord | None = None
         # What the Hugging Face export writes beside the weights, taken now: the tokenizer file may
         # be gone or changed by the end of a long run.
-        self._hf_tokenizer = self._tokenizer_for_export() if c.last_save_in_hf else None
+        self._hf_tokenizer = self._tokenizer_for_export() if checkpoint.last_save_in_hf else None
         self._tokenizer_record = tokenizer_record(job_config.model.tokenizer_path)
 
     def model_record(self) -> ModelRecord:
         """This run's model as a manifest records it: name, flavor, args, tied weights (read once
         from the whole model built on the meta device, since a pipeline stage holds one side)."""
         if self._record is None:
-            m, args = self.job_config.model, getattr(self.model.model_parts[0], "args", None)
-            whole = build_on_meta(get_train_spec(m.name).model_cls, args)
-            self._record = ModelRecord(m.name, m.flavor, args_record(args),
+            model, args = self.job_config.model, getattr(self.model.model_parts[0], "args", None)
+            whole = build_on_meta(get_train_spec(model.name).model_cls, args)
+            self._record = ModelRecord(model.name, model.flavor, args_record(args),
                                        tied_aliases(whole) if whole is not None else None)
         return self._record
 
@@ -137,7 +137,7 @@ class CheckpointManager:
     def load(self, resume: ResumePoint | None) -> None:
         if resume is None:
             return
-        c = self.job_config.checkpoint
+        checkpoint = self.job_config.checkpoint
         if resume.hf:
             self._load_hf(resume.path)
             return
@@ -148,8 +148,8 @@ class CheckpointManager:
             raise CheckpointError(f"{resume.path} cannot be read safely: its DCP metadata is unreadable "
                                   f"({one_line(e)})") from None
         top_level = not any(key.startswith("model.") for key in metadata.state_dict_metadata)
-        states = {name: self.states[name] for name in contents if name not in c.exclude_from_loading}
-        left_out = [name for name in contents if name in c.exclude_from_loading]
+        states = {name: self.states[name] for name in contents if name not in checkpoint.exclude_from_loading}
+        left_out = [name for name in contents if name in checkpoint.exclude_from_loading]
         if left_out and self.rank == 0:
             logger.warning(f"not loading {', '.join(left_out)} from {resume.path} (checkpoint.exclude_from_loading): "
                            "they start as in a fresh run")
@@ -190,12 +190,12 @@ class CheckpointManager:
 
     def _load_hf(self, path: str) -> None:
         """Model weights from a Hugging Face folder, each rank reading its own shards (hf_training.py)."""
-        c = self.job_config.checkpoint
+        checkpoint = self.job_config.checkpoint
         adapter, args = self._hf_adapter()
         whole = build_on_meta(get_train_spec(self.job_config.model.name).model_cls, args)
         start = time.perf_counter()
         read = hf_training.load_hf_weights(path, self.model, adapter, args, hf_training.whole_model_shapes(whole),
-                                           list(c.exclude_from_loading), c.allow_partial_load)
+                                           list(checkpoint.exclude_from_loading), checkpoint.allow_partial_load)
         seconds = time.perf_counter() - start
         logger.info(f"loaded model weights from the Hugging Face folder {path} in {seconds:.2f}s (this rank read "
                     f"{read / 2**20:.1f} MiB, one parameter at a time)")
@@ -246,10 +246,10 @@ class CheckpointManager:
             spec = get_train_spec(name)
             return spec.model_cls, spec.config[flavor]
 
-        c, ours = self.job_config.checkpoint, self.model_record()
-        exclude = [e for e in c.exclude_from_loading if e not in self.states]  # whole states are left out in load()
+        checkpoint, ours = self.job_config.checkpoint, self.model_record()
+        exclude = [e for e in checkpoint.exclude_from_loading if e not in self.states]  # whole states are left out in load()
         check = FitCheck(resume.path, metadata, checkpoint_record(resume.manifest, registered), ours, list(states),
-                         exclude, c.allow_partial_load, top_level)
+                         exclude, checkpoint.allow_partial_load, top_level)
         expected: dict[str, Any] = {}
         for name, state in states.items():
             for key, value in flatten("" if top_level and name == "model" else name, state.state_dict()).items():

@@ -85,12 +85,12 @@ def find_resume_point(job_config: JobConfig) -> ResumePoint | None:
 
 
 def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
-    c = job_config.checkpoint
-    folder = os.path.join(job_config.job.dump_folder, c.folder)
-    if c.enable_checkpoint:
+    checkpoint = job_config.checkpoint
+    folder = os.path.join(job_config.job.dump_folder, checkpoint.folder)
+    if checkpoint.enable_checkpoint:
         found, partial = folders.scan(folder)
-        if c.load_step >= 0:
-            return _requested_step(found, folder, c.load_step)
+        if checkpoint.load_step >= 0:
+            return _requested_step(found, folder, checkpoint.load_step)
         for path in partial:
             logger.warning(f"ignoring {path}: a save that never finished")
         usable = []
@@ -111,8 +111,8 @@ def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
             if f.manifest.weights_only:
                 logger.info(f"{f.path} holds model weights only: the run starts from them at step 0")
             return ResumePoint(f.path, f.manifest.weights_only, f.manifest)
-    if c.initial_load_path:
-        return _initial_weights(c.initial_load_path, job_config.model.name)
+    if checkpoint.initial_load_path:
+        return _initial_weights(checkpoint.initial_load_path, job_config.model.name)
     return None
 
 

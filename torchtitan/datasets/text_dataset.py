@@ -271,18 +271,18 @@ class PackedTextDataset(IterableDataset, Stateful):
 def held_out_split(job_config: JobConfig, validation: bool) -> Split | None:
     """The split of the training source between training and validation: None (training reads
     everything) unless validation is on and has no dataset of its own."""
-    v = job_config.validation
-    if not v.enabled or v.dataset or v.dataset_path:
+    options = job_config.validation
+    if not options.enabled or options.dataset or options.dataset_path:
         return None
-    return Split(v.held_out_fraction, validation)
+    return Split(options.held_out_fraction, validation)
 
 
 def training_source(job_config: JobConfig) -> Any:
     """training.dataset_mix's Mixture, else the one source training.dataset / dataset_path name."""
-    t = job_config.training
-    if t.dataset_mix:
-        return build_mixture(t.dataset_mix, t.seed if t.seed >= 0 else 0)
-    return resolve_source(t.dataset, t.dataset_path)
+    training = job_config.training
+    if training.dataset_mix:
+        return build_mixture(training.dataset_mix, training.seed if training.seed >= 0 else 0)
+    return resolve_source(training.dataset, training.dataset_path)
 
 
 def _check_tokenized(source: Any, tokenizer: Tokenizer) -> None:
@@ -292,12 +292,12 @@ def _check_tokenized(source: Any, tokenizer: Tokenizer) -> None:
 
 
 def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
-    t = job_config.training
+    training = job_config.training
     source = training_source(job_config)
     _check_tokenized(source, tokenizer)
-    dataset = PackedTextDataset(source, tokenizer, t.seq_len, t.batch_size, shards.owned, shards.count,
-                                infinite=t.dataset_infinite, skip_bad_lines=t.dataset_skip_bad_lines,
-                                split=held_out_split(job_config, validation=False), num_workers=t.dataset_num_workers)
+    dataset = PackedTextDataset(source, tokenizer, training.seq_len, training.batch_size, shards.owned, shards.count,
+                                infinite=training.dataset_infinite, skip_bad_lines=training.dataset_skip_bad_lines,
+                                split=held_out_split(job_config, validation=False), num_workers=training.dataset_num_workers)
     # batch_size=None: the dataset yields whole batches (each assembled from its shards). Any worker
     # processes belong to the dataset's shard readers; packing runs here.
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
@@ -307,21 +307,21 @@ def validation_batch_size(job_config: JobConfig) -> int:
     """Rows per data-parallel rank of a validation batch: validation.batch_size, by default the rows
     of one optimizer step (all its micro-batches), so a layout's validation batch, like its training
     step, depends only on the global batch."""
-    t, v = job_config.training, job_config.validation
-    return v.batch_size if v.batch_size > 0 else t.batch_size * t.gradient_accumulation_steps
+    training, validation = job_config.training, job_config.validation
+    return validation.batch_size if validation.batch_size > 0 else training.batch_size * training.gradient_accumulation_steps
 
 
 def build_validation_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
     """Batches of the validation data (validation.dataset or dataset_path, else the training
     source's held-out split), read once from its start: finite, in the training process."""
-    t, v = job_config.training, job_config.validation
-    if v.dataset or v.dataset_path:
-        source = resolve_source(v.dataset, v.dataset_path, option="validation")
+    training, validation = job_config.training, job_config.validation
+    if validation.dataset or validation.dataset_path:
+        source = resolve_source(validation.dataset, validation.dataset_path, option="validation")
         split = Split(1.0, validation=True)  # all of it
     else:
         source = training_source(job_config)
         split = held_out_split(job_config, validation=True)
     _check_tokenized(source, tokenizer)
-    dataset = PackedTextDataset(source, tokenizer, t.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
-                                infinite=False, skip_bad_lines=t.dataset_skip_bad_lines, split=split)
+    dataset = PackedTextDataset(source, tokenizer, training.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
+                                infinite=False, skip_bad_lines=training.dataset_skip_bad_lines, split=split)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)

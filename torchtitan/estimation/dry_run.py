@@ -139,12 +139,12 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
     device (auto is bf16 on CUDA), float8 emulated, and what needs a GPU or cannot run on fake
     tensors turned off with a note."""
     config = copy.deepcopy(job_config)
-    t, notes = config.training, []
-    if t.mixed_precision_param == "auto":
+    training, notes = config.training, []
+    if training.mixed_precision_param == "auto":
         # What `auto` picks on the target device (the simulation's device is the CPU).
-        t.mixed_precision_param = str(tt_dist.resolve_param_dtype("auto", target)).removeprefix("torch.")
-    if t.compile:
-        t.compile = False
+        training.mixed_precision_param = str(tt_dist.resolve_param_dtype("auto", target)).removeprefix("torch.")
+    if training.compile:
+        training.compile = False
         notes.append("torch.compile is not simulated: the estimate is of eager execution (compiled blocks usually "
                      "keep fewer temporaries)")
     # Standing for a GPU job on a machine without one; a CPU job keeps the options, and their
@@ -156,10 +156,10 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
             and not torch.cuda.is_available()):
         config.float8.emulate = True
         notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
-    if t.document_mask and target == "cuda":
+    if training.document_mask and target == "cuda":
         notes.append("document masking is simulated as causal attention (FlexAttention keeps what flash attention "
                      "keeps, plus a block mask of under a MiB)")
-    accumulation = t.gradient_accumulation_steps
+    accumulation = training.gradient_accumulation_steps
     if simulated_micro_steps(accumulation) < accumulation:
         notes.append(f"{simulated_micro_steps(accumulation)} of the step's {accumulation} micro-steps are simulated "
                      "(the first and the last; those between repeat a part of the last's work)")
@@ -235,12 +235,12 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                 _as_on_cuda(model_parts)
             optimizers = spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
             lr_schedulers = spec.build_lr_schedulers_fn(optimizers, job_config)
-            t = job_config.training
+            training = job_config.training
             vocab = model_args.vocab_size
-            batches = [(torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device),
-                        torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device))
-                       for _ in range(simulated_micro_steps(t.gradient_accumulation_steps) if fake
-                                      else t.gradient_accumulation_steps)]
+            batches = [(torch.randint(0, vocab, (training.batch_size, training.seq_len), device=device),
+                        torch.randint(0, vocab, (training.batch_size, training.seq_len), device=device))
+                       for _ in range(simulated_micro_steps(training.gradient_accumulation_steps) if fake
+                                      else training.gradient_accumulation_steps)]
             if replayed:
                 tokens = shard_batch(batches[0], parallel_dims.cp_mesh)[0].tensor_split(pipeline.microbatches)[0]
                 replay = PipelineReplay(pipeline, parallel_dims.pp_mesh.get_local_rank(), first_stage, tokens)
@@ -252,10 +252,10 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
             def step() -> None:
                 optimizers.zero_grad()
                 forward_backward(spec, parallel_dims, model_parts, pipeline, batches, device,
-                                 defer_sharded_reduction=t.defer_sharded_gradient_reduction,
+                                 defer_sharded_reduction=training.defer_sharded_gradient_reduction,
                                  eos_id=document_mask_eos(job_config, tokenizer))
                 if not job_config.optimizer.early_step_in_backward:
-                    tt_dist.clip_grad_norm_(params, t.max_norm, parallel_dims.pp_mesh,
+                    tt_dist.clip_grad_norm_(params, training.max_norm, parallel_dims.pp_mesh,
                                             uncounted=pipeline.tied.uncounted if pipeline and pipeline.tied else ())
                 optimizers.step()
                 lr_schedulers.step()
@@ -269,7 +269,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
             else:
                 step()
             optimizers.zero_grad()
-            tracker = StepTracker(model_parts, optimizers.optimizers, offload=t.enable_cpu_offload)
+            tracker = StepTracker(model_parts, optimizers.optimizers, offload=training.enable_cpu_offload)
             tracker.track_inputs(*[x for batch in batches for x in batch])
             with tracker.tracking():
                 step()
@@ -351,8 +351,8 @@ def _fake_mode():
 
 def dry_run(job_config: JobConfig) -> DryRunResult:
     """Every rank the dry run stands for, simulated in this process (see the module docstring)."""
-    j = job_config.job
-    world_size = j.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or tt_dist.world_size()
+    job = job_config.job
+    world_size = job.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or tt_dist.world_size()
     target = target_device_type(job_config)
     config, notes = for_this_machine(job_config, target, world_size)
     training_source(config)  # the data must exist too
@@ -377,7 +377,7 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
     log = logging.getLogger("torchtitan")
     level = log.level
     try:
-        for rank in ranks_to_simulate(parallel_dims, j.dry_run_rank):
+        for rank in ranks_to_simulate(parallel_dims, job.dry_run_rank):
             estimate = simulate_rank(simulated, world, rank % world, target, tokenizer=tokenizer)
             estimate.rank = rank
             if buckets:
@@ -504,8 +504,8 @@ def layout_text(job_config: JobConfig, world_size: int, target: str) -> str:
 
     dims = parallel_dims_from_config(job_config, world_size)
     mesh = " x ".join(f"{name} {getattr(dims, name)}" for name in MESH_DIM_ORDER if getattr(dims, name) > 1) or "1 rank"
-    m = job_config.model
-    return f"{m.name} {m.flavor} ({mesh}{f', ep {dims.ep}' if dims.ep > 1 else ''})"
+    model = job_config.model
+    return f"{model.name} {model.flavor} ({mesh}{f', ep {dims.ep}' if dims.ep > 1 else ''})"
 
 
 class DoesNotFit(UserError):

@@ -41,7 +41,7 @@ class FSDPUnit:
     divide_factor: int
 
 
-def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, t: Training,
+def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, training: Training,
                         units: Sequence[FSDPUnit] = ()) -> None:
     """FSDP / HSDP when anything shards parameters (dp_shard or cp > 1), else DDP over the replicas.
 
@@ -50,38 +50,38 @@ def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, t: Traini
     `units` are wrapped first, each over its own mesh (also on layouts without FSDP otherwise).
     """
     if units:
-        _apply_fsdp_units(units, parallel_dims, t)
+        _apply_fsdp_units(units, parallel_dims, training)
     if parallel_dims.fsdp_enabled:
         mesh = parallel_dims.fsdp_mesh
         apply_fsdp(
             model,
             mesh,
-            param_dtype=resolve_param_dtype(t.mixed_precision_param, mesh.device_type),
-            reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, mesh.device_type),
+            param_dtype=resolve_param_dtype(training.mixed_precision_param, mesh.device_type),
+            reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, mesh.device_type),
             # A pipeline stage runs forward once per microbatch before its backwards: freeing the
             # gathered parameters after each forward would gather them again every microbatch.
-            reshard_after_forward=("never" if parallel_dims.pp_enabled and t.fsdp_reshard_after_forward == "default"
-                                   else t.fsdp_reshard_after_forward),
-            cpu_offload=t.enable_cpu_offload,
+            reshard_after_forward=("never" if parallel_dims.pp_enabled and training.fsdp_reshard_after_forward == "default"
+                                   else training.fsdp_reshard_after_forward),
+            cpu_offload=training.enable_cpu_offload,
         )
     elif parallel_dims.ddp_enabled and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
         apply_fsdp_replicate(model, parallel_dims.replicate_mesh,
-                             reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"))
+                             reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, "cpu"))
     elif parallel_dims.ddp_enabled:
-        apply_ddp(model, parallel_dims.replicate_mesh, bucket_cap_mb=t.ddp_bucket_cap_mb,
-                  reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, "cpu"), compiled=t.compile)
+        apply_ddp(model, parallel_dims.replicate_mesh, bucket_cap_mb=training.ddp_bucket_cap_mb,
+                  reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, "cpu"), compiled=training.compile)
 
 
-def _apply_fsdp_units(units: Sequence[FSDPUnit], parallel_dims: ParallelDims, t: Training) -> None:
+def _apply_fsdp_units(units: Sequence[FSDPUnit], parallel_dims: ParallelDims, training: Training) -> None:
     device_type = units[0].mesh.device_type
     # The same precision as the rest of the model: FSDP's policy where FSDP shards the model, fp32 otherwise.
-    param_dtype = resolve_param_dtype(t.mixed_precision_param, device_type) if parallel_dims.fsdp_enabled else torch.float32
+    param_dtype = resolve_param_dtype(training.mixed_precision_param, device_type) if parallel_dims.fsdp_enabled else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                  reduce_dtype=resolve_param_dtype(t.mixed_precision_reduce, device_type))
+                                  reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, device_type))
     config = {"mp_policy": policy}
-    if t.enable_cpu_offload:
+    if training.enable_cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
-    reshard = not parallel_dims.pp_enabled and t.fsdp_reshard_after_forward != "never"
+    reshard = not parallel_dims.pp_enabled and training.fsdp_reshard_after_forward != "never"
     for unit in units:
         fully_shard(unit.module, mesh=unit.mesh, reshard_after_forward=reshard, **config)
         unit.module.set_gradient_divide_factor(unit.divide_factor)

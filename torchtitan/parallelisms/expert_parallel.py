@@ -144,7 +144,7 @@ def moe_fsdp_units(layers: Sequence[nn.Module], parallel_dims: ParallelDims) -> 
 
 def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_config: JobConfig) -> None:
     """Sets the seams of MoE `layers` (torchtitan/models/moe.py) for this layout and batch."""
-    t = job_config.training
+    training = job_config.training
     group = parallel_dims.sequence_mesh if parallel_dims.tp * parallel_dims.cp > 1 else None
 
     def sum_over_sequence_group(counts: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_
             layer.sum_over_sequence_group = sum_over_sequence_group
         layer.sequence_group_size = parallel_dims.cp * parallel_dims.tp
         layer.aux_loss_rank_weight = parallel_dims.cp
-        layer.sequences_per_step = t.batch_size * t.gradient_accumulation_steps
+        layer.sequences_per_step = training.batch_size * training.gradient_accumulation_steps
         layer.experts.use_grouped_mm = None if job_config.moe.grouped_mm else False
 
 

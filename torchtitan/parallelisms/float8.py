@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bool) -> None:
     """Refuses float8 where it cannot run, before any process group exists."""
-    f = job_config.float8
-    if not f.enable_float8_linear:
+    float8 = job_config.float8
+    if not float8.enable_float8_linear:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("float8.enable_float8_linear needs torchao: .venv/bin/pip install -e '.[float8]'")
@@ -35,7 +35,7 @@ def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bo
         raise ConfigError("float8 with tensor and sequence parallelism sends float8 tensors through the TP collectives, "
                           "which gloo (CPU) cannot carry; on CPU add --training.disable_sequence_parallel (float8 TP "
                           "without it runs here); on CUDA GPUs NCCL carries them and the layout runs as configured")
-    if f.emulate:  # runs anywhere; apply_float8 says it is emulated
+    if float8.emulate:  # runs anywhere; apply_float8 says it is emulated
         return
     if device_type != "cuda":
         raise ConfigError("float8.enable_float8_linear needs CUDA GPUs with float8 units (H100 or newer); "
@@ -49,8 +49,8 @@ def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bo
 def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    f = job_config.float8
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather, emulate=f.emulate)
+    float8 = job_config.float8
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather, emulate=float8.emulate)
     # Float8 matmuls need dimensions divisible by 16; the output projection and MoE routers (whose
     # small score differences choose the experts) stay in high precision.
     convert_to_float8_training(
@@ -58,8 +58,8 @@ def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
         module_filter_fn=lambda module, fqn: (fqn != "output" and "router" not in fqn.split(".")
                                               and module.in_features % 16 == 0 and module.out_features % 16 == 0),
     )
-    logger.info(f"converted linear layers to float8 (FSDP float8 all-gather {'on' if f.enable_fsdp_float8_all_gather else 'off'}"
-                f"{'; matmuls emulated in high precision, for tests only' if f.emulate else ''})")
+    logger.info(f"converted linear layers to float8 (FSDP float8 all-gather {'on' if float8.enable_fsdp_float8_all_gather else 'off'}"
+                f"{'; matmuls emulated in high precision, for tests only' if float8.emulate else ''})")
 
 
 def is_float8(module: nn.Module) -> bool:

@@ -30,32 +30,32 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 logger = logging.getLogger(__name__)
 
 
-def compute_dtype(t: Training, device_type: str) -> torch.dtype:
+def compute_dtype(training: Training, device_type: str) -> torch.dtype:
     """The dtype the model's matmuls run in, for every layout (MFU counts against its peak)."""
-    return resolve_param_dtype(t.mixed_precision_param, device_type)
+    return resolve_param_dtype(training.mixed_precision_param, device_type)
 
 
-def uses_autocast(t: Training, parallel_dims: ParallelDims, device_type: str) -> bool:
+def uses_autocast(training: Training, parallel_dims: ParallelDims, device_type: str) -> bool:
     """Whether the parts' forwards run under autocast: lower precision asked for and no FSDP to cast."""
-    return compute_dtype(t, device_type) != torch.float32 and not parallel_dims.fsdp_enabled
+    return compute_dtype(training, device_type) != torch.float32 and not parallel_dims.fsdp_enabled
 
 
-def apply_mixed_precision(model_parts: list[nn.Module], parallel_dims: ParallelDims, t: Training,
+def apply_mixed_precision(model_parts: list[nn.Module], parallel_dims: ParallelDims, training: Training,
                           device_type: str) -> None:
     """Makes this rank's model parts compute in the configured dtype where FSDP does not already."""
-    if not uses_autocast(t, parallel_dims, device_type):
+    if not uses_autocast(training, parallel_dims, device_type):
         return  # fp32, or FSDP's MixedPrecisionPolicy casts the parameters (data_parallel.apply_fsdp)
-    dtype = compute_dtype(t, device_type)
+    dtype = compute_dtype(training, device_type)
     for part in model_parts:
         part.forward = _autocast_forward(part.forward, device_type, dtype)
     logger.info(f"mixed precision: forward under torch.autocast({device_type}, {dtype}), fp32 parameters, "
                 "gradients and optimizer state")
 
 
-def warn_if_emulated(t: Training, device_type: str) -> None:
+def warn_if_emulated(training: Training, device_type: str) -> None:
     """One warning where bf16 is asked of a CPU that can only emulate it (called by the preflight
     with the device the job runs on, so a dry run standing for GPUs does not warn)."""
-    if device_type == "cpu" and compute_dtype(t, device_type) != torch.float32 and not cpu_has_bf16_matmul():
+    if device_type == "cpu" and compute_dtype(training, device_type) != torch.float32 and not cpu_has_bf16_matmul():
         logger.warning("training.mixed_precision_param bfloat16: this CPU has no bf16 matrix instructions "
                        "(AVX512-BF16 or AMX), so bf16 matmuls are emulated, far slower than fp32")
 

@@ -333,36 +333,36 @@ def check_degree_options(config: JobConfig) -> None:
 
 
 def parallel_dims_from_config(job_config: JobConfig, world_size: int) -> ParallelDims:
-    t = job_config.training
+    training = job_config.training
     return ParallelDims(
         **_config_degrees(job_config),
         world_size=world_size,
-        enable_loss_parallel=t.enable_loss_parallel and not t.disable_loss_parallel,
+        enable_loss_parallel=training.enable_loss_parallel and not training.disable_loss_parallel,
         world_size_from="job.dry_run_world_size" if job_config.job.dry_run and job_config.job.dry_run_world_size else "NGPU",
     )
 
 
 def check_options(config: JobConfig) -> None:
     """What the degrees ask of other options, checked before the world size is known."""
-    t, e = config.training, config.experimental
-    if e.enable_async_tensor_parallel:
-        if t.tensor_parallel_degree == 1:
+    training, experimental = config.training, config.experimental
+    if experimental.enable_async_tensor_parallel:
+        if training.tensor_parallel_degree == 1:
             raise ConfigError("experimental.enable_async_tensor_parallel needs training.tensor_parallel_degree > 1")
-        if not t.compile:
+        if not training.compile:
             raise ConfigError("experimental.enable_async_tensor_parallel works through torch.compile's micro-pipelining; "
                               "set training.compile true")
-    cp = e.context_parallel_degree
+    cp = experimental.context_parallel_degree
     if cp > 1:
-        if t.seq_len % (2 * cp):
-            raise ConfigError(f"training.seq_len {t.seq_len} must divide by 2 x experimental.context_parallel_degree "
+        if training.seq_len % (2 * cp):
+            raise ConfigError(f"training.seq_len {training.seq_len} must divide by 2 x experimental.context_parallel_degree "
                               f"= {2 * cp}: each cp rank holds two equal chunks of every sequence")
-        if e.context_parallel_backend == "torch":
+        if experimental.context_parallel_backend == "torch":
             raise ConfigError("experimental.context_parallel_backend 'torch' (PyTorch's context parallel) is not offered "
                               "yet: it has no CPU path, and this version runs only the ring backend; use 'ring'")
-        if t.compile:
+        if training.compile:
             raise ConfigError("training.compile with context parallelism is not supported yet: ring attention's "
                               "point-to-point exchange cannot sit inside a fullgraph-compiled block")
-        if t.document_mask:
+        if training.document_mask:
             raise ConfigError(f"training.document_mask does not compose with context parallelism "
                               f"(experimental.context_parallel_degree {cp}) yet: ring attention has no document mask; "
                               "turn one of them off")
@@ -378,7 +378,7 @@ def check_layout(config: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process; got {dims.world_size} (set NGPU=1)")
 
 
-def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
+def _check_fsdp_only_options(training: Training, dims: ParallelDims) -> None:
     """Options that only FSDP/HSDP can honour are refused, not ignored, on layouts without it."""
     if dims.fsdp_enabled:
         return
@@ -387,17 +387,17 @@ def _check_fsdp_only_options(t: Training, dims: ParallelDims) -> None:
                   "which has no sharding")
     else:
         layout = "this layout has no FSDP (data_parallel_shard_degree 1)"
-    if t.enable_cpu_offload:
+    if training.enable_cpu_offload:
         raise ConfigError(
             f"training.enable_cpu_offload offloads FSDP-sharded state and needs data_parallel_shard_degree > 1; {layout}"
         )
-    if t.fsdp_reshard_after_forward != "default":
-        raise ConfigError(f"training.fsdp_reshard_after_forward {t.fsdp_reshard_after_forward!r} applies to FSDP only; "
+    if training.fsdp_reshard_after_forward != "default":
+        raise ConfigError(f"training.fsdp_reshard_after_forward {training.fsdp_reshard_after_forward!r} applies to FSDP only; "
                           f"{layout}; leave it at 'default'")
-    if t.defer_sharded_gradient_reduction:
+    if training.defer_sharded_gradient_reduction:
         raise ConfigError(f"training.defer_sharded_gradient_reduction defers FSDP's reduce-scatter; {layout}, whose "
                           "gradients are whole and reduced on the last micro-step anyway; leave it off")
-    if t.mixed_precision_reduce == "bfloat16" and not dims.ddp_enabled:
+    if training.mixed_precision_reduce == "bfloat16" and not dims.ddp_enabled:
         raise ConfigError(f"training.mixed_precision_reduce bfloat16 has no effect on one rank: {layout}; leave it at float32")
 
 

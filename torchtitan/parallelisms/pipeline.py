@@ -87,23 +87,23 @@ class PipelinePlan:
 
 def plan_pipeline(job_config: JobConfig) -> PipelinePlan:
     """Validates the pipeline options against each other and the batch; one clear line per mistake."""
-    e, t = job_config.experimental, job_config.training
-    pp = e.pipeline_parallel_degree
+    experimental, training = job_config.experimental, job_config.training
+    pp = experimental.pipeline_parallel_degree
     csv_path = ""
-    if e.pipeline_parallel_schedule_csv:
-        csv_path = resolve_path(e.pipeline_parallel_schedule_csv, "experimental.pipeline_parallel_schedule_csv",
+    if experimental.pipeline_parallel_schedule_csv:
+        csv_path = resolve_path(experimental.pipeline_parallel_schedule_csv, "experimental.pipeline_parallel_schedule_csv",
                                 ConfigError)
         if not os.path.isfile(csv_path):
             raise ConfigError(f"experimental.pipeline_parallel_schedule_csv: no such file "
-                              f"{e.pipeline_parallel_schedule_csv!r}")
+                              f"{experimental.pipeline_parallel_schedule_csv!r}")
         schedule = CSV_SCHEDULE
     else:
-        schedule = _canonical(e.pipeline_parallel_schedule)
+        schedule = _canonical(experimental.pipeline_parallel_schedule)
         if schedule is None:
-            raise ConfigError(f"unknown experimental.pipeline_parallel_schedule {e.pipeline_parallel_schedule!r}; "
+            raise ConfigError(f"unknown experimental.pipeline_parallel_schedule {experimental.pipeline_parallel_schedule!r}; "
                               f"choose from {', '.join(SCHEDULES)} (or give pipeline_parallel_schedule_csv)")
     kind = SCHEDULES.get(schedule)
-    stages_per_rank = e.pipeline_parallel_stages_per_rank
+    stages_per_rank = experimental.pipeline_parallel_stages_per_rank
     if stages_per_rank == -1:
         # A CSV names its own stages; one per rank unless told otherwise.
         stages_per_rank = 2 if kind is not None and kind.multi_stage else 1
@@ -118,19 +118,19 @@ def plan_pipeline(job_config: JobConfig) -> PipelinePlan:
                           f"experimental.pipeline_parallel_stages_per_rank to 2 (or -1), not {stages_per_rank}")
     num_stages = pp * stages_per_rank
 
-    size, count = e.pipeline_parallel_microbatch_size, e.pipeline_parallel_microbatches
+    size, count = experimental.pipeline_parallel_microbatch_size, experimental.pipeline_parallel_microbatches
     if size != -1 and count != -1:
         raise ConfigError("set experimental.pipeline_parallel_microbatch_size or pipeline_parallel_microbatches, "
                           "not both")
     if size != -1:
-        if size < 1 or t.batch_size % size:
+        if size < 1 or training.batch_size % size:
             raise ConfigError(f"experimental.pipeline_parallel_microbatch_size {size} must divide training.batch_size "
-                              f"{t.batch_size}")
-        microbatches = t.batch_size // size
+                              f"{training.batch_size}")
+        microbatches = training.batch_size // size
     else:
         microbatches = num_stages if count == -1 else count
-        if microbatches < 1 or t.batch_size % microbatches:
-            raise ConfigError(f"training.batch_size {t.batch_size} must split into "
+        if microbatches < 1 or training.batch_size % microbatches:
+            raise ConfigError(f"training.batch_size {training.batch_size} must split into "
                               f"experimental.pipeline_parallel_microbatches = {microbatches} equal microbatches")
     if kind is not None:
         needed = {"one": 1, "stages": num_stages, "pp": pp}[kind.min_microbatches]

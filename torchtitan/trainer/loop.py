@@ -104,7 +104,7 @@ class Trainer:
     def __init__(self, job_config: JobConfig, model: TrainedModel, dataloader: Any, train_state: TrainState,
                  records: RunRecords, watchdog: Watchdog, stops: StopRequests | None = None,
                  eos_id: int | None = None):
-        self.job_config, self.t = job_config, job_config.training
+        self.job_config, self.training = job_config, job_config.training
         self.train_spec, self.parallel_dims, self.device = model.train_spec, model.parallel_dims, model.device
         self.model_parts, self.pipeline = model.parts, model.pipeline
         self.optimizers, self.lr_schedulers = model.optimizers, model.lr_schedulers
@@ -146,13 +146,13 @@ class Trainer:
         """Validates a resumed step that missed its validation, then trains up to training.steps,
         inside the profilers when they are on; returns how training ended ("done", "data ran out")."""
         step, validator = self.train_state.step, self.validator
-        if validator is not None and step > 0 and (validator.due(step) or step >= self.t.steps):
+        if validator is not None and step > 0 and (validator.due(step) or step >= self.training.steps):
             # A run stopped right after saving a step due for validation (a preemption) never
             # validated it; nor did a run validated only later (validation turned on afterwards).
             self.validate_if_missing(step)
-        if step >= self.t.steps:
+        if step >= self.training.steps:
             logger.info(f"nothing left to train: the checkpoint resumed from is at step {step} and "
-                        f"training.steps is {self.t.steps} (raise training.steps to train further)")
+                        f"training.steps is {self.training.steps} (raise training.steps to train further)")
             self.checkpoint.export_if_missing(step)
             return "done"
         rank = tt_dist.rank()
@@ -168,11 +168,11 @@ class Trainer:
         # Collection pauses of Python's GC differ per rank and stall collectives; collect on a schedule.
         gc.disable()
         gc.collect(1)
-        logger.info(f"training {self.t.steps} steps from step {self.train_state.step}, global batch "
-                    f"{self.t.batch_size * self.dp_degree * self.t.gradient_accumulation_steps} x {self.t.seq_len} tokens")
+        logger.info(f"training {self.training.steps} steps from step {self.train_state.step}, global batch "
+                    f"{self.training.batch_size * self.dp_degree * self.training.gradient_accumulation_steps} x {self.training.seq_len} tokens")
         if self.stops is not None:
             self.stops.install()  # from here on, SIGINT and SIGTERM stop every rank after the same step
-        while self.train_state.step < self.t.steps:
+        while self.train_state.step < self.training.steps:
             if not self.train_step():
                 return "data ran out"
         return "done"
@@ -205,7 +205,7 @@ class Trainer:
                 self.optimizer_step()
             lr = self.finish_update()
         result = self.newest = StepResult(step, loss, grad_norm, lr, stop_signal)
-        last = step == self.t.steps
+        last = step == self.training.steps
         with mark.phase("logging"):
             result.report = self.after_step(result, self.log_due(result, last))
         self.end_step(result, last)
@@ -213,12 +213,12 @@ class Trainer:
 
     def next_batch(self) -> list:
         """The step's micro-batches, one per gradient accumulation step (None where the data ran out)."""
-        return [next(self.data_iter, None) for _ in range(self.t.gradient_accumulation_steps)]
+        return [next(self.data_iter, None) for _ in range(self.training.gradient_accumulation_steps)]
 
     def data_ran_out(self, micro_batches: list) -> bool:
         # Every rank stops at the same step, even if only one rank's shards ran out; the last step
         # trained is logged, validated and saved as the last step of a run is.
-        ran_out = not self.t.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches))
+        ran_out = not self.training.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches))
         if ran_out:
             logger.info(f"the data ran out after step {self.train_state.step}; training ends there "
                         "(training.dataset_infinite is false)")
@@ -227,7 +227,7 @@ class Trainer:
     def begin_step(self) -> int:
         self.train_state.step += 1
         step = self.train_state.step
-        if step % self.t.gc_freq == 0:
+        if step % self.training.gc_freq == 0:
             gc.collect(1)
         self.optimizers.zero_grad()
         return step
@@ -235,7 +235,7 @@ class Trainer:
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         """The step's forwards and backwards; returns this rank's loss."""
         loss = shared_step.forward_backward(self.train_spec, self.parallel_dims, self.model_parts, self.pipeline,
-                                            micro_batches, self.device, self.t.defer_sharded_gradient_reduction,
+                                            micro_batches, self.device, self.training.defer_sharded_gradient_reduction,
                                             self.eos_id)
         tied = self.pipeline.tied if self.pipeline is not None else None
         if tied is not None:
@@ -247,13 +247,13 @@ class Trainer:
         if self.job_config.optimizer.early_step_in_backward:
             return self.optimizers.grad_norm()  # the hooks measured, applied and freed every gradient in backward
         tied = self.pipeline.tied if self.pipeline is not None else None
-        return tt_dist.clip_grad_norm_(self.params, self.t.max_norm, self.parallel_dims.pp_mesh,
+        return tt_dist.clip_grad_norm_(self.params, self.training.max_norm, self.parallel_dims.pp_mesh,
                                        uncounted=tied.uncounted if tied is not None else ())
 
     def nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Whether this rank's loss or gradient norm is not finite, where that stops the run
         (training.on_nonfinite_loss)."""
-        return self.t.on_nonfinite_loss == "stop" and not bool((torch.isfinite(grad_norm) & torch.isfinite(loss)).item())
+        return self.training.on_nonfinite_loss == "stop" and not bool((torch.isfinite(grad_norm) & torch.isfinite(loss)).item())
 
     def agree_to_continue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite: bool) -> int:
         """Once per step the ranks agree on whether to go on: a stop signal seen by any rank (returned,
@@ -279,7 +279,7 @@ class Trainer:
         if self.job_config.float8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(self.model_parts)
         self.lr_schedulers.step()
-        t = self.t
+        t = self.training
         self.train_state.tokens_seen += t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dp_degree
         return lr
 
@@ -343,14 +343,14 @@ class Trainer:
         stragglers = tt_dist.slowest_and_median(window.own_seconds / steps)
         self.metrics.log(StepMetrics(result.step, loss_value, result.grad_norm.item(), result.lr, tokens, elapsed,
                                      window.data_seconds, bubble, *(result.report or ()), own_seconds=stragglers,
-                                     steps=steps, total_steps=self.t.steps, progress=self.progress.text(result.step),
+                                     steps=steps, total_steps=self.training.steps, progress=self.progress.text(result.step),
                                      source_tokens=source_tokens(self.dataloader.dataset, pd, result.loss.device)))
         window.restart(result.step + 1)
         self.logged = result.step
 
     def preempted(self, result: StepResult | None) -> bool:
         """SIGTERM or SIGUSR1 (preemption, a time limit coming): the step all ranks agreed on is saved."""
-        return (result is not None and result.stop_signal in PREEMPTION_SIGNALS and result.step < self.t.steps
+        return (result is not None and result.stop_signal in PREEMPTION_SIGNALS and result.step < self.training.steps
                 and self.checkpoint.enabled)
 
     def save(self, step: int, result: StepResult | None, last: bool) -> None:
@@ -360,7 +360,7 @@ class Trainer:
                              grad_norm=result.grad_norm if result is not None else None, force=self.preempted(result))
 
     def stop_if_agreed(self, result: StepResult) -> None:
-        if result.stop_signal and result.step < self.t.steps:
+        if result.stop_signal and result.step < self.training.steps:
             raise (Preempted if self.preempted(result) else Stopped)(result.stop_signal, result.step)
 
     def log_state_bytes(self) -> None:

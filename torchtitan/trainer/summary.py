@@ -21,18 +21,18 @@ def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progres
     training tokens this run took (a resumed run's own)."""
     if last_step < progress.first_step:  # no step ran (the data ran out at once)
         return
-    dump, m = job_config.job.dump_folder, job_config.metrics
+    dump, metrics_options = job_config.job.dump_folder, job_config.metrics
     outputs = {}
-    c = job_config.checkpoint
-    if c.enable_checkpoint:
+    checkpoint = job_config.checkpoint
+    if checkpoint.enable_checkpoint:
         outputs["checkpoints"] = newest_checkpoint(job_config).removeprefix("newest checkpoint: ")
-    hf_export = hf_export_path(os.path.join(dump, c.folder), last_step)
-    if c.last_save_in_hf and os.path.isdir(hf_export):
+    hf_export = hf_export_path(os.path.join(dump, checkpoint.folder), last_step)
+    if checkpoint.last_save_in_hf and os.path.isdir(hf_export):
         outputs["Hugging Face weights"] = hf_export
-    if m.save_jsonl:
+    if metrics_options.save_jsonl:
         outputs["metrics"] = os.path.join(dump, "metrics.jsonl")
-    if m.enable_tensorboard:
-        outputs["TensorBoard"] = os.path.join(dump, m.save_tb_folder)
+    if metrics_options.enable_tensorboard:
+        outputs["TensorBoard"] = os.path.join(dump, metrics_options.save_tb_folder)
     lines, record = summary(progress, last_step, tokens, *metrics.mean_throughput(), metrics.validations, outputs,
                             ended)
     for line in lines:

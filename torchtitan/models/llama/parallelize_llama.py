@@ -43,21 +43,21 @@ def validate_llama(args: ModelArgs, parallel_dims: ParallelDims, plan: PipelineP
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    t = job_config.training
+    training = job_config.training
     ac = job_config.activation_checkpoint
     if job_config.float8.enable_float8_linear:
         apply_float8(model, job_config)  # before TP and FSDP, which then handle the float8 modules
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.tp_mesh
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
-                 sequence_parallel=not t.disable_sequence_parallel, float8=job_config.float8.enable_float8_linear)
+                 sequence_parallel=not training.disable_sequence_parallel, float8=job_config.float8.enable_float8_linear)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, t.seq_len)  # before AC wraps the blocks
-    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, t.compile)
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len)  # before AC wraps the blocks
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile)
 
-    apply_data_parallel(model, parallel_dims, t)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
+    apply_data_parallel(model, parallel_dims, training)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
     return model
 
 

@@ -78,7 +78,7 @@ def validate_qwen3(args: Qwen3ModelArgs, parallel_dims: ParallelDims, plan: Pipe
 
 
 def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    t = job_config.training
+    training = job_config.training
     ac = job_config.activation_checkpoint
     moe_layers = [block.moe for block in model.layers.values() if block.moe is not None]
     configure_moe(moe_layers, parallel_dims, job_config)
@@ -86,17 +86,17 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_float8(model, job_config)
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
-                 sequence_parallel=not t.disable_sequence_parallel)
+                 sequence_parallel=not training.disable_sequence_parallel)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(parallel_dims.tp_mesh)
     if parallel_dims.ep > 1:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, t.seq_len)
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
     # MoE blocks compile their attention only (apply_compile_attention).
-    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, t.compile,
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
                          apply_compile_attention if moe_layers else apply_compile)
-    apply_data_parallel(model, parallel_dims, t, units=moe_fsdp_units(moe_layers, parallel_dims))
+    apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 
 
