@@ -95,8 +95,11 @@ def _private(part: str) -> bool:
     return part.startswith("_") and not part.startswith("__")
 
 
-def _resolve(dotted: str):
-    """The torch object named `dotted` (module path, then attributes), or None."""
+MISSING = object()  # what `resolve` returns for a name the installed torch lacks
+
+
+def resolve(dotted: str):
+    """The torch object named `dotted` (module path, then attributes), or MISSING."""
     parts = dotted.split(".")
     for end in range(len(parts), 0, -1):
         try:
@@ -107,21 +110,32 @@ def _resolve(dotted: str):
             for part in parts[end:]:
                 obj = getattr(obj, part)
         except AttributeError:
-            return None
+            return MISSING
         return obj
-    return None
+    return MISSING
+
+
+@functools.cache
+def _attributes_set_on_self(source_file: str) -> frozenset[str]:
+    """Private attributes a torch source file sets on `self` (whole files: parsing out one class
+    with inspect.getsource costs seconds over torch's large modules)."""
+    text = Path(source_file).read_text()
+    return frozenset(m for m in re.findall(r"self\.(_\w+)\s*[:=]", text) if _private(m))
 
 
 def _class_privates(cls: type) -> set[str]:
+    """A torch class's private attributes: its own and inherited, and those its modules' code
+    sets on instances."""
     names = {n for n in dir(cls) if _private(n)}
     for base in cls.__mro__:
         if base.__module__.split(".")[0] != "torch":
             continue
         try:
-            source = inspect.getsource(base)
-        except (OSError, TypeError):
+            source_file = inspect.getsourcefile(base)
+        except TypeError:  # defined in C++
             continue
-        names.update(m for m in re.findall(r"self\.(_\w+)\s*[:=]", source) if _private(m))
+        if source_file:
+            names |= _attributes_set_on_self(source_file)
     return names
 
 
@@ -130,7 +144,7 @@ def torch_private_attributes() -> frozenset[str]:
     """Every private attribute name of the classes in TORCH_CLASSES (as installed)."""
     names: set[str] = set()
     for dotted in TORCH_CLASSES:
-        cls = _resolve(dotted)
+        cls = resolve(dotted)
         if isinstance(cls, type):
             names |= _class_privates(cls)
     return frozenset(names)
@@ -141,8 +155,8 @@ def torch_private_strings() -> frozenset[str]:
     """Private names torch defines that the product may write as strings."""
     names = set(torch_private_attributes())
     for dotted in TORCH_STRING_NAMESPACES:
-        obj = _resolve(dotted)
-        if obj is not None:
+        obj = resolve(dotted)
+        if obj is not MISSING:
             names.update(n for n in dir(obj) if _private(n))
     return frozenset(names)
 
@@ -222,7 +236,7 @@ class _FileScan(ast.NodeVisitor):
         privates: set[str] = set()
         for base in node.bases:
             dotted = self.torch_name(base)
-            cls = _resolve(dotted) if dotted else None
+            cls = resolve(dotted) if dotted else None
             if isinstance(cls, type) and cls.__module__.split(".")[0] == "torch" and cls.__name__ != "Module":
                 privates |= _class_privates(cls)
         self.torch_bases.append(privates)

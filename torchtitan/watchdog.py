@@ -232,10 +232,13 @@ def _dump_flight_recorder(path: str) -> None:
     try:
         import torch
 
-        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-        if dump is None or not torch.cuda.is_available():
+        from torchtitan.runtime.torch_compat import c10d as torch_compat_c10d
+
+        if not torch.cuda.is_available():
             return
-        trace = dump()  # before the file is opened: a dump that fails leaves no empty file
+        trace = torch_compat_c10d.dump_nccl_trace()  # before the file is opened: a dump that fails leaves no empty file
+        if trace is None:
+            return
         with open(path, "wb") as f:
             f.write(trace)
     except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the hang report
@@ -252,7 +255,9 @@ def start(rank: int, world_size: int, dump_folder: str, limit_seconds: float) ->
 
     if not dist.is_initialized() or world_size < 2:
         return
-    _current = Watchdog(rank, world_size, dist.distributed_c10d._get_default_store(), dump_folder,
+    from torchtitan.runtime.torch_compat import c10d as torch_compat_c10d
+
+    _current = Watchdog(rank, world_size, torch_compat_c10d.default_store(), dump_folder,
                         limit_seconds).start()
 
 

@@ -1,0 +1,1 @@
+"""What the training process runs on: process groups, devices, signals, and the torch compat seam."""

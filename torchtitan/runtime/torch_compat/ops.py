@@ -1,0 +1,85 @@
+"""Operators PyTorch keeps private: the fused attention kernels (called directly by ring attention,
+saved by op-level activation checkpointing), the grouped matmul where the public one is missing,
+the TP reduce-scatter and FlexAttention as the checkpoint policy sees them, and oneDNN's bf16 probe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan.runtime.torch_compat import CPU, CPU_AND_GPU_CHECK, PrivateName
+
+_ATEN = "torch.ops.aten"
+PRIVATE_NAMES = (
+    # Ring attention's block kernels: the log-sum-exp they return (and the backwards that take it)
+    # are what merging blocks needs; F.scaled_dot_product_attention returns neither.
+    PrivateName(f"{_ATEN}._scaled_dot_product_flash_attention_for_cpu", checked=CPU),
+    PrivateName(f"{_ATEN}._scaled_dot_product_flash_attention_for_cpu_backward", checked=CPU),
+    PrivateName(f"{_ATEN}._scaled_dot_product_flash_attention", checked=CPU_AND_GPU_CHECK),
+    PrivateName(f"{_ATEN}._scaled_dot_product_flash_attention_backward", checked=CPU_AND_GPU_CHECK),
+    PrivateName(f"{_ATEN}._scaled_dot_product_efficient_attention", checked=CPU_AND_GPU_CHECK),
+    PrivateName(f"{_ATEN}._scaled_dot_product_efficient_attention_backward", checked=CPU_AND_GPU_CHECK),
+    # Optional: cuDNN attention is in CUDA builds with cuDNN only.
+    PrivateName(f"{_ATEN}._scaled_dot_product_cudnn_attention", optional=True),
+    # Only where torch.nn.functional.grouped_mm (its public wrapper) is missing.
+    PrivateName("torch._grouped_mm", optional=True),
+    PrivateName("torch.ops._c10d_functional.reduce_scatter_tensor"),
+    PrivateName("torch._higher_order_ops.flex_attention"),
+    PrivateName("torch.ops.mkldnn._is_mkldnn_bf16_supported"),
+    PrivateName("torch._C._current_graph_task_id"),
+)
+
+_aten = torch.ops.aten
+
+# The fused attention kernels sdpa dispatches to, by backend; torch has no public name for them.
+flash_attention_cpu = _aten._scaled_dot_product_flash_attention_for_cpu
+flash_attention_cpu_backward = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+flash_attention_cuda = _aten._scaled_dot_product_flash_attention
+flash_attention_cuda_backward = _aten._scaled_dot_product_flash_attention_backward
+efficient_attention_cuda = _aten._scaled_dot_product_efficient_attention
+efficient_attention_cuda_backward = _aten._scaled_dot_product_efficient_attention_backward
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """One matmul per group of rows of `a` (groups end at `offs`) with its group's `b`.
+    torch.nn.functional.grouped_mm (public in 2.13) calls torch._grouped_mm as it is; builds
+    without the public wrapper get the private op directly."""
+    if hasattr(F, "grouped_mm"):
+        return F.grouped_mm(a, b, offs=offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def default_overloads(namespace: Any, names: tuple[str, ...]) -> set:
+    """The default overloads of the ops of `namespace` (torch.ops.aten, ...) named `names` that this
+    build has: attention kernels and collectives come and go between torch builds."""
+    packets = (getattr(namespace, name, None) for name in names)
+    return {packet.default for packet in packets if packet is not None}
+
+
+def tp_reduce_scatter_ops() -> set:
+    """The functional reduce-scatter TP's row-wise layers end in, as a checkpoint policy sees it
+    (an op of the private `_c10d_functional` library)."""
+    return default_overloads(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
+
+
+def flex_attention_op() -> Any:
+    """FlexAttention's higher-order op, which a checkpoint policy sees instead of an aten op; the
+    public torch.nn.attention.flex_attention is the function, not the op."""
+    return torch._higher_order_ops.flex_attention
+
+
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU; torch.backends has no public probe."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def current_graph_task_id() -> int:
+    """The id of the autograd graph task running on this thread (-1 outside a backward); no public
+    API tells whether code runs inside a backward."""
+    return torch._C._current_graph_task_id()
