@@ -87,7 +87,7 @@ TORCH_STRING_NAMESPACES = ("torch", "torch.ops.aten", "torch.serialization", "to
 class Use:
     path: str  # relative to the repository root
     line: int
-    name: str  # the torch name, dotted from `torch` where the text shows it, else `._attr`
+    name: str  # the torch name, dotted from `torch` where the text shows it, else `._attr` (or `'_op'`)
     kind: str  # import | chain | attribute | string
 
 
@@ -242,7 +242,7 @@ class _FileScan(ast.NodeVisitor):
         self.torch_bases.append(privates)
         for item in node.body:  # a private method of a torch base, overridden
             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in privates:
-                self.add(item, f"{node.name}.{item.name}", "attribute")
+                self.add(item, f".{item.name}", "attribute")
         self.generic_visit(node)
         self.torch_bases.pop()
 
@@ -258,7 +258,7 @@ class _FileScan(ast.NodeVisitor):
             own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
             if _is_super_call(node.value) or own:
                 if node.attr in inside:
-                    self.add(node, f"self.{node.attr}", "attribute")
+                    self.add(node, f".{node.attr}", "attribute")
             elif node.attr in torch_private_attributes():
                 self.add(node, f".{node.attr}", "attribute")
         self.generic_visit(node)
