@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common import trunc_normal
-from torchtitan.runtime.torch_compat import ops as torch_compat_ops
 from torchtitan.shapes_only import balanced_counts, grouped_matmul_shapes, is_fake
 
 
@@ -78,7 +77,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     capability 9.0 (bf16), CPU in fp32 outside torch.compile (its bf16 backward fails on CPU);
     every feature dim a multiple of 8 (16-byte rows in bf16). On fake tensors (the dry run),
     always: it stands for the GPUs' kernel, and the loop would need the groups' sizes as values."""
-    if not torch_compat_ops.grouped_mm_available():
+    if not hasattr(F, "grouped_mm"):
         return False
     if is_fake(x):
         return True
@@ -100,7 +99,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_
         if is_fake(x) and x.dtype != torch.bfloat16:  # the dry run standing for a CPU job
             return grouped_matmul_shapes(x, weight.transpose(-2, -1))
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return torch_compat_ops.grouped_mm(x, weight.transpose(-2, -1), offsets)
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     # split / unbind / cat, not `weight[e]` and writes into a buffer: their backward gathers the
     # groups' gradients once, where each `weight[e]` (and each slice) would materialise a zero
     # gradient the size of the whole stacked weight, E of them per backward.

@@ -10,7 +10,9 @@ tests/unit_tests/test_torch_compat.py checks at import time that every one still
 parameters it is called with, and that the product outside this package uses none
 (tests/private_torch_names.py finds them).
 
-Where a public API serves in torch 2.11-2.13, the product uses it directly instead.
+Where a public API serves in torch 2.11-2.13, the product uses it directly instead: gradient
+clipping scales with torch.nn.utils.clip_grads_with_norm_ (not torch._foreach_mul_), MoE experts
+multiply with torch.nn.functional.grouped_mm (not torch._grouped_mm).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from dataclasses import dataclass
 
 # What "checked" means below: the unit and integration tests passed on this torch.
 CPU = "2.13 (CPU)"
+# ... and on the GPU machine's torch 2.11.0+cu130 the name exists with the same leading parameters
+# (a one-off check on 2026-11-27; no test ran it there).
+CPU_AND_PRESENT_IN_2_11 = "2.13 (CPU), 2.11 (present, same parameters)"
 # ... and scripts/gpu_check.sh (one H100, torch 2.11.0+cu130) ran the code path that uses it
 # (docs/gpu_reports/2026-11-27-*.json): single-GPU training with compile, the ring-attention
 # kernels, CUDA memory snapshots, the dry run's memory estimate.

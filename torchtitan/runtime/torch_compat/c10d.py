@@ -9,16 +9,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as _funcol
 
-from torchtitan.runtime.torch_compat import PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_PRESENT_IN_2_11, PrivateName
 
 _FUNCOL = "torch.distributed._functional_collectives"
 PRIVATE_NAMES = (
-    PrivateName("torch.distributed.distributed_c10d._set_pg_timeout", ("timeout", "group")),
+    PrivateName("torch.distributed.distributed_c10d._set_pg_timeout", ("timeout", "group"), checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName("torch.distributed.distributed_c10d._get_default_store", ()),
     # On builds with NCCL (CUDA) only; the watchdog skips the dump without it.
-    PrivateName("torch._C._distributed_c10d._dump_nccl_trace", optional=True),
+    PrivateName("torch._C._distributed_c10d._dump_nccl_trace", optional=True, checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_FUNCOL}.all_to_all_single", ("self", "output_split_sizes", "input_split_sizes", "group")),
-    PrivateName(f"{_FUNCOL}.all_to_all_single_autograd", ("self", "output_split_sizes", "input_split_sizes", "group")),
+    PrivateName(f"{_FUNCOL}.all_to_all_single_autograd", ("self", "output_split_sizes", "input_split_sizes", "group"),
+                checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_FUNCOL}.all_reduce", ("self", "reduceOp", "group")),
     PrivateName(f"{_FUNCOL}.wait_tensor", ("tensor",)),
     PrivateName(f"{_FUNCOL}.AsyncCollectiveTensor"),

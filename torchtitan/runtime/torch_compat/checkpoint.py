@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint._traverse import set_element as _set_element
 
-from torchtitan.runtime.torch_compat import PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_PRESENT_IN_2_11, PrivateName
 
 PRIVATE_NAMES = (
-    PrivateName("torch.distributed.checkpoint._traverse.set_element", ("root_dict", "path", "value")),
-    PrivateName("torch.distributed.checkpoint._async_process_executor._CHECKPOINT_PROCESS"),
+    PrivateName("torch.distributed.checkpoint._traverse.set_element", ("root_dict", "path", "value"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName("torch.distributed.checkpoint._async_process_executor._CHECKPOINT_PROCESS", checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName("torch.distributed.checkpoint._async_process_executor._AsyncCheckpointProcess.__del__", ("self",)),
     PrivateName("torch.serialization._get_layout", ("name",)),
 )

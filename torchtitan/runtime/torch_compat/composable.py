@@ -11,13 +11,14 @@ from torch.distributed._composable.replicate import replicate as _replicate
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
 
 PRIVATE_NAMES = (
     PrivateName("torch.distributed._composable.replicate.replicate", ("module", "ignored_modules")),
     PrivateName("torch.distributed._composable.replicate._ReplicateState._ddp", instance=True),
-    PrivateName("torch.distributed._composable.replicate_with_fsdp.replicate", ("module", "mesh", "mp_policy")),
-    PrivateName("torch.distributed._composable.contract._get_registry", ("module",)),
+    PrivateName("torch.distributed._composable.replicate_with_fsdp.replicate", ("module", "mesh", "mp_policy"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName("torch.distributed._composable.contract._get_registry", ("module",), checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
                 ("module", "checkpoint_impl", "checkpoint_fn")),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",

@@ -10,22 +10,23 @@ from typing import Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
 
 PRIVATE_NAMES = (
     PrivateName("torch.testing._internal.distributed.fake_pg.FakeStore", checked=CPU_AND_GPU_CHECK),
     PrivateName("torch._subclasses.fake_tensor.FakeTensorMode", ("allow_fallback_kernels", "allow_non_fake_inputs"),
                 checked=CPU_AND_GPU_CHECK),
     PrivateName("torch._subclasses.fake_tensor.is_fake", ("x",), checked=CPU_AND_GPU_CHECK),
-    PrivateName("torch.nn.parallel.distributed._verify_param_shape_across_processes", ("process_group", "tensors")),
+    PrivateName("torch.nn.parallel.distributed._verify_param_shape_across_processes", ("process_group", "tensors"),
+                checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName("torch.distributed.tensor._sharding_prop.detect_fake_mode", ("inputs",), checked=CPU_AND_GPU_CHECK),
     PrivateName("torch.distributed.tensor.DTensor._op_dispatcher", checked=CPU_AND_GPU_CHECK),
     PrivateName("torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_cached",
                 checked=CPU_AND_GPU_CHECK),
     PrivateName("torch.distributed.tensor._redistribute.clear_redistribute_planner_cache", (), checked=CPU_AND_GPU_CHECK),
     # Optional: the seam clears them where they exist (they moved between torch versions).
-    PrivateName("torch.distributed.tensor._redistribute._gen_transform_infos", optional=True),
-    PrivateName("torch._C._clear_DTensor_sharding_propagator_cache", optional=True),
+    PrivateName("torch.distributed.tensor._redistribute._gen_transform_infos", optional=True, checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName("torch._C._clear_DTensor_sharding_propagator_cache", optional=True, checked=CPU_AND_PRESENT_IN_2_11),
 )
 
 # Tensors with shapes and dtypes but no memory or values. Public only as torch._subclasses in

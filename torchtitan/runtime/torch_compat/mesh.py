@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.runtime.torch_compat import CPU, PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_PRESENT_IN_2_11, PrivateName
 
 PRIVATE_NAMES = (
-    PrivateName("torch.distributed.device_mesh.DeviceMesh._flatten", ("self", "mesh_dim_name"), checked=CPU),
+    PrivateName("torch.distributed.device_mesh.DeviceMesh._flatten", ("self", "mesh_dim_name"), checked=CPU_AND_PRESENT_IN_2_11),
     # Optional: older builds lack it and `join` falls back to slicing.
-    PrivateName("torch.distributed.device_mesh.DeviceMesh._concatenate", ("device_mesh_list",), checked=CPU),
+    PrivateName("torch.distributed.device_mesh.DeviceMesh._concatenate", ("device_mesh_list",), checked=CPU_AND_PRESENT_IN_2_11),
 )
 
 

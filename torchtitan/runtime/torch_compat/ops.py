@@ -1,15 +1,15 @@
 """Operators PyTorch keeps private: the fused attention kernels (called directly by ring attention,
-saved by op-level activation checkpointing), the grouped matmul where the public one is missing,
-the TP reduce-scatter and FlexAttention as the checkpoint policy sees them, and oneDNN's bf16 probe."""
+saved by op-level activation checkpointing), the TP reduce-scatter and FlexAttention as the
+checkpoint policy sees them, and oneDNN's bf16 probe. (The grouped matmul needs no seam: its
+public wrapper torch.nn.functional.grouped_mm is in torch 2.11 and 2.13.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from torchtitan.runtime.torch_compat import CPU, CPU_AND_GPU_CHECK, PrivateName
+from torchtitan.runtime.torch_compat import CPU, CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
 
 _ATEN = "torch.ops.aten"
 PRIVATE_NAMES = (
@@ -23,11 +23,9 @@ PRIVATE_NAMES = (
     PrivateName(f"{_ATEN}._scaled_dot_product_efficient_attention_backward", checked=CPU_AND_GPU_CHECK),
     # Optional: cuDNN attention is in CUDA builds with cuDNN only.
     PrivateName(f"{_ATEN}._scaled_dot_product_cudnn_attention", optional=True),
-    # Only where torch.nn.functional.grouped_mm (its public wrapper) is missing.
-    PrivateName("torch._grouped_mm", optional=True),
     PrivateName("torch.ops._c10d_functional.reduce_scatter_tensor"),
-    PrivateName("torch._higher_order_ops.flex_attention"),
-    PrivateName("torch.ops.mkldnn._is_mkldnn_bf16_supported"),
+    PrivateName("torch._higher_order_ops.flex_attention", checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName("torch.ops.mkldnn._is_mkldnn_bf16_supported", checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName("torch._C._current_graph_task_id"),
 )
 
@@ -40,19 +38,6 @@ flash_attention_cuda = _aten._scaled_dot_product_flash_attention
 flash_attention_cuda_backward = _aten._scaled_dot_product_flash_attention_backward
 efficient_attention_cuda = _aten._scaled_dot_product_efficient_attention
 efficient_attention_cuda_backward = _aten._scaled_dot_product_efficient_attention_backward
-
-
-def grouped_mm_available() -> bool:
-    return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
-
-
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """One matmul per group of rows of `a` (groups end at `offs`) with its group's `b`.
-    torch.nn.functional.grouped_mm (public in 2.13) calls torch._grouped_mm as it is; builds
-    without the public wrapper get the private op directly."""
-    if hasattr(F, "grouped_mm"):
-        return F.grouped_mm(a, b, offs=offs)
-    return torch._grouped_mm(a, b, offs=offs)
 
 
 def default_overloads(namespace: Any, names: tuple[str, ...]) -> set:

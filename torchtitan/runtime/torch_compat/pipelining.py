@@ -7,22 +7,28 @@ from typing import Any, Callable
 
 from torch.distributed.pipelining import schedules
 
-from torchtitan.runtime.torch_compat import PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_PRESENT_IN_2_11, PrivateName
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 PRIVATE_NAMES = (
-    PrivateName(f"{_SCHEDULES}._PipelineScheduleRuntime", ("stages", "n_microbatches", "loss_fn")),
-    PrivateName(f"{_SCHEDULES}._PipelineScheduleRuntime._load_csv", ("self", "filename")),
-    PrivateName(f"{_SCHEDULES}._Action", ("stage_index", "computation_type", "microbatch_index")),
+    PrivateName(f"{_SCHEDULES}._PipelineScheduleRuntime", ("stages", "n_microbatches", "loss_fn"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_SCHEDULES}._PipelineScheduleRuntime._load_csv", ("self", "filename"), checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_SCHEDULES}._Action", ("stage_index", "computation_type", "microbatch_index"),
+                checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_SCHEDULES}._ComputationType.FORWARD"),
-    PrivateName(f"{_SCHEDULES}._add_unshard_reshard", ("compute_actions",)),
-    PrivateName(f"{_SCHEDULES}._add_send_recv", ("compute_actions", "stage_to_rank", "num_stages")),
+    PrivateName(f"{_SCHEDULES}._add_unshard_reshard", ("compute_actions",), checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_SCHEDULES}._add_send_recv", ("compute_actions", "stage_to_rank", "num_stages"),
+                checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_SCHEDULES}.PipelineScheduleMulti._stages", instance=True),
-    PrivateName(f"{_SCHEDULES}.PipelineScheduleMulti._stages_forward_initialized", instance=True),
-    PrivateName(f"{_SCHEDULES}.PipelineScheduleMulti._stages_backward_initialized", instance=True),
+    PrivateName(f"{_SCHEDULES}.PipelineScheduleMulti._stages_forward_initialized", instance=True,
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_SCHEDULES}.PipelineScheduleMulti._stages_backward_initialized", instance=True,
+                checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_SCHEDULES}.PipelineScheduleSingle._stage", instance=True),
-    PrivateName(f"{_SCHEDULES}._PipelineSchedule._n_microbatches", instance=True),
-    PrivateName(f"{_SCHEDULES}._PipelineSchedule._maybe_compute_loss", ("self", "stage", "output", "target_mbs", "mb_index")),
+    PrivateName(f"{_SCHEDULES}._PipelineSchedule._n_microbatches", instance=True, checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_SCHEDULES}._PipelineSchedule._maybe_compute_loss", ("self", "stage", "output", "target_mbs", "mb_index"),
+                checked=CPU_AND_PRESENT_IN_2_11),
 )
 
 

@@ -10,21 +10,24 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, PrivateName
+from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
 
 _TOOLS = "torch.distributed._tools"
 PRIVATE_NAMES = (
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker", (), checked=CPU_AND_GPU_CHECK),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._pre_fw_hook", ("self", "module", "inputs"), checked=CPU_AND_GPU_CHECK),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._mod_tracker", instance=True, checked=CPU_AND_GPU_CHECK),
-    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._track_optimizer_states", ("self", "reftype", "optimizer")),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._track_optimizer_states", ("self", "reftype", "optimizer"),
+                checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._ref_class", instance=True),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._in_opt", instance=True),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._optimizer_hook_handles", instance=True),
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker", ("mod", "optm")),
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._root_mod", instance=True),
-    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._fsdp_state_pre_forward", ("self", "fsdp_mod", "orig_fsdp_state_pre_fw")),
-    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._instrument_optimizer", ("self",)),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._fsdp_state_pre_forward",
+                ("self", "fsdp_mod", "orig_fsdp_state_pre_fw"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._instrument_optimizer", ("self",), checked=CPU_AND_PRESENT_IN_2_11),
 )
 
 __all__ = ["FSDPMemTracker", "FSDPPartsTracker", "MemTracker", "PartsTracker"]
