@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.runtime.torch_compat import c10d as torch_compat_c10d
+from torchtitan.runtime.torch_compat import collectives as torch_compat_collectives
 from torchtitan.shapes_only import balanced_counts, is_fake
 
 logger = logging.getLogger(__name__)
@@ -63,11 +63,12 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
         send_splits = recv_splits = [tokens.shape[0] // ep + (r < tokens.shape[0] % ep) for r in range(ep)]
     else:
         # recv_counts[s, e]: tokens rank s sends to this rank's expert e.
-        recv_counts = torch_compat_c10d.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(ep, local_experts)
+        recv_counts = torch_compat_collectives.all_to_all_single(send_counts.flatten(), None, None, group).wait()
+        recv_counts = recv_counts.view(ep, local_experts)
         send_splits = send_counts.sum(dim=1).tolist()
         recv_splits = recv_counts.sum(dim=1).tolist()
-    received = torch_compat_c10d.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
-    received = torch_compat_c10d.wait(received)
+    received = torch_compat_collectives.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+    received = torch_compat_collectives.wait(received)
     # Received tokens come grouped by source rank, then expert; the experts want them by expert.
     segment = torch.repeat_interleave(torch.arange(ep * local_experts, device=tokens.device), recv_counts.flatten(),
                                       output_size=sum(recv_splits))
@@ -83,8 +84,8 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
     module._ep_dispatch = None
     unsorted = torch.empty_like(output)
     unsorted[d.order] = output
-    back = torch_compat_c10d.all_to_all_single_autograd(unsorted, d.send_splits, d.recv_splits, mesh.get_group())
-    return torch_compat_c10d.wait(back)
+    back = torch_compat_collectives.all_to_all_single_autograd(unsorted, d.send_splits, d.recv_splits, mesh.get_group())
+    return torch_compat_collectives.wait(back)
 
 
 def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> None:
@@ -142,8 +143,8 @@ def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_
     group = parallel_dims.sequence_mesh if parallel_dims.tp * parallel_dims.cp > 1 else None
 
     def sum_over_sequence_group(counts: torch.Tensor) -> torch.Tensor:
-        reduced = torch_compat_c10d.all_reduce(counts, "sum", group)
-        return torch_compat_c10d.wait(reduced)
+        reduced = torch_compat_collectives.all_reduce(counts, "sum", group)
+        return torch_compat_collectives.wait(reduced)
 
     for layer in layers:
         if group is not None:
@@ -179,8 +180,8 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
     per_layer = torch.stack([torch.cat([counts, aux.view(1)]) for counts, aux in stats]) if stats else None
     stage = parallel_dims.stage_mesh
     if per_layer is not None and stage is not None:
-        per_layer = torch_compat_c10d.all_reduce(per_layer, "sum", stage)
-        per_layer = torch_compat_c10d.wait(per_layer)
+        per_layer = torch_compat_collectives.all_reduce(per_layer, "sum", stage)
+        per_layer = torch_compat_collectives.wait(per_layer)
     for (_, layer), row in zip(layers, per_layer if per_layer is not None else []):
         layer.update_expert_bias(row[:-1])
     if not log:

@@ -2,9 +2,10 @@
 
 PyTorch promises nothing about names that start with an underscore: each upgrade may rename,
 move or change one, silently or loudly. Every private torch name the product needs lives in a
-module of this package, by area (mesh, pipelining, composable data parallelism, collectives,
-checkpoint, compile, ops, memory, fake tensors), behind a small named function or constant whose
-docstring says why no public API serves. Each module lists the names it relies on in
+module of this package, by area (mesh, pipelining, composable data parallelism and checkpoint
+wrappers, process groups, functional collectives, DCP, compile settings, ops and op names, CUDA
+memory snapshots and memory trackers, fake tensors for the dry run, LR schedulers), behind a
+small named function or constant whose docstring says why no public API serves. Each module lists the names it relies on in
 `PRIVATE_NAMES`, with the torch versions they were checked against;
 tests/unit_tests/test_torch_compat.py checks at import time that every one still exists with the
 parameters it is called with, and that the product outside this package uses none
