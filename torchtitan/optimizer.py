@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
+from torchtitan.runtime.torch_compat import optim as torch_compat_optim
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -213,10 +214,9 @@ class LRSchedulersContainer(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for scheduler in self.schedulers:
             scheduler.last_epoch = state_dict["last_epoch"]
-            scheduler._last_lr = [  # keep get_last_lr() true before the next step
-                base * scheduler.lr_lambdas[0](scheduler.last_epoch) for base in scheduler.base_lrs
-            ]
-            for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+            lrs = [base * scheduler.lr_lambdas[0](scheduler.last_epoch) for base in scheduler.base_lrs]
+            torch_compat_optim.set_last_lr(scheduler, lrs)  # keep get_last_lr() true before the next step
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
                 group["lr"] = lr
 
 

@@ -12,6 +12,7 @@ import torch
 
 from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
+from torchtitan.runtime.torch_compat import memory as torch_compat_memory
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class MemorySnapshot:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
         start = time.perf_counter()
-        torch.cuda.memory._dump_snapshot(path)
+        torch_compat_memory.dump_memory_snapshot(path)
         logger.info(f"memory snapshot written to {path} in {time.perf_counter() - start:.2f}s "
                     "(open it in https://pytorch.org/memory_viz)")
         return path
@@ -109,7 +110,7 @@ def maybe_enable_memory_snapshot(job_config: JobConfig, rank: int,
                               profiling.profile_freq, global_step)
     logger.info(f"recording CUDA memory history; a snapshot every {profiling.profile_freq} steps and at an out-of-memory "
                 f"error, into {snapshot.folder}")
-    torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_MAX_ENTRIES)
+    torch_compat_memory.record_memory_history(MEMORY_SNAPSHOT_MAX_ENTRIES)
     try:
         yield snapshot
     except torch.OutOfMemoryError:
@@ -120,4 +121,4 @@ def maybe_enable_memory_snapshot(job_config: JobConfig, rank: int,
             logger.warning(f"CUDA ran out of memory and its memory snapshot could not be written: {e}")
         raise
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        torch_compat_memory.stop_memory_history()

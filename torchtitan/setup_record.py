@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -30,8 +29,9 @@ from torchtitan.metrics import MetricsLogger, local_state_bytes
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.pipeline_runtime import schedule_stages
 from torchtitan.parallelisms.ring_attention import ring_attention
+from torchtitan.runtime.torch_compat import composable as torch_compat_composable
+from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
 
 if TYPE_CHECKING:
     from torchtitan.checkpoint.resume import ResumePoint
@@ -85,7 +85,7 @@ def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, p
     facts = {"rank": dist.get_rank() if dist.is_initialized() else 0, "parameter_bytes": param_bytes,
              "optimizer_state_bytes": state_bytes}
     if pipeline is not None:
-        stages = schedule_stages(pipeline.schedule)
+        stages = torch_compat_pipelining.schedule_stages(pipeline.schedule)
         facts["pipeline_stages"] = [{"stage": s.stage_index, "blocks": _blocks(s.submod)} for s in stages]
     return facts
 
@@ -124,8 +124,7 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         "zero1": None if zero1 is None else {"replicas": zero1.size, "parameters": len(zero1.params),
                                              "owned_parameters": sum(zero1.owns(p) for p in zero1.params)},
         "activation_checkpoint": _activation_checkpoint(model_parts, modules),
-        # nn.Module.compile keeps the compiled call in `_compiled_call_impl` (no public getter).
-        "compile": {"compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None for _, m in modules)},
+        "compile": {"compiled_modules": sum(torch_compat_composable.compiled_call(m) is not None for _, m in modules)},
         "float8": _float8(modules, fsdp is not None),
         "moe": _moe(modules),
         # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.
@@ -140,13 +139,10 @@ def _autocast(model_parts: list[nn.Module]) -> dict | None:
 
 def _data_parallel(modules: list[tuple[str, nn.Module]]) -> tuple[dict | None, dict | None]:
     """(FSDP / HSDP, replication: composable DDP or FSDP-based replicate)."""
-    from torch.distributed._composable.contract import _get_registry
-
     shard_groups, replicate_groups = [], []
     for _, m in modules:
         if isinstance(m, FSDPModule):
-            # FSDP2 keeps mesh, resharding and policies per parameter group in its private state only.
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in torch_compat_composable.fsdp_param_groups(m):
                 sharded = getattr(group.mesh_info, "shard_mesh_dim", None) is not None
                 (shard_groups if sharded else replicate_groups).append(group)
     fsdp = None
@@ -163,11 +159,8 @@ def _data_parallel(modules: list[tuple[str, nn.Module]]) -> tuple[dict | None, d
         return fsdp, {"kind": "fsdp_replicate", "modules": len(replicate_groups), "mesh": _mesh(first.mesh_info.mesh),
                       "bucket_cap_mb": None}
     for _, m in modules:
-        # Composable DDP leaves the module's class alone; its registry and state are private.
-        if "replicate" in (_get_registry(m) or {}) and not isinstance(m, FSDPModule):
-            from torch.distributed._composable.replicate import replicate
-
-            ddp = getattr(replicate.state(m), "_ddp", None)  # built at the first forward
+        if torch_compat_composable.replicated_by_ddp(m):
+            ddp = torch_compat_composable.ddp_of(m)  # built at the first forward
             return fsdp, {"kind": "ddp", "modules": 1, "mesh": _mesh(getattr(ddp, "device_mesh", None)),
                           "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20 if ddp is not None else None}
     return fsdp, None
@@ -215,15 +208,15 @@ def _pipeline(pipeline: Pipeline | None, ranks: list[dict]) -> dict | None:
     name = type(pipeline.schedule).__name__
     return {
         # The runtime class itself runs a schedule loaded from a CSV file.
-        "schedule": "CSV" if name == "_PipelineScheduleRuntime" else name.removeprefix("Schedule"),
-        "microbatches": pipeline.schedule._n_microbatches,  # no public getter
+        "schedule": "CSV" if torch_compat_pipelining.is_csv_schedule(pipeline.schedule) else name.removeprefix("Schedule"),
+        "microbatches": torch_compat_pipelining.schedule_microbatches(pipeline.schedule),
         "stages": len(ordered),
         "split_points": [s["blocks"][0] for s in ordered[1:] if s["blocks"]],
     }
 
 
 def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str, nn.Module]]) -> dict:
-    wrappers = [(name, m) for name, m in modules if isinstance(m, CheckpointWrapper)]
+    wrappers = [(name, m) for name, m in modules if isinstance(m, torch_compat_composable.CheckpointWrapper)]
     return {"blocks": [b for part in model_parts for b in _blocks(part)],
             "wrapped": [name for name, _ in wrappers],
             # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
@@ -248,7 +241,7 @@ def _moe(modules: list[tuple[str, nn.Module]]) -> dict | None:
     ep = (mesh or {}).get("ep", 1)
     fsdp_dims = {k: v for k, v in (mesh or {}).items() if k != "ep"}
     units = sorted({str(_mesh(g.mesh_info.mesh)) for n, m in modules if _in_moe(n) and isinstance(m, FSDPModule)
-                    for g in m._get_fsdp_state()._fsdp_param_groups})
+                    for g in torch_compat_composable.fsdp_param_groups(m)})
     return {"layers": len(layers), "experts": first.num_experts, "top_k": first.top_k,
             "ep_mesh": {"ep": ep} if ep > 1 else None, "experts_per_rank": first.num_experts // ep,
             "expert_fsdp_mesh": fsdp_dims or None, "fsdp_unit_meshes": units,

@@ -242,10 +242,13 @@ def _dump_flight_recorder(path: str) -> None:
     try:
         import torch
 
-        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-        if dump is None or not torch.cuda.is_available():
+        from torchtitan.runtime.torch_compat import c10d as torch_compat_c10d
+
+        if not torch.cuda.is_available():
             return
-        trace = dump()  # before the file is opened: a dump that fails leaves no empty file
+        trace = torch_compat_c10d.dump_nccl_trace()  # before the file is opened: a dump that fails leaves no empty file
+        if trace is None:
+            return
         with open(path, "wb") as f:
             f.write(trace)
     except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the hang report
@@ -259,5 +262,8 @@ def watch_this_rank(rank: int, world_size: int, dump_folder: str, limit_seconds:
 
     store = None
     if dist.is_initialized() and world_size > 1:
-        store = dist.distributed_c10d._get_default_store()
+        # Imported here: the seam's c10d module is also what the watchdog's thread reads during a hang.
+        from torchtitan.runtime.torch_compat import c10d as torch_compat_c10d
+
+        store = torch_compat_c10d.default_store()
     return Watchdog(rank, world_size, store, dump_folder, limit_seconds).start()

@@ -22,6 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from torchtitan.runtime.torch_compat import checkpoint as torch_compat_checkpoint
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,9 +58,4 @@ class AsyncSaver:
         if self.executor == AsyncCheckpointerType.PROCESS:
             # The checkpoint process is a daemon of this process; ranks leave through os._exit,
             # which skips multiprocessing's clean-up, so end it explicitly.
-            from torch.distributed.checkpoint import _async_process_executor as executor
-
-            process = executor._CHECKPOINT_PROCESS
-            if process is not None:
-                executor._CHECKPOINT_PROCESS = None
-                process.__del__()
+            torch_compat_checkpoint.end_async_checkpoint_process()

@@ -17,16 +17,18 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from torchtitan.runtime.torch_compat.checkpoint import set_element
+from torchtitan.runtime.torch_compat.op_names import PICKLED_LAYOUT
 
 # Modules whose classes make up DCP's metadata; nothing else in them is callable from a pickle.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
+    PICKLED_LAYOUT,
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),

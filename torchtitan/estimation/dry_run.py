@@ -53,6 +53,7 @@ from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.preflight import preflight
+from torchtitan.runtime.torch_compat import fake as torch_compat_fake
 from torchtitan.setup_record import describe_parallelisms
 from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model
 
@@ -206,9 +207,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                                                                         check_memory=False, tokenizer=tokenizer)
     hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]" prefix, once per simulated rank
     if fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=torch_compat_fake.fake_store(), rank=rank, world_size=world_size)
     try:
         device = torch.device("cpu") if fake else torch.device(tt_dist.device_type(), 0 if target == "cpu" else
                                                                   int(os.environ.get("LOCAL_RANK", "0")))
@@ -281,7 +280,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     finally:
         if fake:
             dist.destroy_process_group()
-            _forget_meshes()
+            torch_compat_fake.forget_sharding_caches()
             sys.excepthook = hook
 
 
@@ -304,49 +303,19 @@ def _create_optimizer_state(optimizers: Any) -> None:
     optimizers.zero_grad()
 
 
-def _forget_meshes() -> None:
-    """DTensor caches sharding decisions by mesh; the next rank simulated builds equal meshes over
-    new process groups, and a cached decision would name the destroyed ones."""
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()  # the C++ dispatch's
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
-
-
 @contextlib.contextmanager
 def _fake_mode():
     # nn.init.trunc_normal_ asks its tensor whether any value fell outside the bounds, which a
     # fake tensor cannot answer; values do not matter here, so it draws from the plain normal.
-    import torch.nn.parallel.distributed as ddp
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     truncated = torch.nn.init.trunc_normal_
     torch.nn.init.trunc_normal_ = lambda tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None: tensor.normal_(mean,
                                                                                                                   std)
-    # DDP compares its parameters' shapes across ranks by their values before its first forward;
-    # in a world of one real process there is nothing to compare.
-    verify = ddp._verify_param_shape_across_processes
-    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    # DTensor derives an op's global output shape by running it on fake tensors of global shape, in
-    # the fake mode it finds active, else a fresh one. Finding the dry run's, it would allocate
-    # them where the tracker counts them (a whole vocabulary's logits in loss parallelism's
-    # handlers): a fresh mode, as in a real run, keeps them out of the count.
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-
-    detect = sharding_prop.detect_fake_mode
-    sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
     try:
         # Tensors made before the mode (the meta model's, the tokenizer's) may meet fake ones.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch_compat_fake.values_not_needed(), torch_compat_fake.FakeTensorMode(allow_non_fake_inputs=True):
             yield
     finally:
         torch.nn.init.trunc_normal_ = truncated
-        ddp._verify_param_shape_across_processes = verify
-        sharding_prop.detect_fake_mode = detect
 
 
 def dry_run(job_config: JobConfig) -> DryRunResult:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.moe import DEVICE_KERNELS, ExpertKernels, expert_token_counts, grouped_mm
@@ -42,7 +43,7 @@ def balanced_exchange(send_counts: torch.Tensor, tokens: torch.Tensor,
 
 
 class _GroupedMatmulShapes(torch.autograd.Function):
-    """What `torch._grouped_mm` allocates, for fake tensors in a dtype its shape function refuses
+    """What `F.grouped_mm` allocates, for fake tensors in a dtype its shape function refuses
     (it takes bf16 only, while CPU runs it in fp32): an (N, out) result holding on to x and the
     weight for backward, and gradients of their shapes."""
 
@@ -58,7 +59,7 @@ class _GroupedMatmulShapes(torch.autograd.Function):
 
 
 def _grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    return hasattr(torch, "_grouped_mm")
+    return hasattr(F, "grouped_mm")
 
 
 def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_grouped: bool) -> torch.Tensor:

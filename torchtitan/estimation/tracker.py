@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.runtime.torch_compat.trackers import FSDPMemTracker, FSDPPartsTracker, MemTracker, PartsTracker
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # PyTorch's reference types (their values, shared by both trackers) -> our categories.
@@ -64,75 +64,6 @@ class StepMemory:
                 "host_bytes": self.host, "tracker": self.raw}
 
 
-class _FSDPPartsTracker(FSDPMemTracker):
-    """FSDPMemTracker over several FSDP roots (the stages a pipeline rank holds) and several
-    optimizers (one per part). PyTorch's tracker takes one root and one optimizer; it reads the
-    root only through `.modules()` and `.buffers()`, which a ModuleList of the parts answers for
-    all of them, and it hooks the optimizer only in `_instrument_optimizer`, done here for each.
-
-    It also takes a root's forward run several times in one step (pipeline microbatches,
-    gradient accumulation), which PyTorch's tracker refuses as "the next iteration": each further
-    forward of a root is tracked as if inside a `Microbatch` parent module."""
-
-    _MICROBATCH = "Microbatch"
-
-    def __init__(self, parts: list[nn.Module], optimizers: list[Any]):
-        super().__init__(parts[0], None)
-        self._root_mod = nn.ModuleList(parts)
-        self._roots = set(map(id, parts))
-        self._all_optimizers = optimizers
-
-    def _fsdp_state_pre_forward(self, fsdp_mod: FSDPModule, orig: Any) -> Any:
-        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-
-        def again(*args: Any, **kwargs: Any) -> Any:
-            repeated = (id(fsdp_mod) in self._roots and fsdp_mod in self.memory_tracking
-                        and not self._mod_tracker.is_bw)
-            if repeated:
-                self._mod_tracker.parents.add(self._MICROBATCH)
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                if repeated:
-                    self._mod_tracker.parents.discard(self._MICROBATCH)
-
-        return again
-
-    def _instrument_optimizer(self) -> None:
-        handles = []
-        for optimizer in self._all_optimizers:
-            self._track_optimizer_states(self._ref_class.OPT, optimizer)
-
-            def pre(opt, args, kwargs) -> None:
-                self._in_opt = True
-
-            def post(opt, args, kwargs) -> None:
-                self._track_optimizer_states(self._ref_class.OPT, opt)
-                self._in_opt = False
-
-            handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-        self._optimizer_hook_handles = tuple(handles)
-
-
-class _PartsTracker(MemTracker):
-    """MemTracker that, like _FSDPPartsTracker, takes a model part's forward run several times in
-    one step (pipeline microbatches, gradient accumulation)."""
-
-    def __init__(self, parts: list[nn.Module]):
-        super().__init__()
-        self._roots = set(map(id, parts))
-
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        repeated = id(module) in self._roots and module in self.memory_tracking and not self._mod_tracker.is_bw
-        if repeated:
-            self._mod_tracker.parents.add(_FSDPPartsTracker._MICROBATCH)
-        try:
-            super()._pre_fw_hook(module, inputs)
-        finally:
-            if repeated:
-                self._mod_tracker.parents.discard(_FSDPPartsTracker._MICROBATCH)
-
-
 class StepTracker:
     """Tracks the memory of whatever runs inside `with tracker.tracking():`; `result()` then gives
     the peak. `offload`: FSDP's CPU offload is on (its host-side tensors are reported apart)."""
@@ -143,9 +74,9 @@ class StepTracker:
         # (MoE experts over their own mesh in a layout without FSDP), the plain tracker still sees
         # every allocation; their gathered parameters then count as temporaries.
         if all(isinstance(part, FSDPModule) for part in model_parts):
-            self.tracker: MemTracker = _FSDPPartsTracker(model_parts, optimizers)
+            self.tracker: MemTracker = FSDPPartsTracker(model_parts, optimizers)
         else:
-            self.tracker = _PartsTracker(model_parts)
+            self.tracker = PartsTracker(model_parts)
             self.tracker.track_external(*model_parts, *optimizers)
 
     @contextlib.contextmanager

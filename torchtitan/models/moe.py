@@ -79,10 +79,10 @@ def expert_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch.T
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs these operands on their device: CUDA from compute
+    """Whether `F.grouped_mm` runs these operands on their device: CUDA from compute
     capability 9.0 (bf16), CPU in fp32 outside torch.compile (its bf16 backward fails on CPU);
     every feature dim a multiple of 8 (16-byte rows in bf16)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(F, "grouped_mm"):
         return False
     if any(d % 8 for w in weights for d in w.shape[1:]) or x.shape[-1] % 8:
         return False
@@ -96,11 +96,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_
     """Rows of x (N, in), grouped by expert in order (`counts[e]` rows for expert e), each times its
     expert's weight.T (weight: (E, out, in), the nn.Linear layout) -> (N, out).
 
-    `use_grouped`: one `torch._grouped_mm` call; otherwise a loop of one matmul per expert (the
+    `use_grouped`: one `F.grouped_mm` call; otherwise a loop of one matmul per expert (the
     exact fallback: the same products, one group at a time)."""
     if use_grouped:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     # split / unbind / cat, not `weight[e]` and writes into a buffer: their backward gathers the
     # groups' gradients once, where each `weight[e]` (and each slice) would materialise a zero
     # gradient the size of the whole stacked weight, E of them per backward.
@@ -139,7 +139,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        # None: torch._grouped_mm where `kernels.supported` says so; False: always the loop.
+        # None: F.grouped_mm where `kernels.supported` says so; False: always the loop.
         self.use_grouped_mm: bool | None = None
         self.kernels = DEVICE_KERNELS  # a seam (module docstring): the dry run's differ
 
@@ -152,7 +152,7 @@ class GroupedExperts(nn.Module):
         """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if torch.is_autocast_enabled(x.device.type):
-            # torch._grouped_mm has no autocast rule: cast its operands as autocast casts any matmul.
+            # The grouped matmul has no autocast rule: cast its operands as autocast casts any matmul.
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
         grouped = self.use_grouped_mm is not False and self.kernels.supported(x, w1, w2, w3)

@@ -16,38 +16,23 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan.runtime.torch_compat import ops as torch_compat_ops
+from torchtitan.runtime.torch_compat.composable import checkpoint_wrapper
+from torchtitan.runtime.torch_compat.op_names import ATTENTION_KERNEL_NAMES
+
 logger = logging.getLogger(__name__)
-
-
-def _overloads(namespace: torch._ops._OpNamespace, names: tuple[str, ...]) -> set[torch._ops.OpOverload]:
-    # getattr with a default: attention kernels and collectives come and go between torch builds.
-    packets = (getattr(namespace, name, None) for name in names)
-    return {packet.default for packet in packets if packet is not None}
 
 
 # Ops whose outputs op-level AC keeps: rerunning them would cost real FLOPs (matmuls, attention) or a
 # second collective in backward (the TP reduce-scatter). aten.linear normally decomposes into mm /
 # addmm before dispatch; it is listed for tensor types that see it whole.
-_SAVE_LIST: frozenset[torch._ops.OpOverload | torch._ops.HigherOrderOperator] = frozenset(
-    _overloads(
-        torch.ops.aten,
-        (
-            "mm",
-            "addmm",
-            "bmm",
-            "linear",
-            "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention",
-            "_scaled_dot_product_flash_attention_for_cpu",
-        ),
-    )
-    | _overloads(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
+_SAVE_LIST: frozenset = frozenset(
+    torch_compat_ops.default_overloads(torch.ops.aten, ("mm", "addmm", "bmm", "linear", *ATTENTION_KERNEL_NAMES))
+    | torch_compat_ops.tp_reduce_scatter_ops()
     # FlexAttention (document masking on CUDA) is a higher-order op: the policy sees the op itself.
-    | {torch._higher_order_ops.flex_attention}
+    | {torch_compat_ops.flex_attention_op()}
 )
 
 

@@ -15,7 +15,6 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -25,6 +24,9 @@ from torchtitan.errors import ConfigError
 from torchtitan.job_config import Training
 from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.runtime.torch_compat import compile as torch_compat_compile
+from torchtitan.runtime.torch_compat import composable as torch_compat_composable
+from torchtitan.runtime.torch_compat.composable import replicate
 
 logger = logging.getLogger(__name__)
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -106,7 +108,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dty
     """
     if compiled:
         # Dynamo splits compiled graphs at bucket boundaries so the all-reduces still overlap.
-        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
+        torch_compat_compile.split_graphs_at_ddp_buckets()
     # Buffers (the RoPE table) are computed alike on every rank: no broadcast before each forward.
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
                       else {"broadcast_buffers": False})  # torch < 2.13
@@ -124,11 +126,10 @@ def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch
     """Replicated data parallelism for a model that other parallelisms already touched: PyTorch's
     FSDP-based `replicate`, per block and at the root. Unlike the composable DDP it accepts TP's
     DTensor parameters, and a pipeline stage can defer its all-reduce to the last microbatch."""
-    try:
-        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
-    except ImportError:
+    replicate_fsdp = torch_compat_composable.fsdp_based_replicate()
+    if replicate_fsdp is None:
         raise ConfigError(f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
-                          f"which torch {torch.__version__} lacks; shard instead (training.data_parallel_shard_degree > 1)") from None
+                          f"which torch {torch.__version__} lacks; shard instead (training.data_parallel_shard_degree > 1)")
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         replicate_fsdp(block, mesh=mesh, mp_policy=policy)

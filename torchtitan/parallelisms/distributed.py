@@ -110,7 +110,9 @@ def set_timeout(seconds: float) -> None:
     """Shortens the collective timeout once start-up (first compiles, checkpoint loads) is over,
     so a hung rank is reported in seconds rather than after the generous start-up timeout."""
     if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+        from torchtitan.runtime.torch_compat import c10d as torch_compat_c10d
+
+        torch_compat_c10d.set_default_timeout(seconds)
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
@@ -162,18 +164,16 @@ def clip_grad_norm_(
         # One factor for every element whatever its placement, so the local shards are scaled
         # directly: a foreach over DTensors of mixed placements costs DTensor's sharding
         # propagation seconds of CPU per process on the first step (a third of a short 3-D run).
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        for grads in _by_device_and_dtype(local).values():
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        # clip_grads_with_norm_ scales the `.grad` of the tensors it is given: here leaf aliases
+        # of the local shards, each holding its shard as its gradient.
+        holders = []
+        for p in params:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            holder = local.detach()
+            holder.grad = local
+            holders.append(holder)
+        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total)
     return total
-
-
-def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
 
 
 def max_across_ranks(values: list[float]) -> list[float]:

@@ -27,7 +27,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -36,6 +35,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.runtime.torch_compat import collectives as torch_compat_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
     local_experts = counts.numel() // ep
     send_counts = counts.view(ep, local_experts)  # row r: tokens for rank r's experts
     recv_counts, send_splits, recv_splits = module.exchange_counts(send_counts, tokens, group)
-    received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
-    received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
+    received = torch_compat_collectives.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+    received = torch_compat_collectives.wait(received)
     # Received tokens come grouped by source rank, then expert; the experts want them by expert.
     segment = torch.repeat_interleave(torch.arange(ep * local_experts, device=tokens.device), recv_counts.flatten(),
                                       output_size=sum(recv_splits))
@@ -78,7 +78,8 @@ def exchange_counts(send_counts: torch.Tensor, tokens: torch.Tensor,
     local experts): row r, this rank's tokens for rank r's experts. Returns recv_counts (ep, local
     experts; [s, e]: tokens rank s sends to this rank's expert e) and the tokens sent to and
     received from each rank."""
-    recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).wait().view(send_counts.shape)
+    recv_counts = torch_compat_collectives.all_to_all_single(send_counts.flatten(), None, None, group).wait()
+    recv_counts = recv_counts.view(send_counts.shape)
     return recv_counts, send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
 
 
@@ -88,8 +89,8 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
     module._ep_dispatch = None
     unsorted = torch.empty_like(output)
     unsorted[d.order] = output
-    back = funcol.all_to_all_single_autograd(unsorted, d.send_splits, d.recv_splits, mesh.get_group())
-    return funcol.wait_tensor(back) if isinstance(back, funcol.AsyncCollectiveTensor) else back
+    back = torch_compat_collectives.all_to_all_single_autograd(unsorted, d.send_splits, d.recv_splits, mesh.get_group())
+    return torch_compat_collectives.wait(back)
 
 
 def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> None:
@@ -148,8 +149,8 @@ def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_
     group = parallel_dims.sequence_mesh if parallel_dims.tp * parallel_dims.cp > 1 else None
 
     def sum_over_sequence_group(counts: torch.Tensor) -> torch.Tensor:
-        reduced = funcol.all_reduce(counts, "sum", group)
-        return funcol.wait_tensor(reduced) if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
+        reduced = torch_compat_collectives.all_reduce(counts, "sum", group)
+        return torch_compat_collectives.wait(reduced)
 
     for layer in layers:
         if group is not None:
@@ -185,8 +186,8 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
     per_layer = torch.stack([torch.cat([counts, aux.view(1)]) for counts, aux in stats]) if stats else None
     stage = parallel_dims.stage_mesh
     if per_layer is not None and stage is not None:
-        per_layer = funcol.all_reduce(per_layer, "sum", stage)
-        per_layer = funcol.wait_tensor(per_layer) if isinstance(per_layer, funcol.AsyncCollectiveTensor) else per_layer
+        per_layer = torch_compat_collectives.all_reduce(per_layer, "sum", stage)
+        per_layer = torch_compat_collectives.wait(per_layer)
     for (_, layer), row in zip(layers, per_layer if per_layer is not None else []):
         layer.update_expert_bias(row[:-1])
     if not log:

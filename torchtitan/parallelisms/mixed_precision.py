@@ -26,6 +26,7 @@ from torch import nn
 from torchtitan.job_config import Training
 from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.runtime.torch_compat import ops as torch_compat_ops
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,6 @@ def cpu_has_bf16_matmul() -> bool:
     """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX); without, PyTorch
     emulates them (measured on an AVX2-only EPYC: about 100x slower than fp32)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return torch_compat_ops.onednn_has_bf16()
     except (AttributeError, RuntimeError):
         return False

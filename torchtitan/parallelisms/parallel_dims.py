@@ -110,6 +110,8 @@ class ParallelDims:
         # Imported here so that validation alone (the launcher's pre-flight check) needs no torch.
         from torch.distributed.device_mesh import init_device_mesh
 
+        from torchtitan.runtime.torch_compat import mesh as torch_compat_mesh
+
         self._meshes: dict[str, DeviceMesh] = {}
         sizes = self._mesh_dim_sizes()
         names = [n for n, size in sizes.items() if size > 1 or n in EP_DP_SHARD_DIMS]
@@ -130,7 +132,7 @@ class ParallelDims:
             if present and (flat_name == "efsdp" or _prod(sizes[n] for n in present) > 1):
                 # Flattened meshes are kept by name here: slicing them back out of the world
                 # mesh is deprecated in PyTorch.
-                self._meshes[flat_name] = world[present]._flatten(mesh_dim_name=flat_name)
+                self._meshes[flat_name] = torch_compat_mesh.flatten(world[present], flat_name)
         if self.fsdp_enabled and self.dp_replicate_enabled:
             self._meshes["hsdp"] = _join(world, self._meshes["dp_replicate"], self._meshes["dp_shard_cp"])
         logger.info(f"built world mesh {dict(zip(names, shape))} on {device_type}")
@@ -419,9 +421,6 @@ def _ep_choices(dp_shard: int, unit: int) -> str:
 
 def _join(world: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
     """The 2-D mesh (outer, inner) of two 1-D views of `world`, reusing their process groups."""
-    from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+    from torchtitan.runtime.torch_compat import mesh as torch_compat_mesh
 
-    if hasattr(_DeviceMesh, "_concatenate"):  # joins the views as they are: no new process groups
-        return _DeviceMesh._concatenate([outer, inner])
-    # Without it, slice the flattened dim back out of the world mesh (deprecated where the above exists).
-    return world[(outer.mesh_dim_names[0], inner.mesh_dim_names[0])]
+    return torch_compat_mesh.join(world, outer, inner)

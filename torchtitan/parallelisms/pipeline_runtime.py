@@ -15,6 +15,8 @@ from torchtitan.errors import ConfigError
 from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan, stage_ids_for_rank, stage_ranks
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
+from torchtitan.runtime.torch_compat import compile as torch_compat_compile
+from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
 
 
 def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None):
@@ -28,12 +30,9 @@ def build_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable | None):
         # Zero-bubble schedules run each microbatch's backward as two passes over one graph (input
         # gradients with retain_graph, then weight gradients); compiled blocks must then keep the
         # buffers they would otherwise donate to the first pass. Compilation is lazy, so this is in time.
-        torch._functorch.config.donated_buffer = False
+        torch_compat_compile.keep_donated_buffers()
     if plan.schedule == CSV_SCHEDULE:
-        schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn,
-                                                      scale_grads=False)
-        schedule._load_csv(plan.csv_path)
-        return schedule
+        return torch_compat_pipelining.csv_schedule(stages, plan.microbatches, loss_fn, plan.csv_path)
     try:
         cls = schedules.get_schedule_class(plan.schedule)
     except ValueError:
@@ -48,40 +47,15 @@ def forward_only_schedule(plan: PipelinePlan, stages: list, loss_fn: Callable):
     its stages in stage order, every microbatch of one stage before the next (GPipe's order), so a
     rank never waits for work that itself waits on this rank. The training schedules' own `eval`
     cannot serve: the V-shaped and CSV ones run their backward actions regardless."""
-    schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn,
-                                                  scale_grads=False)
-    forward = schedules._ComputationType.FORWARD
-    actions = {rank: [schedules._Action(stage, forward, mb) for stage in stage_ids_for_rank(rank, plan)
-                      for mb in range(plan.microbatches)] for rank in range(plan.pp)}
-    # Lowered here rather than by _prepare_schedule_with_comms, whose check wants every microbatch's
-    # backward: FSDP's unshard/reshard around each stage's run, then the sends and receives.
-    placement = stage_ranks(plan)
-    schedule.stage_index_to_group_rank = placement
-    for stage in stages:
-        stage.stage_index_to_group_rank = placement
-    schedule.pipeline_order = actions
-    lowered = {rank: schedules._add_unshard_reshard(rank_actions) for rank, rank_actions in actions.items()}
-    schedule.pipeline_order_with_comms = schedules._add_send_recv(lowered, stage_to_rank=placement.__getitem__,
-                                                                  num_stages=plan.num_stages)
-    # The stages were set up by the training schedule's first step (validation comes after it).
-    # Setting them up again for forward only would give their receive buffers no gradients, which
-    # the training schedule, unaware of it, would then run its backward through.
-    for flag, value in (("_stages_initialized", True), ("_stages_forward_initialized", True),
-                        ("_stages_backward_initialized", False)):
-        if hasattr(schedule, flag):  # the names differ between PyTorch versions
-            setattr(schedule, flag, value)
-    return schedule
+    order = {rank: [(stage, mb) for stage in stage_ids_for_rank(rank, plan) for mb in range(plan.microbatches)]
+             for rank in range(plan.pp)}
+    return torch_compat_pipelining.forward_only_schedule(stages, plan.microbatches, loss_fn, order, stage_ranks(plan),
+                                                         plan.num_stages)
 
 
 def make_stages(modules: list[nn.Module], stage_ids: list[int], plan: PipelinePlan, group, device: torch.device):
     return [PipelineStage(module, stage_id, plan.num_stages, device, group=group)
             for module, stage_id in zip(modules, stage_ids)]
-
-
-def schedule_stages(schedule) -> list[PipelineStage]:
-    """This rank's stages in a schedule, in the schedule's order. PyTorch 2.13 has no public getter:
-    single-stage schedules keep theirs in `_stage`, multi-stage ones in `_stages`."""
-    return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
 class BusyTimer:
@@ -94,12 +68,11 @@ class BusyTimer:
 
     def __init__(self, schedule) -> None:
         self.busy = 0.0
-        for stage in schedule_stages(schedule):
+        for stage in torch_compat_pipelining.schedule_stages(schedule):
             for name in self._STAGE_METHODS:
                 if hasattr(stage, name):
                     setattr(stage, name, self._timed(getattr(stage, name)))
-        if hasattr(schedule, "_maybe_compute_loss"):
-            schedule._maybe_compute_loss = self._timed(schedule._maybe_compute_loss)
+        torch_compat_pipelining.wrap_loss_computation(schedule, self._timed)
 
     def _timed(self, fn):
         def wrapper(*args, **kwargs):
@@ -117,7 +90,7 @@ def _count_statistics_in_chunks_only(schedule, counting_on: Callable[[], bool]) 
     counts) count only in the schedule's microbatch forwards of training steps (`counting_on()`):
     on its first step a schedule also runs each stage forward once to learn the shapes it
     exchanges, and validation runs forwards too; neither must count."""
-    for stage in schedule_stages(schedule):
+    for stage in torch_compat_pipelining.schedule_stages(schedule):
         counters = [m for m in stage.submod.modules() if hasattr(m, "count_step_stats")]
         if not counters:
             continue

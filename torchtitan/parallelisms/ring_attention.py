@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchtitan.runtime.torch_compat import ops as torch_compat_ops
+
 
 def load_balanced_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
     """The two sequence chunks (of 2 x cp) that a cp rank holds."""
@@ -146,13 +148,12 @@ def block_forward(q, k, v, causal: bool, scale: float, kernel: str | None = None
     kernel = block_kernel(q) if kernel is None else kernel
     if kernel == "math":
         return _math_forward(q, k, v, causal, scale)
-    aten = torch.ops.aten
     if kernel == "cpu_flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch_compat_ops.flash_attention_cpu(q, k, v, 0.0, causal, scale=scale)
     elif kernel == "cuda_flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        out, lse = torch_compat_ops.flash_attention_cuda(q, k, v, 0.0, causal, False, scale=scale)[:2]
     elif kernel == "cuda_efficient":
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        out, lse = torch_compat_ops.efficient_attention_cuda(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., :q.shape[2]]  # padded to a multiple of 32 queries on CUDA
     else:
         raise ValueError(f"unknown block kernel {kernel!r}; one of {BLOCK_KERNELS}")
@@ -164,21 +165,20 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel: 
     kernel = block_kernel(q) if kernel is None else kernel
     if kernel == "math":
         return _math_backward(dout, q, k, v, out, lse, causal, scale)
-    aten = torch.ops.aten
     # The fused backwards read dout and out as q's dtype (the CUDA ones without checking).
     dout, out, lse = dout.to(q.dtype), out.to(q.dtype), lse.float().contiguous()
     if kernel == "cpu_flash":
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grads = torch_compat_ops.flash_attention_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     elif kernel == "cuda_flash":
         # No cumulative sequence lengths: the dense (not varlen) kernel. The rng state is read
         # only with dropout.
         rng = torch.empty(0, device=q.device)
-        grads = aten._scaled_dot_product_flash_attention_backward(
+        grads = torch_compat_ops.flash_attention_cuda_backward(
             dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng, scale=scale)
     elif kernel == "cuda_efficient":
         rng = torch.empty(0, device=q.device)
-        grads = aten._scaled_dot_product_efficient_attention_backward(
+        grads = torch_compat_ops.efficient_attention_cuda_backward(
             dout, q, k, v, None, _bmhk(out), _efficient_lse(lse), rng, rng, 0.0, [True, True, True, False],
             causal, scale=scale)
     else:

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
+from torchtitan.runtime.torch_compat import compile as torch_compat_compile
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,7 @@ class ShardedVocabMask(nn.Module):
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:
     """Async TP: inductor splits each TP all-gather / reduce-scatter and its matmul into chunks that
     overlap, exchanging data through symmetric memory (CUDA only; needs training.compile)."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch_compat_compile.enable_micro_pipelined_tp(tp_mesh.get_group().group_name)
     logger.info("enabled async tensor parallelism (micro-pipelined collectives)")
 
 
@@ -83,9 +81,7 @@ def bypass_autograd_cache_for_collectives() -> None:
     differently, and the run then fails with "Could not resolve the process group registered under
     the name 7" (seen with FSDP 2 x TP 2 after a TP 2 x PP 2 run on the same machine). The cache is
     bypassed for TP runs; inductor's own FX graph cache stays on."""
-    import torch._functorch.config as functorch_config
-
-    functorch_config.enable_autograd_cache = False
+    torch_compat_compile.disable_autograd_cache()
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:

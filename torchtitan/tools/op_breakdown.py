@@ -44,6 +44,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchtitan.runtime.torch_compat.op_names import GROUPED_MM_NAME, PRIVATE_MATMUL_NAMES
+
 # Categories in table order, with the labels a reader sees.
 LABELS = {
     "matmul": "matmul",
@@ -146,9 +148,9 @@ def matmul_flops(name: str, dims: list) -> float:
         a, b = list(dims[0]), list(dims[1])
         if op == "linear":  # weight is (out, in)
             return 2.0 * math.prod(a) * b[0]
-        if op == "_grouped_mm" and len(a) == 2 and len(b) == 3:  # each row meets one group's weight
+        if op == GROUPED_MM_NAME and len(a) == 2 and len(b) == 3:  # each row meets one group's weight
             return 2.0 * math.prod(a) * b[2]
-        if op not in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_int_mm", "_scaled_mm", "_grouped_mm"):
+        if op not in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", *PRIVATE_MATMUL_NAMES):
             return 0.0
         a, b = (a if len(a) > 1 else [1, *a]), (b if len(b) > 1 else [*b, 1])
         batch = max(math.prod(a[:-2]), math.prod(b[:-2]))  # broadcast batch dims

@@ -1,0 +1,75 @@
+"""Composable data parallelism and activation-checkpoint wrappers that PyTorch keeps under private
+modules, and the private state the setup record reads from them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+from torch.distributed._composable.contract import _get_registry
+from torch.distributed._composable.replicate import replicate as _replicate
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
+
+PRIVATE_NAMES = (
+    PrivateName("torch.distributed._composable.replicate.replicate", ("module", "ignored_modules")),
+    PrivateName("torch.distributed._composable.replicate._ReplicateState._ddp", instance=True),
+    PrivateName("torch.distributed._composable.replicate_with_fsdp.replicate", ("module", "mesh", "mp_policy"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName("torch.distributed._composable.contract._get_registry", ("module",), checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+                ("module", "checkpoint_impl", "checkpoint_fn")),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",
+                ("mod", "checkpoint_impl", "checkpoint_fn")),
+    PrivateName("torch.distributed.fsdp.FSDPModule._get_fsdp_state", ("self",)),
+    PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups", instance=True),
+    PrivateName("torch.nn.Module._compiled_call_impl", instance=True, checked=CPU_AND_GPU_CHECK),
+)
+
+# Composable DDP (`replicate(module, device_mesh=, bucket_cap_mb=)`): DDP's buckets and hooks on the
+# module as it is, its class unchanged. Public DDP wraps the module, which would rename every
+# parameter and checkpoint key; composable DDP is only under a private module in torch 2.11-2.13.
+replicate = _replicate
+
+# Wraps a module so its forward is recomputed in backward (`checkpoint_wrapper(module,
+# preserve_rng_state=, context_fn=)`), keeping parameter names under `_checkpoint_wrapped_module`
+# as every torchtitan checkpoint expects; torch.utils.checkpoint offers only the function.
+checkpoint_wrapper = _checkpoint_wrapper.checkpoint_wrapper
+CheckpointWrapper = _checkpoint_wrapper.CheckpointWrapper  # the wrapper's class, to recognise one
+
+
+def fsdp_based_replicate() -> Callable[..., Any] | None:
+    """PyTorch's FSDP-based `replicate(module, mesh=, mp_policy=)` (accepts DTensor parameters,
+    unlike composable DDP), or None where the installed torch lacks it. It exists only under a
+    private module in torch 2.11-2.13."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp
+    except ImportError:
+        return None
+    return replicate_fsdp
+
+
+def fsdp_param_groups(module: FSDPModule) -> list:
+    """FSDP2's parameter groups of `module` (mesh info, resharding, policies per group): fully_shard
+    keeps them in its private state only."""
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
+def replicated_by_ddp(module: nn.Module) -> bool:
+    """Whether composable DDP (`replicate`) was applied to `module`: it leaves the class alone and
+    records itself in the module's private registry of composable APIs."""
+    return "replicate" in (_get_registry(module) or {}) and not isinstance(module, FSDPModule)
+
+
+def ddp_of(module: nn.Module) -> Any:
+    """The DistributedDataParallel object composable DDP built for `module` (at its first forward),
+    or None before; it is kept in replicate's private state."""
+    return getattr(_replicate.state(module), "_ddp", None)
+
+
+def compiled_call(module: nn.Module) -> Any:
+    """What `nn.Module.compile` installed as the module's call, or None where it was not compiled;
+    the module keeps it in `_compiled_call_impl` with no public getter."""
+    return getattr(module, "_compiled_call_impl", None)

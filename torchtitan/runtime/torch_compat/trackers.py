@@ -1,0 +1,104 @@
+"""PyTorch's memory trackers (torch.distributed._tools: memory by category, on real or fake
+tensors) extended to a pipeline rank's several model parts and optimizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
+
+_TOOLS = "torch.distributed._tools"
+PRIVATE_NAMES = (
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker", (), checked=CPU_AND_GPU_CHECK),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._pre_fw_hook", ("self", "module", "inputs"), checked=CPU_AND_GPU_CHECK),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._mod_tracker", instance=True, checked=CPU_AND_GPU_CHECK),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._track_optimizer_states", ("self", "reftype", "optimizer"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._ref_class", instance=True),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._in_opt", instance=True),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._optimizer_hook_handles", instance=True),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker", ("mod", "optm")),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._root_mod", instance=True),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._fsdp_state_pre_forward",
+                ("self", "fsdp_mod", "orig_fsdp_state_pre_fw"),
+                checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._instrument_optimizer", ("self",), checked=CPU_AND_PRESENT_IN_2_11),
+)
+
+__all__ = ["FSDPMemTracker", "FSDPPartsTracker", "MemTracker", "PartsTracker"]
+
+
+# PyTorch measures a step's memory by category only with these trackers, in a private package; the
+# two subclasses below override and call their private hooks (listed above) to take several parts.
+class FSDPPartsTracker(FSDPMemTracker):
+    """FSDPMemTracker over several FSDP roots (the stages a pipeline rank holds) and several
+    optimizers (one per part). PyTorch's tracker takes one root and one optimizer; it reads the
+    root only through `.modules()` and `.buffers()`, which a ModuleList of the parts answers for
+    all of them, and it hooks the optimizer only in `_instrument_optimizer`, done here for each.
+
+    It also takes a root's forward run several times in one step (pipeline microbatches,
+    gradient accumulation), which PyTorch's tracker refuses as "the next iteration": each further
+    forward of a root is tracked as if inside a `Microbatch` parent module."""
+
+    _MICROBATCH = "Microbatch"
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[Any]):
+        super().__init__(parts[0], None)
+        self._root_mod = nn.ModuleList(parts)
+        self._roots = set(map(id, parts))
+        self._all_optimizers = optimizers
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: FSDPModule, orig: Any) -> Any:
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            repeated = (id(fsdp_mod) in self._roots and fsdp_mod in self.memory_tracking
+                        and not self._mod_tracker.is_bw)
+            if repeated:
+                self._mod_tracker.parents.add(self._MICROBATCH)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if repeated:
+                    self._mod_tracker.parents.discard(self._MICROBATCH)
+
+        return again
+
+    def _instrument_optimizer(self) -> None:
+        handles = []
+        for optimizer in self._all_optimizers:
+            self._track_optimizer_states(self._ref_class.OPT, optimizer)
+
+            def pre(opt, args, kwargs) -> None:
+                self._in_opt = True
+
+            def post(opt, args, kwargs) -> None:
+                self._track_optimizer_states(self._ref_class.OPT, opt)
+                self._in_opt = False
+
+            handles += [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self._optimizer_hook_handles = tuple(handles)
+
+
+class PartsTracker(MemTracker):
+    """MemTracker that, like FSDPPartsTracker, takes a model part's forward run several times in
+    one step (pipeline microbatches, gradient accumulation)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self._roots = set(map(id, parts))
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        repeated = id(module) in self._roots and module in self.memory_tracking and not self._mod_tracker.is_bw
+        if repeated:
+            self._mod_tracker.parents.add(FSDPPartsTracker._MICROBATCH)
+        try:
+            super()._pre_fw_hook(module, inputs)
+        finally:
+            if repeated:
+                self._mod_tracker.parents.discard(FSDPPartsTracker._MICROBATCH)
