@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
               "rss_gib": rss_gib, "local_tokens": inputs.shape[1]}
     print("RESULT " + json.dumps(result), flush=True)
     if mesh is not None:
-        from torchtitan.parallelisms.distributed import exit_process
+        from torchtitan.runtime.process_group import exit_process
 
         dist.destroy_process_group()
         exit_process(0)  # skips interpreter finalization, where gloo's threads can abort a finished rank

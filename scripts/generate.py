@@ -44,7 +44,7 @@ from torchtitan.datasets.tokenizer import tokenizer_from_file
 from torchtitan.errors import ConfigError, UserError, out_of_memory
 from torchtitan.generation import Continuation, Sampling, eval_mode, generate, positions_needed
 from torchtitan.models import get_train_spec, registered_names
-from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.runtime import process_group
 from torchtitan.runtime.reports import reporting_to_folder, say_how_it_ended
 
 DEFAULT_TOKENIZER = "bundled:stdlib_docs/tokenizer.model"
@@ -157,7 +157,7 @@ def sequence_multiple(source: Source) -> int:
     """What every forward's sequence must be a multiple of: under tensor parallelism, an MoE layer
     computes its rank's slice of the sequence (parallelisms/expert_parallel.py), so each forward is
     padded to the number of ranks (generation.KVCache.forward)."""
-    return tt_dist.world_size() if getattr(source.args, "num_experts", 0) else 1
+    return process_group.world_size() if getattr(source.args, "num_experts", 0) else 1
 
 
 def build_model(source: Source, total_len: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -168,7 +168,7 @@ def build_model(source: Source, total_len: int, device: torch.device, dtype: tor
     with torch.device("meta"):
         model = spec.model_cls.from_model_args(args)
         whole = whole_model_shapes(model)
-    world = tt_dist.world_size()
+    world = process_group.world_size()
     if world > 1:
         # Decoding feeds one token at a time, so no sequence parallelism; full logits on every rank.
         config = parse_args(["--model.name", source.model_name, "--training.tensor_parallel_degree", str(world),
@@ -224,10 +224,10 @@ def run(ns: argparse.Namespace) -> None:
     device_type = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise GenerateError("--device cuda: no CUDA device is available")
-    device = tt_dist.init_distributed(device_type, timeout_seconds=300)
+    device = process_group.init_distributed(device_type, timeout_seconds=300)
     source = find_source(ns.checkpoint)
     tokenizer_path, warning = choose_tokenizer(source, ns.tokenizer)
-    rank0 = tt_dist.rank() == 0
+    rank0 = process_group.rank() == 0
     if warning and rank0:
         print(warning, file=sys.stderr)
     tokenizer = tokenizer_from_file(resolve_path(tokenizer_path, "--tokenizer", GenerateError), "--tokenizer")
@@ -270,7 +270,7 @@ def run(ns: argparse.Namespace) -> None:
     generated = sum(len(row) for row in out)
     print(f"generated {generated} tokens for {len(prompts)} prompt(s) in {seconds:.2f}s ({generated / seconds:,.1f} "
           f"tokens/s, {'KV cache' if not ns.no_kv_cache else 'no cache'}, {device.type}, {ns.dtype}"
-          f"{f', tensor parallel {tt_dist.world_size()}' if dist.is_initialized() else ''})", file=sys.stderr)
+          f"{f', tensor parallel {process_group.world_size()}' if dist.is_initialized() else ''})", file=sys.stderr)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         if ended is None:
             raise
         if reporting_to_folder():  # under python -m torchtitan.launch: one line for the whole job
-            return say_how_it_ended(tt_dist.rank(), ended)
-        if tt_dist.rank() == 0:
+            return say_how_it_ended(process_group.rank(), ended)
+        if process_group.rank() == 0:
             print(ended.line, file=sys.stderr)
         return ended.exit_code
     finally:
@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if tt_dist.world_size() > 1:
+    if process_group.world_size() > 1:
         # As the trainer does: gloo's threads can abort the interpreter's finalization (SIGABRT after
         # a run that finished correctly, seen about once in 16 TP runs); the output is flushed first.
-        tt_dist.exit_process(code)
+        process_group.exit_process(code)
     sys.exit(code)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's t
 from torchtitan.config_manager import parse_args  # noqa: E402
 from torchtitan.estimation.dry_run import GiB, dry_run  # noqa: E402
 from torchtitan.logging import init_logger  # noqa: E402
-from torchtitan.parallelisms import distributed as tt_dist  # noqa: E402
+from torchtitan.runtime import device_setup  # noqa: E402
 from torchtitan.tools.runs import Runner, run_trainer  # noqa: E402
 
 
@@ -82,7 +82,7 @@ HEADER = ("| layout | ranks | most loaded rank | estimate GiB | measured GiB | e
 
 def compare(name: str, args: Sequence[str], nproc: int, runner: Runner = run_trainer, timeout: float = 600) -> Comparison:
     """Estimates `args` (trainer options) as `nproc` ranks here, then measures them as a real job."""
-    device = tt_dist.device_type()
+    device = device_setup.device_type()
     common = [*args, "--job.dry_run", "--job.dry_run_device", device]
     estimate = dry_run(parse_args([*common, "--job.dry_run_world_size", str(nproc)]))
     result = runner([*common, "--memory_estimation.disable_fake_mode"], nproc, timeout=timeout)

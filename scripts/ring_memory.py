@@ -48,8 +48,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchtitan.parallelisms.distributed import exit_process
     from torchtitan.parallelisms.ring_attention import ring_attention
+    from torchtitan.runtime.process_group import exit_process
 
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")

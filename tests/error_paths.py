@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("torchtitan", "scripts")
 LEDGER = ROOT / "tests" / "error_paths_uncovered.txt"
-EXIT_CALLS = {"exit", "_exit", "exit_process"}  # sys.exit, os._exit, torchtitan's tt_dist.exit_process
+EXIT_CALLS = {"exit", "_exit", "exit_process"}  # sys.exit, os._exit, runtime/process_group.exit_process
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class _Finder(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         if _name(node.func) in EXIT_CALLS and isinstance(node.func, (ast.Attribute, ast.Name)):
             owner = _name(node.func.value) if isinstance(node.func, ast.Attribute) else ""
-            if (owner in ("sys", "os", "tt_dist", "") or _name(node.func) == "exit_process") and node.args:
+            if (owner in ("sys", "os", "process_group", "") or _name(node.func) == "exit_process") and node.args:
                 # sys.exit(main()) passes on a code decided elsewhere: main's returns are the paths.
                 if _is_nonzero_code(node.args[0]) and not isinstance(node.args[0], ast.Call):
                     code = ast.unparse(node.args[0])

@@ -17,10 +17,10 @@ from torchtitan.config import rules
 from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig
 from torchtitan.models import TrainSpec, get_train_spec
-from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.mixed_precision import warn_if_emulated
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
+from torchtitan.runtime import device_setup
 
 
 def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
@@ -151,7 +151,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
         model = train_spec.model_cls.from_model_args(model_args)
     rules.run("experts", job_config, train_spec, parallel_dims, model)
     rules.run("model_shapes", train_spec, model_args, parallel_dims, plan, job_config)
-    device_type = device_type or tt_dist.device_type()
+    device_type = device_type or device_setup.device_type()
     rules.run("async_tp_device", job_config, device_type)
     rules.run("float8_device", job_config, device_type, parallel_dims.tp_enabled)
     rules.run("memory_snapshot_device", job_config, device_type)

@@ -40,11 +40,11 @@ from torchtitan.job_config import JobConfig
 from torchtitan.logging import init_logger
 from torchtitan.metrics import MetricsLogger
 from torchtitan.models import TrainSpec
-from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.preflight import preflight
 from torchtitan.progress import Progress
+from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.reports import attempt, mark_attempt, reporting_to_folder, say_how_it_ended
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.setup_record import SetupRecord
@@ -69,18 +69,18 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     started = time.perf_counter()
     training = job_config.training
     # Everything that can be checked without a process group is checked first, on every rank.
-    parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, tt_dist.world_size())
+    parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, process_group.world_size())
     if job_config.memory_estimation.enabled:
         estimate_before_training(job_config)  # this rank's peak, before any process group (estimation/dry_run.py)
-    device_type = tt_dist.device_type()
+    device_type = device_setup.device_type()
     comm = job_config.comm
-    device = tt_dist.init_distributed(device_type, collective_timeout(comm.init_timeout_seconds),
+    device = process_group.init_distributed(device_type, collective_timeout(comm.init_timeout_seconds),
                                       comm.trace_buf_size, job_config.job.dump_folder)
     # From here on a rank that stops making progress is named within the timeout (watchdog.py).
-    with watch_this_rank(tt_dist.rank(), tt_dist.world_size(), job_config.job.dump_folder,
+    with watch_this_rank(process_group.rank(), process_group.world_size(), job_config.job.dump_folder,
                          comm.init_timeout_seconds) as watchdog:
         parallel_dims.build_mesh(device_type)
-        tt_dist.set_determinism(DEFAULT_SEED if training.seed < 0 else training.seed, training.deterministic)
+        device_setup.set_determinism(DEFAULT_SEED if training.seed < 0 else training.seed, training.deterministic)
         logger.info(f"job: {job_config.job.description}")
         if job_config.job.print_args:
             logger.info(f"job config: {job_config.to_dict()}")
@@ -104,7 +104,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         checkpoint.load(resume)
         trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device)
         setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
-        metrics = MetricsLogger(job_config, device, flops_per_token, tt_dist.rank(), compute_dtype(training, device_type),
+        metrics = MetricsLogger(job_config, device, flops_per_token, process_group.rank(), compute_dtype(training, device_type),
                                 resumed_step=train_state.step)
         validator = build_validator(job_config, trained, tokenizer, shards)
         progress = Progress(training.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=started)
@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     # because that is how the launcher tears down ranks waiting for a peer that already failed.
     previous = {sig: signal.getsignal(sig) for sig in StopRequests.SIGNALS}
     signal.signal(signal.SIGINT, _interrupt)
-    if tt_dist.world_size() == 1:
+    if process_group.world_size() == 1:
         for sig in PREEMPTION_SIGNALS:
             signal.signal(sig, _interrupt)
-    tt_dist.die_with_launcher()
+    process_group.die_with_launcher()
     mark_attempt()
-    stops = StopRequests(tt_dist.rank())  # takes over both signals when the training loop starts
+    stops = StopRequests(process_group.rank())  # takes over both signals when the training loop starts
     code, clean = 0, False
     try:
         job_config = parse_args(argv)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             e = UserError(str(e))
         elif isinstance(e, KeyboardInterrupt) and not stops.installed:
             e = Stopped(getattr(e, "signum", signal.SIGINT), None)
-        code = say_how_it_ended(tt_dist.rank(), e, stops.requested)
+        code = say_how_it_ended(process_group.rank(), e, stops.requested)
         if isinstance(e, Stopped) and e.step is not None and reporting_to_folder():
             # Every rank agreed to stop after this step. The launcher exits with the report's code
             # (75, 130, ...); torchrun would take a rank's non-zero code for a failure and, with
@@ -201,12 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         stops.uninstall()
         for sig, handler in previous.items():  # a caller running main() in-process gets its own back
             signal.signal(sig, handler)
-        tt_dist.shutdown(clean)
+        process_group.shutdown(clean)
     return code
 
 
 if __name__ == "__main__":
     code = main()
-    if tt_dist.world_size() > 1:
-        tt_dist.exit_process(code)
+    if process_group.world_size() > 1:
+        process_group.exit_process(code)
     sys.exit(code)

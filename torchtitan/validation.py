@@ -30,10 +30,10 @@ from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.text_dataset import validation_batch_size
 from torchtitan.job_config import JobConfig
-from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
+from torchtitan.runtime import collectives
 from torchtitan.trainer.step import document_mask_eos, model_kwargs
 from torchtitan.watchdog import Watchdog
 
@@ -123,7 +123,7 @@ class Validator:
                     watchdog.enter("validation", step)
                 batch = next(batches, None)
                 # Every rank stops after the same batch: at the end of the data, or for a stop.
-                ended, stop = tt_dist.max_across_ranks([batch is None, stops.requested if stops is not None else 0])
+                ended, stop = collectives.max_across_ranks([batch is None, stops.requested if stops is not None else 0])
                 if stop:
                     logger.info(f"validation at step {step} abandoned after {n} batch{'' if n == 1 else 'es'}: a stop was requested")
                     return None
@@ -147,7 +147,7 @@ class Validator:
         if n == 0:
             raise DatasetError(self._too_small())
         if self.pipeline is not None:  # only the last stage holds the loss; the others add zero
-            total = tt_dist.sum_across(total, self.parallel_dims.pp_mesh)
-        loss = tt_dist.mean_across(total / n, self.parallel_dims.loss_mesh)
+            total = collectives.sum_across(total, self.parallel_dims.pp_mesh)
+        loss = collectives.mean_across(total / n, self.parallel_dims.loss_mesh)
         tokens = n * self.batch_size * self.training.seq_len * self.shards.dp_degree
         return ValidationResult(step, loss, n, tokens, time.perf_counter() - start)

@@ -7,7 +7,7 @@ from tests.helpers import run_ranks_script
 SCRIPT = r"""
 import json, os, sys
 import torch.distributed as dist
-from torchtitan.parallelisms.distributed import exit_process
+from torchtitan.runtime.process_group import exit_process
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 dist.init_process_group("gloo")

@@ -11,7 +11,7 @@ SCRIPT = r'''
 import json
 import torch
 import torch.distributed as dist
-from torchtitan.parallelisms.distributed import exit_process
+from torchtitan.runtime.process_group import exit_process
 from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequence, unshard_sequence
 
 dist.init_process_group("gloo")

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.parallelize_llama import apply_tp
-from torchtitan.parallelisms.distributed import exit_process
+from torchtitan.runtime.process_group import exit_process
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

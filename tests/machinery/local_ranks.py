@@ -35,7 +35,7 @@ def _run_rank(rank: int, nproc: int, port: int, args: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from torchtitan import train
-    from torchtitan.parallelisms import distributed as tt_dist
+    from torchtitan.runtime import process_group
 
     try:
         code = train.main(args)
@@ -44,7 +44,7 @@ def _run_rank(rank: int, nproc: int, port: int, args: list[str]) -> None:
     except BaseException:  # noqa: BLE001 - a rank's crash becomes its exit code, as under torchrun
         traceback.print_exc()
         code = 1
-    tt_dist.exit_process(code)
+    process_group.exit_process(code)
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""Gradient clipping (parallelisms/distributed.clip_grad_norm_) in this process: the global norm
+"""Gradient clipping (parallelisms/grad_clip.clip_grad_norm_) in this process: the global norm
 and the clipped gradients equal torch's own clip_grad_norm_ on whole tensors, for plain tensors and
 for DTensor gradients of two meshes (clipped through their local shards), and max_norm 0 only
 measures. The layouts' grad norms are compared with one process in the parity suites."""
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from torchtitan.parallelisms.distributed import clip_grad_norm_
+from torchtitan.parallelisms.grad_clip import clip_grad_norm_
 
 
 @pytest.fixture

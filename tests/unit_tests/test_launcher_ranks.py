@@ -1,6 +1,6 @@
 """The launcher and its ranks. A rank that a peer's hang report names as stuck is killed by the
 launcher (torchtitan/launch.py), but only a child of this launcher, and a rank already gone is no
-error; a rank whose launcher is gone ends (parallelisms/distributed.py)."""
+error; a rank whose launcher is gone ends (runtime/process_group.py)."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from torchtitan import launch
-from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.runtime import process_group
 from torchtitan.runtime.reports import REPORT_DIR_ENV, write_report
 
 
@@ -97,7 +97,7 @@ def _fork_rank(parents: list[int]) -> int:
             os.environ["WORLD_SIZE"] = "2"
             answers = iter(parents)
             os.getppid = lambda: next(answers)  # this forked child's only
-            tt_dist.die_with_launcher()
+            process_group.die_with_launcher()
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)

@@ -6,13 +6,13 @@ import importlib.util
 
 import pytest
 import torch
+from torchtitan.runtime.device_setup import check_device_features
 
 from torchtitan.config_manager import ConfigError, parse_args
 from torchtitan.models import get_train_spec
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.parallelize_llama import validate_llama
 from torchtitan.models.loss import cross_entropy_loss
-from torchtitan.parallelisms.distributed import check_device_features
 from torchtitan.parallelisms.float8 import check_float8_support
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.preflight import build_model_args

@@ -127,7 +127,7 @@ RULES: tuple[Rule, ...] = (
          "torchtitan.preflight:check_experts"),
     Rule("model_shapes", "model", ("*",), "torchtitan.preflight:check_model_shapes"),
     Rule("async_tp_device", "device", ("experimental.enable_async_tensor_parallel",),
-         "torchtitan.parallelisms.distributed:check_device_features"),
+         "torchtitan.runtime.device_setup:check_device_features"),
     Rule("float8_device", "device", ("float8.enable_float8_linear", "float8.emulate", "training.disable_sequence_parallel"),
          "torchtitan.parallelisms.float8:check_float8_support"),
     Rule("memory_snapshot_device", "device", ("profiling.enable_memory_snapshot",),

@@ -49,10 +49,11 @@ from torchtitan.job_config import JobConfig
 from torchtitan.memory_floor import rank_memory_bytes
 from torchtitan.models import get_train_spec
 from torchtitan.models.common import causal_attention, document_causal_mask
-from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms import grad_clip, mixed_precision
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.preflight import preflight
+from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.torch_compat import fake as torch_compat_fake
 from torchtitan.setup_record import describe_parallelisms
 from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model
@@ -143,7 +144,7 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
     training, notes = config.training, []
     if training.mixed_precision_param == "auto":
         # What `auto` picks on the target device (the simulation's device is the CPU).
-        training.mixed_precision_param = str(tt_dist.resolve_param_dtype("auto", target)).removeprefix("torch.")
+        training.mixed_precision_param = str(mixed_precision.resolve_param_dtype("auto", target)).removeprefix("torch.")
     if training.compile:
         training.compile = False
         notes.append("torch.compile is not simulated: the estimate is of eager execution (compiled blocks usually "
@@ -209,10 +210,10 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     if fake:
         dist.init_process_group("fake", store=torch_compat_fake.fake_store(), rank=rank, world_size=world_size)
     try:
-        device = torch.device("cpu") if fake else torch.device(tt_dist.device_type(), 0 if target == "cpu" else
+        device = torch.device("cpu") if fake else torch.device(device_setup.device_type(), 0 if target == "cpu" else
                                                                   int(os.environ.get("LOCAL_RANK", "0")))
-        parallel_dims.build_mesh("cpu" if fake else tt_dist.device_type())
-        tt_dist.set_determinism(0, False)
+        parallel_dims.build_mesh("cpu" if fake else device_setup.device_type())
+        device_setup.set_determinism(0, False)
         # Parallelized on the meta device first (fake tensors cannot be copied as meta ones are).
         model_parts, pipeline = parallelize_model(job_config, spec, parallel_dims, plan, model, model_args, device)
         replayed = fake and pipeline is not None
@@ -254,7 +255,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                                  defer_sharded_reduction=training.defer_sharded_gradient_reduction,
                                  eos_id=document_mask_eos(job_config, tokenizer))
                 if not job_config.optimizer.early_step_in_backward:
-                    tt_dist.clip_grad_norm_(params, training.max_norm, parallel_dims.pp_mesh,
+                    grad_clip.clip_grad_norm_(params, training.max_norm, parallel_dims.pp_mesh,
                                             uncounted=pipeline.tied.uncounted if pipeline and pipeline.tied else ())
                 optimizers.step()
                 lr_schedulers.step()
@@ -321,7 +322,7 @@ def _fake_mode():
 def dry_run(job_config: JobConfig) -> DryRunResult:
     """Every rank the dry run stands for, simulated in this process (see the module docstring)."""
     job = job_config.job
-    world_size = job.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or tt_dist.world_size()
+    world_size = job.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or process_group.world_size()
     target = target_device_type(job_config)
     config, notes = for_this_machine(job_config, target, world_size)
     training_source(config)  # the data must exist too
@@ -364,7 +365,7 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
 
 def compute_dtype(config: JobConfig, target: str) -> str:
     """The dtype the blocks compute in, on every layout (FSDP's policy or autocast: the trainer's rule)."""
-    return str(tt_dist.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
+    return str(mixed_precision.resolve_param_dtype(config.training.mixed_precision_param, target)).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -425,8 +426,8 @@ def estimate_before_training(job_config: JobConfig) -> None:
     exceeds the device's memory. The estimate is of tensors alone: the device also holds the CUDA
     context and the communication library's buffers."""
     config = copy.deepcopy(job_config)
-    config.job.dry_run_world_size, config.job.dry_run_rank = tt_dist.world_size(), tt_dist.rank()
-    config.job.dry_run_device = tt_dist.device_type()
+    config.job.dry_run_world_size, config.job.dry_run_rank = process_group.world_size(), process_group.rank()
+    config.job.dry_run_device = device_setup.device_type()
     log = logging.getLogger("torchtitan")
     level = log.level
     log.setLevel(logging.WARNING)  # the simulation's own start-up lines are the real run's, next
@@ -503,17 +504,17 @@ def main(job_config: JobConfig) -> None:
 def _measure_real(job_config: JobConfig) -> None:
     """Every rank of a real job (torchrun) measures its own step with the same tracker; rank 0
     prints every rank's row, and a `MEASURED <json>` line for tools (scripts/memory_accuracy.py)."""
-    target = tt_dist.device_type()
-    world_size = tt_dist.world_size()
+    target = device_setup.device_type()
+    world_size = process_group.world_size()
     if job_config.job.dry_run_world_size not in (0, world_size):
         raise ConfigError(f"job.dry_run_world_size {job_config.job.dry_run_world_size} is not this job's "
                           f"{world_size} ranks: memory_estimation.disable_fake_mode measures the ranks the launcher "
                           "started (set NGPU)")
     config, notes = for_this_machine(job_config, target, world_size)
-    tt_dist.init_distributed(target, 600)
+    process_group.init_distributed(target, 600)
     clean = False
     try:
-        estimate = simulate_rank(config, world_size, tt_dist.rank(), target, fake=False)
+        estimate = simulate_rank(config, world_size, process_group.rank(), target, fake=False)
         mine = {"memory": dataclasses.asdict(estimate.memory), "stages": list(estimate.stages),
                 "seconds": estimate.seconds}
         records = [None] * world_size
@@ -521,7 +522,7 @@ def _measure_real(job_config: JobConfig) -> None:
             dist.all_gather_object(records, mine)
         else:
             records = [mine]
-        if tt_dist.rank() == 0:
+        if process_group.rank() == 0:
             ranks = [RankEstimate(r, {}, tuple(rec["stages"]), StepMemory(**rec["memory"]), {}, rec["seconds"])
                      for r, rec in enumerate(records)]
             dtype = compute_dtype(config, target)
@@ -533,4 +534,4 @@ def _measure_real(job_config: JobConfig) -> None:
             print("MEASURED " + json.dumps([r.as_record() for r in ranks]), flush=True)
         clean = True
     finally:
-        tt_dist.shutdown(clean)  # a rank that failed does not wait for the others at a barrier
+        process_group.shutdown(clean)  # a rank that failed does not wait for the others at a barrier

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchtitan.errors import ConfigError
 from torchtitan.job_config import Training
-from torchtitan.parallelisms.distributed import resolve_param_dtype
+from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
 from torchtitan.runtime.torch_compat import composable as torch_compat_composable

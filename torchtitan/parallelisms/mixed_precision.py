@@ -24,11 +24,18 @@ import torch
 from torch import nn
 
 from torchtitan.job_config import Training
-from torchtitan.parallelisms.distributed import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import ops as torch_compat_ops
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
+    """A config dtype name as a torch dtype; `auto` computes in bf16 on CUDA (tensor cores) and in
+    fp32 on CPU, where fp32 is the reference precision for parity tests."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def compute_dtype(training: Training, device_type: str) -> torch.dtype:

@@ -12,9 +12,9 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import ConfigError
-from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.parallelisms.pipeline import CSV_SCHEDULE, SCHEDULES, PipelinePlan, stage_ids_for_rank, stage_ranks
 from torchtitan.parallelisms.pipeline_tied import TiedWeights
+from torchtitan.runtime import collectives
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
 from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
 
@@ -145,7 +145,7 @@ class Pipeline:
         """The pp ranks' mean share of schedule time spent not computing, since the last call."""
         idle = torch.tensor(1 - self.timer.busy / self.step_seconds if self.step_seconds else 0.0, dtype=torch.float64)
         self.timer.busy, self.step_seconds = 0.0, 0.0
-        return tt_dist.mean_across(idle, pp_mesh)
+        return collectives.mean_across(idle, pp_mesh)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
                          **kwargs: torch.Tensor) -> torch.Tensor:

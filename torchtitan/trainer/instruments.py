@@ -10,8 +10,8 @@ import time
 from typing import Any, Iterator
 
 from torchtitan.metrics import LogWindow
-from torchtitan.parallelisms import distributed as tt_dist
 from torchtitan.profiling import MemorySnapshot
+from torchtitan.runtime import process_group
 from torchtitan.watchdog import Watchdog, collective_timeout
 
 
@@ -67,4 +67,4 @@ class StepInstruments:
         """After the run's first step (a resumed run's too: its first step is the slow one) the
         watchdog and the process group wait as long as a step may take, no longer start-up's limit."""
         self.watchdog.set_limit(train_timeout_seconds)
-        tt_dist.set_timeout(collective_timeout(train_timeout_seconds))
+        process_group.set_timeout(collective_timeout(train_timeout_seconds))

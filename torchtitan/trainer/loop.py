@@ -22,12 +22,13 @@ from torchtitan.errors import Preempted, Stopped, TrainingDiverged
 from torchtitan.job_config import JobConfig
 from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec
-from torchtitan.parallelisms import distributed as tt_dist
+from torchtitan.parallelisms import grad_clip
 from torchtitan.parallelisms.float8 import precompute_float8_scales
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.progress import Progress
+from torchtitan.runtime import collectives, process_group
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.setup_record import SetupRecord
 from torchtitan.trainer import step as shared_step
@@ -81,8 +82,8 @@ class StepResult:
 def global_loss(loss: torch.Tensor, parallel_dims: ParallelDims, pipelined: bool) -> float:
     """A step's loss as the step line and the divergence message give it: summed over the pipeline's
     stages (only the last one holds it), then averaged over the ranks the loss is averaged over."""
-    summed = tt_dist.sum_across(loss, parallel_dims.pp_mesh) if pipelined else loss
-    return tt_dist.mean_across(summed, parallel_dims.loss_mesh)
+    summed = collectives.sum_across(loss, parallel_dims.pp_mesh) if pipelined else loss
+    return collectives.mean_across(summed, parallel_dims.loss_mesh)
 
 
 def source_tokens(dataset: Any, parallel_dims: ParallelDims, device: torch.device) -> dict[str, float]:
@@ -90,7 +91,7 @@ def source_tokens(dataset: Any, parallel_dims: ParallelDims, device: torch.devic
     counts = dataset.tokens_by_source() if hasattr(dataset, "tokens_by_source") else {}
     if len(counts) < 2:
         return {}
-    total = tt_dist.sum_across(torch.tensor(list(counts.values()), dtype=torch.float64, device=device),
+    total = collectives.sum_across(torch.tensor(list(counts.values()), dtype=torch.float64, device=device),
                                parallel_dims.data_mesh)
     return dict(zip(counts, total.tolist()))
 
@@ -155,7 +156,7 @@ class Trainer:
                         f"training.steps is {self.training.steps} (raise training.steps to train further)")
             self.checkpoint.export_if_missing(step)
             return "done"
-        rank = tt_dist.rank()
+        rank = process_group.rank()
         with maybe_enable_profiling(self.job_config, rank, step) as profiler, \
                 maybe_enable_memory_snapshot(self.job_config, rank, step) as memory_snapshot:
             self.data_iter = iter(self.dataloader)
@@ -218,7 +219,7 @@ class Trainer:
     def data_ran_out(self, micro_batches: list) -> bool:
         # Every rank stops at the same step, even if only one rank's shards ran out; the last step
         # trained is logged, validated and saved as the last step of a run is.
-        ran_out = not self.training.dataset_infinite and tt_dist.any_rank(any(b is None for b in micro_batches))
+        ran_out = not self.training.dataset_infinite and collectives.any_rank(any(b is None for b in micro_batches))
         if ran_out:
             logger.info(f"the data ran out after step {self.train_state.step}; training ends there "
                         "(training.dataset_infinite is false)")
@@ -247,7 +248,7 @@ class Trainer:
         if self.job_config.optimizer.early_step_in_backward:
             return self.optimizers.grad_norm()  # the hooks measured, applied and freed every gradient in backward
         tied = self.pipeline.tied if self.pipeline is not None else None
-        return tt_dist.clip_grad_norm_(self.params, self.training.max_norm, self.parallel_dims.pp_mesh,
+        return grad_clip.clip_grad_norm_(self.params, self.training.max_norm, self.parallel_dims.pp_mesh,
                                        uncounted=tied.uncounted if tied is not None else ())
 
     def nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
@@ -259,7 +260,7 @@ class Trainer:
         """Once per step the ranks agree on whether to go on: a stop signal seen by any rank (returned,
         0 for none), a non-finite loss or gradient norm on any rank (raised; checked before the step
         is applied, so the model and every checkpoint stay good)."""
-        stop_signal, diverged = tt_dist.max_across_ranks([self.stops.requested if self.stops else 0, nonfinite])
+        stop_signal, diverged = collectives.max_across_ranks([self.stops.requested if self.stops else 0, nonfinite])
         if diverged:
             loss_value = global_loss(loss, self.parallel_dims, self.pipeline is not None)
             applied = ("was applied in backward (optimizer.early_step_in_backward) but is in no checkpoint"
@@ -340,7 +341,7 @@ class Trainer:
         # per device, every token counts once per group (so MFU compares with one device's peak).
         tokens = window.tokens / pd.non_data_parallel_size
         steps = result.step - window.first_step + 1
-        stragglers = tt_dist.slowest_and_median(window.own_seconds / steps)
+        stragglers = collectives.slowest_and_median(window.own_seconds / steps)
         self.metrics.log(StepMetrics(result.step, loss_value, result.grad_norm.item(), result.lr, tokens, elapsed,
                                      window.data_seconds, bubble, *(result.report or ()), own_seconds=stragglers,
                                      steps=steps, total_steps=self.training.steps, progress=self.progress.text(result.step),
@@ -365,7 +366,7 @@ class Trainer:
 
     def log_state_bytes(self) -> None:
         param_bytes, optim_bytes = local_state_bytes(self.model_parts, self.optimizers.optimizers)
-        logger.info(f"rank {tt_dist.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "
+        logger.info(f"rank {process_group.rank()} holds parameters {param_bytes / 2**20:.3f} MiB, "
                     f"optimizer state {optim_bytes / 2**20:.3f} MiB")
 
     # ------------------------------------------------------------------------------------------
@@ -392,7 +393,7 @@ class Trainer:
     def validate_if_missing(self, step: int) -> None:
         """Validates `step` unless metrics.jsonl already has its validation (read by rank 0, which
         decides for every rank: validation is collective)."""
-        missing = tt_dist.max_across_ranks([tt_dist.rank() == 0 and step not in self.metrics.validations])[0]
+        missing = collectives.max_across_ranks([process_group.rank() == 0 and step not in self.metrics.validations])[0]
         if missing:
             self.validate(step)
 
