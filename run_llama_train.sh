@@ -66,7 +66,7 @@ if (( NNODES > 1 )); then
   # bounds the wait for the other nodes, the first time and after a restart.
   nodes=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-torchtitan}"
          --rdzv-conf="is_host=$(( 10#$NODE_RANK == 0 ? 1 : 0 )),join_timeout=$(( 10#$RDZV_TIMEOUT ))")
-  # torchtitan.launch announces this node at the rendezvous by its NODE_RANK, so that the nodes
+  # torchtitan.runtime.launch announces this node at the rendezvous by its NODE_RANK, so that the nodes
   # waiting there can name the ones that have not come.
   export NODE_RANK=$(( 10#$NODE_RANK ))
   if [[ -n "${LOCAL_ADDR:-}" ]]; then nodes+=(--local-addr="$LOCAL_ADDR"); fi
@@ -80,9 +80,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / 
 
 # Check the config once, before any process starts: a bad option gets one line and exit code 2.
 for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$py" -m torchtitan.config_manager --help; fi
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$py" -m torchtitan.config.manager --help; fi
 done
-mode=$(WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.config_manager --launch-mode --job.config_file "$CONFIG_FILE" "$@")
+mode=$(WORLD_SIZE="$(( NGPU * NNODES ))" "$py" -m torchtitan.config.manager --launch-mode --job.config_file "$CONFIG_FILE" "$@")
 
 if [[ "$mode" == "dry_run" ]]; then
   # job.dry_run: one process stands for every rank of the job (docs/memory.md); no torchrun.
@@ -90,7 +90,7 @@ if [[ "$mode" == "dry_run" ]]; then
     --job.config_file "$CONFIG_FILE" "$@"
 fi
 
-# torchtitan.launch is torchrun that ends with one line: the root cause, from whichever rank.
-exec "$py" -m torchtitan.launch "${nodes[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
+# torchtitan.runtime.launch is torchrun that ends with one line: the root cause, from whichever rank.
+exec "$py" -m torchtitan.runtime.launch "${nodes[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

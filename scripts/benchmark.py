@@ -3,7 +3,7 @@
     .venv/bin/python scripts/benchmark.py --config debug_model --nproc 2 --steps 12 [-- overrides...]
 
 Runs the real trainer in the repository root as users do (`python -m torchtitan.train`, or
-torchrun through `torchtitan.launch` when --nproc > 1), logging every step, and averages the steps
+torchrun through `torchtitan.runtime.launch` when --nproc > 1), logging every step, and averages the steps
 after --warmup. Figures come from the trainer's own metrics (metrics.jsonl of rank 0).
 """
 

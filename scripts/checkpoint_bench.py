@@ -6,7 +6,7 @@ and the save / load throughput.
 Trains a Llama 3 of about 115 M parameters (dim 768, 16 blocks; AdamW, fp32, so a checkpoint is
 about 1.3 GiB) with FSDP over --nproc CPU ranks, saving every --interval steps, once per mode
 (disabled, async, async_with_pinned_mem), then resumes from the last checkpoint to time a load.
-Each job is the real trainer under torchrun (`torchtitan.launch`), started in the repository root;
+Each job is the real trainer under torchrun (`torchtitan.runtime.launch`), started in the repository root;
 the benchmark's flavor is registered on every rank by a small module it writes and names with
 `--experimental.custom_import`, as a user registers their own model.
 Figures come from the trainer's own log lines; the table reports for each mode the seconds the

@@ -49,7 +49,7 @@ from torchtitan.checkpoint.weights import (
     weights_manifest,
     write_weights,
 )
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.models.hf_adapter import HFAdapter

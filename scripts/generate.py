@@ -14,7 +14,7 @@
 `--checkpoint` takes a `step-N` folder (a full training checkpoint or a weights-only one), a run's
 checkpoint folder (its newest complete step), or a Hugging Face folder (config.json and safetensors;
 its tokenizer.model is used unless --tokenizer names another). Generation uses a KV cache
-(torchtitan/generation.py); --no-kv-cache re-runs the whole sequence at every step instead. A
+(torchtitan/inference/generation.py); --no-kv-cache re-runs the whole sequence at every step instead. A
 mistake prints one `error:` line and exits with 2.
 """
 
@@ -39,10 +39,10 @@ from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, whole_model_shapes
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.checkpoint.states import ModelState
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.datasets.tokenizer import tokenizer_from_file
 from torchtitan.errors import ConfigError, UserError, out_of_memory
-from torchtitan.generation import Continuation, Sampling, eval_mode, generate, positions_needed
+from torchtitan.inference.generation import Continuation, Sampling, eval_mode, generate, positions_needed
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.runtime import process_group
 from torchtitan.runtime.reports import reporting_to_folder, say_how_it_ended
@@ -174,7 +174,7 @@ def build_model(source: Source, total_len: int, device: torch.device, dtype: tor
         config = parse_args(["--model.name", source.model_name, "--training.tensor_parallel_degree", str(world),
                              "--training.data_parallel_shard_degree", "1", "--training.disable_sequence_parallel",
                              "--training.disable_loss_parallel", "--activation_checkpoint.mode", "none"])
-        from torchtitan.config_manager import validate_world_size
+        from torchtitan.config.manager import validate_world_size
 
         try:
             dims = validate_world_size(config, world)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         ended = e if isinstance(e, UserError) else out_of_memory(e, GENERATION_MEMORY_FIX)
         if ended is None:
             raise
-        if reporting_to_folder():  # under python -m torchtitan.launch: one line for the whole job
+        if reporting_to_folder():  # under python -m torchtitan.runtime.launch: one line for the whole job
             return say_how_it_ended(process_group.rank(), ended)
         if process_group.rank() == 0:
             print(ended.line, file=sys.stderr)

@@ -98,7 +98,7 @@ def probe(dry: bool) -> dict[str, Any]:
     """Device, versions and the attention exactness checks, measured in this (child) process."""
     import torch
 
-    from torchtitan.metrics import gpu_peak_flops
+    from torchtitan.observability.metrics import gpu_peak_flops
 
     device = {"python": platform.python_version(), "torch": torch.__version__, "torchao": _version("torchao"),
               "cuda_available": torch.cuda.is_available()}
@@ -235,9 +235,9 @@ def ring_kernels(dry: bool) -> dict[str, Any]:
 def estimate(trainer_args: list[str]) -> dict[str, Any]:
     """The stack's dry run of one trainer configuration (fake tensors, no device memory used), with
     the model's sizes the memory planning scales by."""
-    from torchtitan.config_manager import parse_args
+    from torchtitan.config.manager import parse_args
+    from torchtitan.config.preflight import preflight
     from torchtitan.estimation.dry_run import dry_run
-    from torchtitan.preflight import preflight
 
     config = parse_args([*trainer_args, "--job.dry_run"])
     start = time.perf_counter()
@@ -426,7 +426,7 @@ def figures(rows: list[dict], left_out: int, bf16_peak_tflops: float | None) -> 
 def dtype_to_ask(setting: Setting) -> tuple[str, str | None]:
     """training.mixed_precision_param to pass: bf16 where the config checks of one rank accept it,
     else `auto` (bf16 on CUDA wherever the stack computes in it), with the refusal as a note."""
-    from torchtitan.config_manager import parse_args, validate_world_size
+    from torchtitan.config.manager import parse_args, validate_world_size
     from torchtitan.errors import ConfigError
 
     if setting.dtype != "bfloat16":

@@ -10,7 +10,7 @@
 Every run starts from one seed checkpoint with the same global batch and data order, in
 deterministic fp32 on the CPU (torchtitan/tools/parity.py, the harness the parity tests use).
 Runs are real processes started in the repository root: `python -m torchtitan.train` for one
-process, torchrun (`torchtitan.launch`) for several ranks.
+process, torchrun (`torchtitan.runtime.launch`) for several ranks.
 Prints one table row per layout and exits with 1 when any layout is outside the tolerance.
 The `matrix` suites are the generated layout matrix, test machinery this repository tool drives
 from the checkout (tests/machinery/layout_matrix.py, its models in tests/machinery/matrix_model.py):
@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # the checkout's tests/ (the matrix suites), from any folder
 
 from tests.machinery import layout_matrix  # noqa: E402
-from torchtitan.config_manager import ConfigError  # noqa: E402
+from torchtitan.config.manager import ConfigError  # noqa: E402
 from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts  # noqa: E402
 from torchtitan.tools.runs import Runner, TrainingFailed, run_trainer  # noqa: E402
 

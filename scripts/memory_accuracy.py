@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, from any folder
 
-from torchtitan.config_manager import parse_args  # noqa: E402
+from torchtitan.config.manager import parse_args  # noqa: E402
 from torchtitan.estimation.dry_run import GiB, dry_run  # noqa: E402
-from torchtitan.logging import init_logger  # noqa: E402
+from torchtitan.observability.logging import init_logger  # noqa: E402
 from torchtitan.runtime import device_setup  # noqa: E402
 from torchtitan.tools.runs import Runner, run_trainer  # noqa: E402
 

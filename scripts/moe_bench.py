@@ -190,7 +190,7 @@ _A2A_EVENTS = ("_c10d_functional::all_to_all_single", "_c10d_functional::wait_te
 
 def a2a_seconds(trace_path: Path) -> tuple[float, float]:
     """(seconds in all-to-all ops and their waits, seconds of the profiled step) from one rank's
-    chrome trace (torchtitan.profiling), counting top-level CPU ops only."""
+    chrome trace (torchtitan.observability.profiling), counting top-level CPU ops only."""
     events = json.loads(trace_path.read_text())["traceEvents"]
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
     a2a = sum(e["dur"] for e in ops if e["name"] in _A2A_EVENTS)

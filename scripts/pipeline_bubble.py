@@ -3,7 +3,7 @@ the share of the schedule's time the ranks spend not computing, next to the theo
 
     .venv/bin/python scripts/pipeline_bubble.py [--pp 2] [--schedules 1F1B GPipe ...] [-- overrides]
 
-Each schedule runs the real trainer in the repository root under torchrun (`torchtitan.launch`;
+Each schedule runs the real trainer in the repository root under torchrun (`torchtitan.runtime.launch`;
 the run without pipelining is one `python -m torchtitan.train` process), the debug model with
 batch 8 x 512 tokens by default. "Measured bubble" comes from the trainer's `pp_bubble_percent`
 metric: for each rank, 1 - (time in its stages' forward/backward chunks and loss) / (time in the
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.parallelisms.pipeline import SCHEDULES, plan_pipeline, theoretical_bubble
 from torchtitan.tools.runs import TrainingFailed, read_metrics, run_trainer
 

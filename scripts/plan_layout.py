@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's t
 
 from torchtitan.errors import UserError
 from torchtitan.estimation.planner import GiB, Hardware, Model, as_record, plan  # noqa: E402
-from torchtitan.logging import init_logger  # noqa: E402
+from torchtitan.observability.logging import init_logger  # noqa: E402
 
 MAX_NGPU = 1 << 20  # beyond any cluster; keeps a mistyped count from enumerating for hours
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.metrics import cpu_peak_flops, gpu_peak_flops
+from torchtitan.observability.metrics import cpu_peak_flops, gpu_peak_flops
 from torchtitan.tools.op_breakdown import CATEGORIES, LABELS, Breakdown, load_breakdown, mean_breakdown
 from torchtitan.tools.runs import TrainingFailed, read_metrics, run_trainer
 

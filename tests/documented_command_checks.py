@@ -17,10 +17,10 @@ from typing import Iterator, Sequence
 from unittest import mock
 
 from tests.documented_commands import DEFAULT_CONFIG, REPO_ROOT, DocCommand
-from torchtitan import config_manager
+from torchtitan.config import manager as config_manager
+from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.sources import DATASETS
 from torchtitan.errors import ConfigError, UserError
-from torchtitan.job_config import JobConfig
 
 
 @contextlib.contextmanager
@@ -84,7 +84,7 @@ def config_file(cmd: DocCommand) -> str:
 
 
 def precheck_calls(cmd: DocCommand, script_args: argparse.Namespace | None = None) -> list[tuple[list[str], int]]:
-    """(arguments of `python -m torchtitan.config_manager`, WORLD_SIZE) for each trainer job the
+    """(arguments of `python -m torchtitan.config.manager`, WORLD_SIZE) for each trainer job the
     command starts: as run_llama_train.sh runs it (`--launch-mode --job.config_file $CONFIG_FILE "$@"`,
     WORLD_SIZE=NGPU*NNODES), the trainer's own arguments, or the trainer options a script passes on."""
     if cmd.program in ("launcher", "sbatch"):
@@ -106,7 +106,7 @@ def precheck_calls(cmd: DocCommand, script_args: argparse.Namespace | None = Non
 
 
 def run_precheck(argv: Sequence[str], world_size: int) -> tuple[int, str]:
-    """`WORLD_SIZE=<world_size> python -m torchtitan.config_manager <argv>` in this process (it
+    """`WORLD_SIZE=<world_size> python -m torchtitan.config.manager <argv>` in this process (it
     imports no torch): the exit code and what it printed on stderr."""
     printed = io.StringIO()
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size)}), contextlib.redirect_stderr(printed), \
@@ -207,7 +207,7 @@ def problem(cmd: DocCommand, written_before: Sequence[str]) -> str:
     for argv, world_size in precheck_calls(cmd, ns):
         code, error = run_precheck(argv, world_size)
         if code:
-            return (f"{cmd}\nthe config pre-check (WORLD_SIZE={world_size} python -m torchtitan.config_manager "
+            return (f"{cmd}\nthe config pre-check (WORLD_SIZE={world_size} python -m torchtitan.config.manager "
                     f"{' '.join(argv)}) refuses it: {error}\nfix the command in {cmd.doc}")
     if not cmd.syntax_only:
         why = cannot_run_here(cmd, reads_and_writes(cmd, ns)[0], written_before)

@@ -252,7 +252,7 @@ def parse_command(doc: str, line: int, text: str, variables: dict[str, str], exp
         cmd.nnodes = _number(options.get("--nodes", options.get("-N", script_defaults.get("--nodes"))), 1)
         cmd.nproc = _number(env.get("NGPU", script_defaults.get("--gpus-per-node")), 1)
         return cmd
-    if PYTHON.match(program) and rest[:2] in (["-m", "torch.distributed.run"], ["-m", "torchtitan.launch"]):
+    if PYTHON.match(program) and rest[:2] in (["-m", "torch.distributed.run"], ["-m", "torchtitan.runtime.launch"]):
         program, rest = "torchrun", rest[2:]
     if program == "torchrun":
         options, rest = _leading_options(rest)

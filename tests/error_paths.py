@@ -10,7 +10,7 @@ first and a test meets last. Three kinds are found in the source of torchtitan/ 
           SystemExit with anything but 0, and `return <code>` from a `main`.
 
 Each path has a name that survives edits elsewhere in its file:
-`<file>::<function>::<kind> <what>`, e.g. `torchtitan/launch.py::main::except KeyboardInterrupt`
+`<file>::<function>::<kind> <what>`, e.g. `torchtitan/runtime/launch.py::main::except KeyboardInterrupt`
 (`#2`, `#3` ... tell apart paths of the same name in one function).
 
     python -m tests.error_paths --data-file .coverage-data/suite [--check]

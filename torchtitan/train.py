@@ -31,27 +31,27 @@ from typing import Any
 import torch
 
 from torchtitan.checkpoint import CheckpointManager, ResumePoint, TrainState, find_resume_point
-from torchtitan.config_manager import help_text, parse_args
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import help_text, parse_args
+from torchtitan.config.preflight import preflight
 from torchtitan.datasets.shards import DataShards, decide_data_shards
 from torchtitan.errors import Stopped, UserError
 from torchtitan.estimation.dry_run import estimate_before_training
 from torchtitan.estimation.dry_run import main as dry_run_main
-from torchtitan.job_config import JobConfig
-from torchtitan.logging import init_logger
-from torchtitan.metrics import MetricsLogger
 from torchtitan.models import TrainSpec
+from torchtitan.observability.logging import init_logger
+from torchtitan.observability.metrics import MetricsLogger
+from torchtitan.observability.progress import Progress
+from torchtitan.observability.setup_record import SetupRecord
+from torchtitan.observability.watchdog import collective_timeout, watch_this_rank
 from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.preflight import preflight
-from torchtitan.progress import Progress
 from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.reports import attempt, mark_attempt, reporting_to_folder, say_how_it_ended
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
-from torchtitan.setup_record import SetupRecord
 from torchtitan.trainer.loop import RunRecords, TrainedModel, Trainer
 from torchtitan.trainer.step import build_model_parts, document_mask_eos, loss_context, with_compiled_loss
-from torchtitan.validation import Validator
-from torchtitan.watchdog import collective_timeout, watch_this_rank
+from torchtitan.trainer.validation import ValidatedModel, Validator
 
 logger = logging.getLogger("torchtitan")
 
@@ -143,9 +143,9 @@ def build_validator(job_config: JobConfig, trained: TrainedModel, tokenizer: Any
                     shards: DataShards) -> Validator | None:
     if not job_config.validation.enabled:
         return None
-    return Validator(job_config, trained.train_spec.build_validation_dataloader_fn, tokenizer, trained.parallel_dims,
-                     trained.parts, trained.train_spec.loss_fn, loss_context(trained.parallel_dims), trained.pipeline,
-                     trained.device, shards)
+    model = ValidatedModel(trained.parallel_dims, trained.parts, trained.pipeline, trained.device,
+                           trained.train_spec.loss_fn, loss_context(trained.parallel_dims))
+    return Validator(job_config, trained.train_spec.build_validation_dataloader_fn, tokenizer, model, shards)
 
 
 class _StartUpInterrupted(KeyboardInterrupt):

@@ -86,7 +86,7 @@ if fault := os.environ.get("TT_WRITE_FAILS"):
     FileSystemWriter.write_data = write_data_or_fail
 
 if signal_step := os.environ.get("TT_SIGTERM_IN_VALIDATION"):
-    from torchtitan import validation
+    from torchtitan.trainer import validation
 
     _loss = validation.Validator._loss
 

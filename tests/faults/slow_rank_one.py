@@ -4,7 +4,7 @@ longer, as on a rank with a slow host (the straggler report must name it)."""
 import os
 import time
 
-from torchtitan.optimizer import OptimizersContainer
+from torchtitan.trainer.optimizer import OptimizersContainer
 
 DELAY_SECONDS = 0.15
 

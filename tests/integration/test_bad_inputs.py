@@ -4,7 +4,7 @@ line that names the option or file, with no traceback, no input file changed and
 Every case is a row of CASES with its category; `test_bad_input` runs each one through the
 cheapest runner that meets it the way a user would:
 
-- config:   `python -m torchtitan.config_manager` (what run_llama_train.sh runs before torchrun; no torch)
+- config:   `python -m torchtitan.config.manager` (what run_llama_train.sh runs before torchrun; no torch)
 - train:    one trainer process, forked from the warm launcher (tests.helpers.run_train), ~0.2 s a
             run. Not main() in-process: pytest records Python warnings instead of printing them, so
             a stray warning line on stderr would go unseen.
@@ -126,7 +126,7 @@ def launcher(id: str, env: dict, expect: str, args: str = "", **kw) -> Case:
 
 TOML_SYNTAX = "[training]\nsteps = \n"
 CASES: list[Case] = [
-    # --- config: checked by python -m torchtitan.config_manager, as the launcher does ---------------
+    # --- config: checked by python -m torchtitan.config.manager, as the launcher does ---------------
     config("unknown option", "--training.stepz 3", "unknown option --training.stepz; did you mean 'steps'?"),
     config("unknown section", "--trainig.steps 3", "unknown config section in --trainig.steps"),
     config("positional argument", "steps=3", "unexpected argument 'steps=3'"),
@@ -565,7 +565,7 @@ def run_case(c: Case, folders: Folders) -> subprocess.CompletedProcess:
     out = ["--job.dump_folder", str(folders.out)]
     env = clean_env(c, folders)
     if c.runner == "config":
-        cmd = [sys.executable, "-m", "torchtitan.config_manager", *TINY_RUN, *out, *args]
+        cmd = [sys.executable, "-m", "torchtitan.config.manager", *TINY_RUN, *out, *args]
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     if c.runner == "launcher":
         cmd = ["./run_llama_train.sh", *TINY_WITHOUT_CONFIG, *out, *args]

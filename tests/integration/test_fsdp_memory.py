@@ -2,7 +2,7 @@
 its own): parameters are split over the ranks that shard them (dp_shard x cp); optimizer state is
 split over those and, with ZeRO-1, over the replicas too; plain DDP keeps a full copy.
 
-The counts come from the runs' setup records (torchtitan/setup_record.py): every rank's parameter
+The counts come from the runs' setup records (torchtitan/observability/setup_record.py): every rank's parameter
 and optimizer-state bytes after its first step, gathered once on rank 0.
 """
 

@@ -14,9 +14,9 @@ import pytest
 
 from scripts import gpu_check
 from tests.helpers import REPO_ROOT
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
+from torchtitan.config.preflight import preflight
 from torchtitan.models.llama.flavors import llama3_configs
-from torchtitan.preflight import preflight
 
 GiB = 2**30
 
@@ -227,13 +227,13 @@ def test_a_broken_check_is_a_failed_check_with_its_error():
 
 @pytest.mark.fast
 def test_bf16_refused_on_one_rank_runs_with_auto_and_says_why(monkeypatch):
-    import torchtitan.config_manager
+    import torchtitan.config.manager
     from torchtitan.errors import ConfigError
 
     def refuse(config, world_size):
         raise ConfigError("training.mixed_precision_param bfloat16 needs a GPU")
 
-    monkeypatch.setattr(torchtitan.config_manager, "validate_world_size", refuse)
+    monkeypatch.setattr(torchtitan.config.manager, "validate_world_size", refuse)
     dtype, note = gpu_check.dtype_to_ask(gpu_check.REAL)
     assert dtype == "auto"
     assert note == ("training.mixed_precision_param bfloat16 is refused on one GPU (training.mixed_precision_param "

@@ -15,7 +15,7 @@ from scripts.memory_accuracy import compare
 from tests.helpers import REPO_ROOT, TINY_RUN, losses
 from tests.integration.conftest import UNINTERRUPTED_STEPS
 from tests.machinery.warm_launcher import run_warm
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.estimation.dry_run import dry_run
 
 DEBUG = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--training.seq_len", "256",

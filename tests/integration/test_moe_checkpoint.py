@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
-from torchtitan.config_manager import parse_args
-from torchtitan.preflight import preflight
+from torchtitan.config.manager import parse_args
+from torchtitan.config.preflight import preflight
 
 STEPS, SAVED = 6, 3
 TOLERANCE = 1e-4

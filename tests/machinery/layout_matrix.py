@@ -355,9 +355,9 @@ def _config_args(point: Point) -> list[str]:
 def refusal(point: Point) -> str | None:
     """The one-line reason the trainer refuses `point` before any process group exists, or None.
     Runs the trainer's own preflight in this process."""
-    from torchtitan.config_manager import parse_args
+    from torchtitan.config.manager import parse_args
+    from torchtitan.config.preflight import preflight
     from torchtitan.errors import UserError
-    from torchtitan.preflight import preflight
 
     try:
         preflight(parse_args(_config_args(point)), point.nproc)

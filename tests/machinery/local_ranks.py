@@ -7,7 +7,7 @@ Imports the trainer (and so torch) once, then forks NPROC ranks that each run
 On a small machine most of a short multi-rank test run is every rank importing torch and
 torchrun's agent doing the same; forking from a warm parent skips both (a quarter of the test
 suite's time). Test machinery only: users launch with run_llama_train.sh (torchrun), and the
-launcher's own tests keep covering that path. Like `torchtitan.launch`, it gives the ranks a report
+launcher's own tests keep covering that path. Like `torchtitan.runtime.launch`, it gives the ranks a report
 folder and prints the root cause once; if one rank fails, the others are terminated and its exit
 code is returned. CPU only: CUDA cannot be used after fork from a parent that touched it (the
 parent never does, but a GPU run should use torchrun anyway).

@@ -11,7 +11,7 @@ import torchtitan
 from scripts.build_test_assets import iter_docstrings
 from torchtitan import assets
 from torchtitan.assets import bundled_files, resolve_path
-from torchtitan.config_manager import JobConfig, parse_args
+from torchtitan.config.manager import JobConfig, parse_args
 from torchtitan.datasets.sources import DatasetError, resolve_source
 from torchtitan.datasets.tokenizer import TokenizerError, build_tokenizer
 from torchtitan.errors import ConfigError, UserError

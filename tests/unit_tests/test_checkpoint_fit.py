@@ -11,7 +11,7 @@ from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, exclud
 from torchtitan.checkpoint.folders import CheckpointError
 from torchtitan.checkpoint.safe_load import read_metadata
 from torchtitan.checkpoint.states import flatten
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.models.llama import ModelArgs, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -16,7 +16,7 @@ from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, 
 from torchtitan.checkpoint.manager import CheckpointManager, tokenizer_record
 from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
 from torchtitan.checkpoint.states import TrainState
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.models import get_train_spec
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 

@@ -5,7 +5,7 @@ compiled function is run here on CPU tensors: the code inductor generates for CP
 import pytest
 import torch
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.models.train_spec import get_train_spec
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.trainer.step import with_compiled_loss

@@ -1,4 +1,4 @@
-"""Tests for torchtitan.config_manager: merging defaults < TOML < CLI, errors, --help, shipped configs."""
+"""Tests for torchtitan.config.manager: merging defaults < TOML < CLI, errors, --help, shipped configs."""
 
 import dataclasses
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, JobConfig, help_text, main, parse_args
+from torchtitan.config.manager import ConfigError, JobConfig, help_text, main, parse_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,7 +299,7 @@ def test_shipped_train_configs_parse():
 
 
 def test_config_manager_does_not_import_torch():
-    code = "import sys, torchtitan.config_manager; sys.exit('torch' in sys.modules)"
+    code = "import sys, torchtitan.config.manager; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

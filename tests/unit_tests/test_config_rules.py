@@ -15,9 +15,9 @@ import pytest
 
 from tests.helpers import TINY_RUN
 from torchtitan.config import rules
-from torchtitan.config_manager import ConfigError, JobConfig, main, parse_args
+from torchtitan.config.manager import ConfigError, JobConfig, main, parse_args
+from torchtitan.config.preflight import preflight
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
-from torchtitan.preflight import preflight
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ def test_the_launcher_pre_check_runs_the_torch_free_phases_once(counted, monkeyp
 
 def test_the_launcher_pre_check_imports_no_torch():
     """Every phase it runs (options, shapes, layout) stays torch-free, pipeline plan included."""
-    code = ("import os, sys; os.environ['WORLD_SIZE'] = '2'; from torchtitan.config_manager import main; "
+    code = ("import os, sys; os.environ['WORLD_SIZE'] = '2'; from torchtitan.config.manager import main; "
             "rc = main(['--experimental.pipeline_parallel_degree', '2', '--training.tensor_parallel_degree', '1']); "
             "sys.exit(3 if 'torch' in sys.modules else rc)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)

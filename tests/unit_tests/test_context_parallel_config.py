@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args
 
 CP2 = ["--experimental.context_parallel_degree", "2"]
 

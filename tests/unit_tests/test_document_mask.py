@@ -188,7 +188,7 @@ def test_masked_kernel_keeps_the_cpu_upcast_of_bf16():
 
 def test_the_training_step_passes_document_ids_only_with_the_option():
     """Off, the model gets the tokens alone (today's call); on, the ids of the whole sequences."""
-    from torchtitan.config_manager import parse_args
+    from torchtitan.config.manager import parse_args
     from torchtitan.trainer.step import document_mask_eos, model_kwargs
 
     class Vocabulary:
@@ -204,8 +204,8 @@ def test_the_training_step_passes_document_ids_only_with_the_option():
 @pytest.mark.parametrize("eos_id", [-1, None])
 def test_a_tokenizer_without_end_of_text_is_refused(eos_id):
     """Sentencepiece models may have no end-of-text piece (eos_id -1): nothing to cut documents at."""
-    from torchtitan.config_manager import ConfigError, parse_args
-    from torchtitan.preflight import check_document_mask
+    from torchtitan.config.manager import ConfigError, parse_args
+    from torchtitan.config.preflight import check_document_mask
 
     class Vocabulary:
         pass
@@ -219,8 +219,8 @@ def test_a_tokenizer_without_end_of_text_is_refused(eos_id):
 
 
 def test_a_model_that_takes_no_document_ids_is_refused():
-    from torchtitan.config_manager import ConfigError, parse_args
-    from torchtitan.preflight import check_document_mask
+    from torchtitan.config.manager import ConfigError, parse_args
+    from torchtitan.config.preflight import check_document_mask
 
     class Vocabulary:
         eos_id = EOS

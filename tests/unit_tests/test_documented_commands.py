@@ -14,7 +14,7 @@ import pytest
 from tests.documented_command_checks import in_repo_root, precheck_calls, problem, run_precheck, written_by_runnable
 from tests.documented_commands import Marker, extract, extract_all
 from torchtitan.config import rules
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.errors import ConfigError
 
 MARKERS: list[Marker] = []

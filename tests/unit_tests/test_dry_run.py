@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.errors import ConfigError, UserError
 from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_simulate
 from torchtitan.estimation.pipeline_replay import _compute_actions

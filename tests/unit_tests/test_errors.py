@@ -6,7 +6,7 @@ import signal
 import pytest
 import torch
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.manager import ConfigError
 from torchtitan.errors import EXIT_PREEMPTED, OutOfMemory, Preempted, Stopped, TrainingDiverged, out_of_memory
 from torchtitan.runtime.reports import (
     REPORT_DIR_ENV,

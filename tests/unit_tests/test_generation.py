@@ -1,11 +1,11 @@
-"""Generation (torchtitan/generation.py) in one process on tiny random models: the KV cache gives
+"""Generation (torchtitan/inference/generation.py) in one process on tiny random models: the KV cache gives
 the logits of re-running the whole sequence, left padding leaves every row as it would be alone,
 and sampling keeps exactly the tokens temperature, top-k and top-p allow."""
 
 import pytest
 import torch
 
-from torchtitan.generation import (
+from torchtitan.inference.generation import (
     Continuation,
     KVCache,
     Sampling,

@@ -322,7 +322,7 @@ def test_an_export_killed_while_replacing_an_older_one_gives_the_older_one_back(
 
 
 def test_an_export_that_would_replace_the_folder_the_run_starts_from_is_refused(tmp_path):
-    from torchtitan.config_manager import parse_args
+    from torchtitan.config.manager import parse_args
 
     dump = tmp_path / "run"
     own_export = dump / "checkpoint" / "step-4-hf"

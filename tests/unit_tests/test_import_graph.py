@@ -72,7 +72,7 @@ def import_graph() -> dict[str, set[str]]:
             # The packages above it count too, except this module's own: they are already importing.
             edges.add(known[-1])
             edges.update(p for p in known[:-1] if p not in own_packages)
-        edges.discard(module)  # `from torchtitan.config_manager import main` under __main__: the same file again
+        edges.discard(module)  # `from torchtitan.config.manager import main` under __main__: the same file again
         graph[module] = edges
     return graph
 

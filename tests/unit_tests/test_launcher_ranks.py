@@ -1,5 +1,5 @@
 """The launcher and its ranks. A rank that a peer's hang report names as stuck is killed by the
-launcher (torchtitan/launch.py), but only a child of this launcher, and a rank already gone is no
+launcher (torchtitan/runtime/launch.py), but only a child of this launcher, and a rank already gone is no
 error; a rank whose launcher is gone ends (runtime/process_group.py)."""
 
 import os
@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from torchtitan import launch
-from torchtitan.runtime import process_group
+from torchtitan.runtime import launch, process_group
 from torchtitan.runtime.reports import REPORT_DIR_ENV, write_report
 
 

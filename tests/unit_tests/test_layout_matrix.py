@@ -112,7 +112,7 @@ def test_a_point_refused_against_the_plan_fails_the_check(tmp_path):
 
 
 def test_a_point_expects_its_layout_and_variants_in_the_setup_record():
-    """Point.expect() against a hand-made setup record (torchtitan/setup_record.py): met, and a
+    """Point.expect() against a hand-made setup record (torchtitan/observability/setup_record.py): met, and a
     variant that was not applied as declared is named."""
     point = lm._point({"ac": "selective", "zero1": "on", "sp": "off"}, dp_replicate=2, tp=2)
     record = {"world_size": 4, "mesh": {"dp_replicate": 2, "tp": 2}, "model": {"flavor": flavor_name(2, False)},

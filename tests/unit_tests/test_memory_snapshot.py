@@ -15,14 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import torchtitan.profiling
+import torchtitan.observability.profiling
 import torchtitan.train
 import torchtitan.trainer.step
 from tests.helpers import TINY_RUN, run_train
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
+from torchtitan.config.preflight import preflight
 from torchtitan.errors import ConfigError
-from torchtitan.preflight import preflight
-from torchtitan.profiling import MEMORY_SNAPSHOT_MAX_ENTRIES, check_memory_snapshot_support, maybe_enable_memory_snapshot
+from torchtitan.observability.profiling import (
+    MEMORY_SNAPSHOT_MAX_ENTRIES,
+    check_memory_snapshot_support,
+    maybe_enable_memory_snapshot,
+)
 
 SNAPSHOT = "rank{rank}_memory_snapshot.pickle"
 
@@ -114,7 +118,7 @@ def test_without_cuda_the_context_refuses_too(tmp_path, fake_cuda, monkeypatch):
 
 def test_dumps_every_profile_freq_steps_and_stops_recording(tmp_path, fake_cuda, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    caplog.set_level("INFO", logger="torchtitan.profiling")
+    caplog.set_level("INFO", logger="torchtitan.observability.profiling")
     with maybe_enable_memory_snapshot(config(tmp_path, "--profiling.profile_freq", "3"), rank=1) as snapshot:
         assert fake_cuda.recording
         assert fake_cuda.history_calls == [("all", MEMORY_SNAPSHOT_MAX_ENTRIES)]
@@ -186,8 +190,8 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_out_of_memory_error(tmp_pa
 def trainer_with_fake_cuda(fake_cuda, monkeypatch):
     """The trainer as it would run on CUDA, as far as snapshots go: the device checks let the option
     through and the allocator calls go to the stand-ins."""
-    # preflight runs the rule from torchtitan.profiling (torchtitan/config/rules.py), as the loop does.
-    monkeypatch.setattr(torchtitan.profiling, "check_memory_snapshot_support", lambda *args: None)
+    # preflight runs the rule from torchtitan.observability.profiling (torchtitan/config/rules.py), as the loop does.
+    monkeypatch.setattr(torchtitan.observability.profiling, "check_memory_snapshot_support", lambda *args: None)
     with torch.random.fork_rng():
         yield fake_cuda
     gc.enable()  # the training loop turns automatic collection off

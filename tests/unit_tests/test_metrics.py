@@ -1,4 +1,4 @@
-"""Tests for torchtitan.metrics: the MFU peak (GPU table, cached CPU peak, override), metrics.jsonl
+"""Tests for torchtitan.observability.metrics: the MFU peak (GPU table, cached CPU peak, override), metrics.jsonl
 across fresh and resumed runs, and the optional Weights & Biases sink (with a fake wandb module)."""
 
 import json
@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from torchtitan import metrics
-from torchtitan.config_manager import ConfigError, JobConfig, parse_args
-from torchtitan.metrics import MetricsLogger, StepMetrics, gpu_peak_flops, peak_flops
+from torchtitan.config.manager import ConfigError, JobConfig, parse_args
+from torchtitan.observability import metrics
+from torchtitan.observability.metrics import MetricsLogger, StepMetrics, gpu_peak_flops, peak_flops
 from torchtitan.tools.runs import read_metrics, read_setup
 
 

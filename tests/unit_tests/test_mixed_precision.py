@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.unit_tests.test_llama_model import build_tiny
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.models.common import causal_attention
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.moe import GroupedExperts

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.helpers import TINY_RUN
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.preflight import check_experts, preflight
 from torchtitan.models import get_train_spec
 from torchtitan.models.qwen3.flavors import qwen3_configs
 from torchtitan.models.qwen3.parallelize_qwen3 import validate_qwen3
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.preflight import check_experts, preflight
 
 MOE = qwen3_configs["debugmodel_moe"]  # 8 experts, top-2
 DENSE = qwen3_configs["debugmodel"]

@@ -1,4 +1,4 @@
-"""Tests for torchtitan.optimizer: lr_factor shapes, optimizer choice, schedulers and state round trips."""
+"""Tests for torchtitan.trainer.optimizer: lr_factor shapes, optimizer choice, schedulers and state round trips."""
 
 import copy
 import math
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.optimizer import build_lr_schedulers, build_optimizers, lr_factor
+from torchtitan.config.manager import JobConfig
 from torchtitan.parallelisms.zero1 import assign_owners
+from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers, lr_factor
 
 
 def test_warmup_rises_linearly_to_one():

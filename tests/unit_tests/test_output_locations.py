@@ -7,8 +7,8 @@ import tempfile
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, parse_args
-from torchtitan.output_locations import check_output_locations
+from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.output_locations import check_output_locations
 
 
 def config(dump, *extra):

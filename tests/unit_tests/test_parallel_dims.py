@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.parallelisms.parallel_dims import ParallelDims, parallel_dims_from_config
 
 

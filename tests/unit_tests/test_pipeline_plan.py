@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torchtitan.config import rules
-from torchtitan.config_manager import ConfigError, JobConfig, parse_args
+from torchtitan.config.manager import ConfigError, JobConfig, parse_args
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.parallelize_llama import validate_llama
 from torchtitan.models.llama.pipeline_llama import build_stage_module

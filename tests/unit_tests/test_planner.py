@@ -5,7 +5,7 @@ state. That the planner's choices pass the dry run and train is tests/integratio
 import pytest
 
 from torchtitan.assets import resolve_path
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.datasets.tokenizer import tokenizer_from_file
 from torchtitan.estimation.dry_run import dry_run
 from torchtitan.estimation.planner import SCREEN_MARGIN, Hardware, Layout, Model, enumerate_layouts, screened_bytes

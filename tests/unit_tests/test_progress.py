@@ -2,8 +2,8 @@
 
 import pytest
 
-from torchtitan import progress as progress_module
-from torchtitan.progress import Progress, duration, summary
+from torchtitan.observability import progress as progress_module
+from torchtitan.observability.progress import Progress, duration, summary
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The launcher's rendezvous watch (torchtitan/launch.py, issue 37) against a real TCPStore in this
+"""The launcher's rendezvous watch (torchtitan/runtime/launch.py, issue 37) against a real TCPStore in this
 process: the waiting lines name the missing NODE_RANKs, stop once every node has arrived, and the
 error at RDZV_TIMEOUT names who never came."""
 
@@ -11,8 +11,8 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
-from torchtitan import launch
-from torchtitan.launch import RendezvousWatch, _rendezvous_failure
+from torchtitan.runtime import launch
+from torchtitan.runtime.launch import RendezvousWatch, _rendezvous_failure
 
 pytestmark = pytest.mark.fast
 

@@ -14,7 +14,7 @@ from torchtitan.tools.runs import TrainingFailed, raise_for_exit, trainer_comman
 
 def test_one_process_is_the_trainer_and_several_ranks_are_torchrun_through_our_launcher():
     assert trainer_command(["--a", "1"]) == [sys.executable, "-m", "torchtitan.train", "--a", "1"]
-    assert trainer_command(["--a", "1"], nproc=4) == [sys.executable, "-m", "torchtitan.launch", "--standalone",
+    assert trainer_command(["--a", "1"], nproc=4) == [sys.executable, "-m", "torchtitan.runtime.launch", "--standalone",
                                                       "--nproc_per_node=4", "-m", "torchtitan.train", "--a", "1"]
 
 

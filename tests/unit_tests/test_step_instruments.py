@@ -5,8 +5,8 @@ import time
 
 import torch
 
+from torchtitan.observability.watchdog import Watchdog
 from torchtitan.trainer.instruments import StepInstruments
-from torchtitan.watchdog import Watchdog
 
 
 def instruments(tmp_path) -> StepInstruments:

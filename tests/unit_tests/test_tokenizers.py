@@ -5,7 +5,7 @@ import base64
 import pytest
 
 from tests.helpers import REPO_ROOT
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.tokenizer import (
     LLAMA3_SPECIAL_TOKENS,
     SentencePieceTokenizer,

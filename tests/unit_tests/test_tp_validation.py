@@ -6,16 +6,16 @@ import importlib.util
 
 import pytest
 import torch
-from torchtitan.runtime.device_setup import check_device_features
 
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.preflight import build_model_args
 from torchtitan.models import get_train_spec
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.parallelize_llama import validate_llama
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.parallelisms.float8 import check_float8_support
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.preflight import build_model_args
+from torchtitan.runtime.device_setup import check_device_features
 
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, multiple_of=16)
 

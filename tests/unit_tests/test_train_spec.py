@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
+from torchtitan.config.preflight import preflight
 from torchtitan.errors import ConfigError
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.models.train_spec import (
@@ -18,7 +19,6 @@ from torchtitan.models.train_spec import (
     register_train_spec,
     signature_mismatch,
 )
-from torchtitan.preflight import preflight
 
 
 def _spec(name: str, **changes) -> TrainSpec:

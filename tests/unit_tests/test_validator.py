@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.text_dataset import validation_batch_size
-from torchtitan.validation import Validator
+from torchtitan.trainer.validation import ValidatedModel, Validator
 
 SEQ, VOCAB = 8, 16
 NO_MESHES = types.SimpleNamespace(cp_mesh=None, loss_mesh=None, pp_mesh=None)
@@ -44,8 +44,8 @@ def validator(args, batches, model):
     def build(job_config, tokenizer, shards):
         return [(torch.full((rows, SEQ), 1), torch.full((rows, SEQ), label)) for label in batches]
 
-    return Validator(job_config, build, None, NO_MESHES, [model], loss_fn, contextlib.nullcontext, None,
-                     torch.device("cpu"), types.SimpleNamespace(dp_degree=1))
+    validated = ValidatedModel(NO_MESHES, [model], None, torch.device("cpu"), loss_fn, contextlib.nullcontext)
+    return Validator(job_config, build, None, validated, types.SimpleNamespace(dp_degree=1))
 
 
 def test_a_validation_batch_goes_through_in_parts_of_the_training_batch():

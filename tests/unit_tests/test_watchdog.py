@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from torchtitan.watchdog import (
+from torchtitan.observability.watchdog import (
     KEY,
     Beat,
     Watchdog,
@@ -126,7 +126,7 @@ def _wait_for(condition, seconds=10.0):
 def test_a_store_gone_with_its_host_does_not_end_the_watchdog(tmp_path, caplog):
     """A failed beat is logged at debug level and the thread beats on; when the store answers
     again, the beats carry on from where the main thread is."""
-    caplog.set_level(logging.DEBUG, logger="torchtitan.watchdog")
+    caplog.set_level(logging.DEBUG, logger="torchtitan.observability.watchdog")
     store = GoneStore()
     dog = Watchdog(0, 2, store, str(tmp_path), limit_seconds=5)  # a beat every 0.5 s
     dog._fire = lambda: None  # whatever the timing on a busy machine, this process is never ended

@@ -37,7 +37,7 @@ from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, 
 from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from torchtitan.checkpoint.states import DataState, ModelState, PartialState, RNGState, TrainState, flatten
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models import get_train_spec
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 

@@ -20,7 +20,7 @@ from torchtitan.checkpoint.failures import one_line
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.hf_training import is_hf_folder
 from torchtitan.checkpoint.safe_load import read_metadata
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models import get_train_spec
 
 logger = logging.getLogger(__name__)

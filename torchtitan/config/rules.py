@@ -12,7 +12,7 @@ options, and so which step of start-up can run it:
 - model:   the model's TrainSpec, tokenizer, arguments or meta-device model. Run by `preflight`.
 - device:  the device type and the file system the ranks run on. Run by `preflight`.
 
-Every process runs each rule once: the launcher's pre-check (`python -m torchtitan.config_manager`,
+Every process runs each rule once: the launcher's pre-check (`python -m torchtitan.config.manager`,
 torch-free) runs options, shapes and layout; each rank runs options (parse_args), then shapes,
 layout, model and device (`preflight`, before any process group exists). A model family's own
 rules live in its TrainSpec's `validate_fn`, which the `model_shapes` rule calls.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torchtitan.job_config import JobConfig
+    from torchtitan.config.job_config import JobConfig
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.parallelisms.pipeline import PipelinePlan
 
@@ -91,7 +91,7 @@ RULES: tuple[Rule, ...] = (
          "torchtitan.parallelisms.parallel_dims:check_options"),
     Rule("early_step", "options", ("optimizer.early_step_in_backward", "optimizer.zero1", "training.max_norm",
                                    "training.gradient_accumulation_steps", *_PP),
-         "torchtitan.optimizer_options:check_options"),
+         "torchtitan.trainer.optimizer_options:check_options"),
     Rule("not_yet", "options", ("experimental.enable_compiled_autograd",), "torchtitan.config.sections:check_not_yet"),
     # shapes: (config) -> PipelinePlan | None
     Rule("pipeline_plan", "shapes", ("experimental.pipeline_parallel_*", "training.batch_size",
@@ -106,37 +106,37 @@ RULES: tuple[Rule, ...] = (
                                  "checkpoint.create_seed_checkpoint"),
          "torchtitan.parallelisms.parallel_dims:check_layout"),
     Rule("optimizer_layout", "layout", ("optimizer.zero1", "optimizer.early_step_in_backward"),
-         "torchtitan.optimizer_options:check_layout"),
+         "torchtitan.trainer.optimizer_options:check_layout"),
     Rule("dataset_shards", "layout", ("training.dataset_shards",), "torchtitan.datasets.shards:check_layout"),
     # model and device: run one by one by preflight, each with what it needs
     Rule("output_locations", "device", ("job.dump_folder", "checkpoint.folder", "checkpoint.enable_checkpoint",
                                         "checkpoint.create_seed_checkpoint", "checkpoint.last_save_in_hf",
                                         "metrics.save_tb_folder", "metrics.enable_tensorboard", "profiling.save_*",
                                         "profiling.enable_profiling", "profiling.enable_memory_snapshot"),
-         "torchtitan.output_locations:check_output_locations"),
-    Rule("flavor", "model", ("model.name", "model.flavor"), "torchtitan.preflight:check_flavor"),
+         "torchtitan.config.output_locations:check_output_locations"),
+    Rule("flavor", "model", ("model.name", "model.flavor"), "torchtitan.config.preflight:check_flavor"),
     Rule("document_mask", "model", ("training.document_mask", "model.tokenizer_path"),
-         "torchtitan.preflight:check_document_mask"),
-    Rule("pipelining_fn", "model", (*_PP,), "torchtitan.preflight:check_pipelining_fn"),
-    Rule("hf_export", "model", ("checkpoint.last_save_in_hf",), "torchtitan.preflight:check_hf_adapter"),
+         "torchtitan.config.preflight:check_document_mask"),
+    Rule("pipelining_fn", "model", (*_PP,), "torchtitan.config.preflight:check_pipelining_fn"),
+    Rule("hf_export", "model", ("checkpoint.last_save_in_hf",), "torchtitan.config.preflight:check_hf_adapter"),
     Rule("export_target", "device", ("checkpoint.last_save_in_hf", "checkpoint.initial_load_path", "job.dump_folder",
                                      "checkpoint.folder", "training.steps"),
          "torchtitan.checkpoint.hf_training:check_export_target"),
-    Rule("validation_loader", "model", ("validation.enabled",), "torchtitan.preflight:check_validation_loader"),
+    Rule("validation_loader", "model", ("validation.enabled",), "torchtitan.config.preflight:check_validation_loader"),
     Rule("experts", "model", ("training.expert_parallel_degree", "model.name", "model.flavor"),
-         "torchtitan.preflight:check_experts"),
-    Rule("model_shapes", "model", ("*",), "torchtitan.preflight:check_model_shapes"),
+         "torchtitan.config.preflight:check_experts"),
+    Rule("model_shapes", "model", ("*",), "torchtitan.config.preflight:check_model_shapes"),
     Rule("async_tp_device", "device", ("experimental.enable_async_tensor_parallel",),
          "torchtitan.runtime.device_setup:check_device_features"),
     Rule("float8_device", "device", ("float8.enable_float8_linear", "float8.emulate", "training.disable_sequence_parallel"),
          "torchtitan.parallelisms.float8:check_float8_support"),
     Rule("memory_snapshot_device", "device", ("profiling.enable_memory_snapshot",),
-         "torchtitan.profiling:check_memory_snapshot_support"),
+         "torchtitan.observability.profiling:check_memory_snapshot_support"),
     Rule("memory_floor", "device", ("training.batch_size", "training.seq_len", "training.enable_cpu_offload",
                                     "training.mixed_precision_param", "training.disable_sequence_parallel",
                                     "optimizer.early_step_in_backward", "optimizer.zero1", "model.name", "model.flavor",
                                     "experimental.pipeline_parallel_microbatches"),
-         "torchtitan.memory_floor:check_step_fits"),
+         "torchtitan.config.memory_floor:check_step_fits"),
 )
 
 _BY_NAME = {rule.name: rule for rule in RULES}

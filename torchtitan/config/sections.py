@@ -8,8 +8,8 @@ import importlib.util
 import math
 import sys
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 
 
 def _at_least_one(values: dict[str, int]) -> None:

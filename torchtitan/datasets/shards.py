@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
-    from torchtitan.job_config import JobConfig
+    from torchtitan.config.job_config import JobConfig
     from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)

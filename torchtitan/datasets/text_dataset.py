@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.chunks import ShardItems, Split, describe
 from torchtitan.datasets.mixture import Mixture, build_mixture
 from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
 from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
-from torchtitan.job_config import JobConfig
 from torchtitan.runtime.signals import StopRequests
 
 logger = logging.getLogger(__name__)

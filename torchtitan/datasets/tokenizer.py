@@ -9,8 +9,8 @@ import os
 from abc import ABC, abstractmethod
 
 from torchtitan.assets import resolve_path
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserError
-from torchtitan.job_config import JobConfig
 
 # Llama 3's pre-tokenisation: how text is cut into pieces before byte-pair merges (tiktoken's
 # pat_str). The BPE trainer (bpe_trainer.py) cuts its training text the same way.

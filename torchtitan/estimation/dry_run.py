@@ -39,23 +39,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.memory_floor import rank_memory_bytes
+from torchtitan.config.preflight import preflight
 from torchtitan.datasets.text_dataset import training_source
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.errors import ConfigError, UserError
 from torchtitan.estimation.pipeline_replay import PipelineReplay, replayable
 from torchtitan.estimation.shapes_only import on_fake_tensors
 from torchtitan.estimation.tracker import CATEGORIES, StepMemory, StepTracker
-from torchtitan.job_config import JobConfig
-from torchtitan.memory_floor import rank_memory_bytes
 from torchtitan.models import get_train_spec
 from torchtitan.models.common import causal_attention, document_causal_mask
+from torchtitan.observability.setup_record import describe_parallelisms
 from torchtitan.parallelisms import grad_clip, mixed_precision
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
-from torchtitan.preflight import preflight
 from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.torch_compat import fake as torch_compat_fake
-from torchtitan.setup_record import describe_parallelisms
 from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model
 
 logger = logging.getLogger("torchtitan")

@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.errors import UserError
 from torchtitan.estimation.dry_run import DryRunResult, dry_run
 from torchtitan.models import get_train_spec

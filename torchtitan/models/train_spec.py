@@ -19,14 +19,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from torchtitan.config.job_config import JobConfig
     from torchtitan.datasets.shards import DataShards
     from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.job_config import JobConfig
     from torchtitan.models.hf_adapter import HFAdapter
-    from torchtitan.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.parallelisms.pipeline import PipelinePlan
     from torchtitan.parallelisms.pipeline_runtime import Pipeline
+    from torchtitan.trainer.optimizer import LRSchedulersContainer, OptimizersContainer
 
 
 class TrainableModel(Protocol):

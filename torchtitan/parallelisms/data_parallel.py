@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from torchtitan.config.job_config import Training
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import Training
 from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile

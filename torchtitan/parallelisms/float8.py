@@ -16,8 +16,8 @@ import logging
 import torch
 from torch import nn
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 

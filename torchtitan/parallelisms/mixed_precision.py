@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from torchtitan.job_config import Training
+from torchtitan.config.job_config import Training
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import ops as torch_compat_ops
 

@@ -6,8 +6,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from torchtitan.config.job_config import JobConfig, Training
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig, Training
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

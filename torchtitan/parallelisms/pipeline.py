@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from torchtitan.assets import resolve_path
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan, balanced_split, stage_ids_for_rank, stage_ranks
 from torchtitan.parallelisms.pipeline_runtime import Pipeline, build_schedule, forward_only_schedule, make_stages

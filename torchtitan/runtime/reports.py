@@ -1,7 +1,7 @@
 """How a rank says how it ended, and how the launcher tells the job's root cause from them.
 
 A single process prints its own line. Under a launcher (`run_llama_train.sh` through
-`torchtitan.launch`, or the test suite's forking one) every rank instead writes how it ended into
+`torchtitan.runtime.launch`, or the test suite's forking one) every rank instead writes how it ended into
 the job's report folder (`$TORCHTITAN_REPORT_DIR`), and the launcher prints the root cause once,
 whichever rank found it: errors found only on rank 1 (its data shard, its memory) are not lost,
 and an error found by every rank is not printed once per rank. Nothing here imports torch.

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from torchtitan.config_manager import parse_args
+from torchtitan.config.manager import parse_args
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 from torchtitan.tools.runs import Runner, read_metrics, read_setup, read_validations, run_trainer
@@ -59,7 +59,7 @@ class Check:
 
 
 # (dotted key of the setup record, the value it must equal or a Check it must pass), e.g.
-# ("fsdp.mesh", {"dp_shard_cp": 2}). Setup records: torchtitan/setup_record.py.
+# ("fsdp.mesh", {"dp_shard_cp": 2}). Setup records: torchtitan/observability/setup_record.py.
 Expectations = tuple[tuple[str, Any], ...]
 _ABSENT = object()
 

@@ -1,7 +1,7 @@
 """Runs the trainer as real processes, the way users start it, for the parity tool and the scripts.
 
 One process is `python -m torchtitan.train`; several ranks are torchrun through our launcher,
-`python -m torchtitan.launch --standalone --nproc_per_node N -m torchtitan.train` (what
+`python -m torchtitan.runtime.launch --standalone --nproc_per_node N -m torchtitan.train` (what
 run_llama_train.sh runs), which ends with the root cause in one line. Whatever takes a `Runner`
 (the parity harness, the scripts' measurements) trains through `run_trainer` unless given another:
 the test suite passes a faster one that forks runs from a warm process (tests/machinery/).
@@ -61,7 +61,7 @@ def trainer_command(args: Sequence[str], nproc: int = 1) -> list[str]:
     """The command line that trains with `args` on `nproc` ranks of this machine."""
     if nproc == 1:
         return [sys.executable, "-m", "torchtitan.train", *args]
-    return [sys.executable, "-m", "torchtitan.launch", "--standalone", f"--nproc_per_node={nproc}",
+    return [sys.executable, "-m", "torchtitan.runtime.launch", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "torchtitan.train", *args]
 
 
@@ -115,6 +115,6 @@ def read_validations(dump_folder: Path) -> list[dict]:
 
 def read_setup(dump_folder: Path) -> dict | None:
     """The newest setup record in dump_folder/metrics.jsonl (the latest run's: what it applied and
-    loaded, torchtitan/setup_record.py), or None if no run wrote one."""
+    loaded, torchtitan/observability/setup_record.py), or None if no run wrote one."""
     setups = [row for row in _read_jsonl(dump_folder) if row.get("record") == "setup"]
     return setups[-1] if setups else None

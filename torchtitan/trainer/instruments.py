@@ -9,10 +9,10 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-from torchtitan.metrics import LogWindow
-from torchtitan.profiling import MemorySnapshot
+from torchtitan.observability.metrics import LogWindow
+from torchtitan.observability.profiling import MemorySnapshot
+from torchtitan.observability.watchdog import Watchdog, collective_timeout
 from torchtitan.runtime import process_group
-from torchtitan.watchdog import Watchdog, collective_timeout
 
 
 class StepInstruments:

@@ -18,24 +18,24 @@ import torch
 from torch import nn
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import Preempted, Stopped, TrainingDiverged
-from torchtitan.job_config import JobConfig
-from torchtitan.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.models import TrainSpec
+from torchtitan.observability.metrics import MetricsLogger, StepMetrics, local_state_bytes
+from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from torchtitan.observability.progress import Progress
+from torchtitan.observability.setup_record import SetupRecord
+from torchtitan.observability.watchdog import Watchdog
 from torchtitan.parallelisms import grad_clip
 from torchtitan.parallelisms.float8 import precompute_float8_scales
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
-from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from torchtitan.progress import Progress
 from torchtitan.runtime import collectives, process_group
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
-from torchtitan.setup_record import SetupRecord
 from torchtitan.trainer import step as shared_step
 from torchtitan.trainer.instruments import StepInstruments
 from torchtitan.trainer.summary import log_summary, newest_checkpoint
-from torchtitan.validation import Validator
-from torchtitan.watchdog import Watchdog
+from torchtitan.trainer.validation import Validator
 
 logger = logging.getLogger("torchtitan")
 

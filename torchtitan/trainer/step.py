@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models import TrainSpec
 from torchtitan.models.common import document_ids
 from torchtitan.parallelisms.context_parallel import shard_batch

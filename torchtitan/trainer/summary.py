@@ -8,9 +8,9 @@ import os
 
 from torchtitan.checkpoint import folders as checkpoint_folders
 from torchtitan.checkpoint.hf_training import hf_export_path
-from torchtitan.job_config import JobConfig
-from torchtitan.metrics import MetricsLogger
-from torchtitan.progress import Progress, summary
+from torchtitan.config.job_config import JobConfig
+from torchtitan.observability.metrics import MetricsLogger
+from torchtitan.observability.progress import Progress, summary
 
 logger = logging.getLogger("torchtitan")
 

@@ -9,7 +9,7 @@ from torchtitan.models.llama.parallelize_llama import parallelize_llama, validat
 from torchtitan.models.llama.pipeline_llama import pipeline_llama
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.train_spec import TrainSpec, register_train_spec
-from torchtitan.optimizer import build_lr_schedulers, build_optimizers
+from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
 
 __all__ = ["ModelArgs", "Transformer", "parallelize_llama", "pipeline_llama", "llama2_configs", "llama3_configs"]
 

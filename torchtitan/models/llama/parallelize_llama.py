@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models.llama.model import ModelArgs, ffn_hidden_dim
 from torchtitan.models.llama.pipeline_split import split_points_for
 from torchtitan.parallelisms.context_parallel import apply_cp

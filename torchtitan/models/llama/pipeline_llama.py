@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.pipeline_split import split_points_for
 from torchtitan.models.train_spec import LossFn, ParallelizeFn

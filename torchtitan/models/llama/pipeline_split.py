@@ -6,7 +6,7 @@ and by `pipeline_llama` (which cuts the stages there), from the one PipelinePlan
 
 from __future__ import annotations
 
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models.llama.model import ModelArgs, block_flops
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.pipeline_decoder import decoder_unit_costs, parse_split_points, stage_starts  # noqa: F401

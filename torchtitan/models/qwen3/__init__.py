@@ -14,8 +14,8 @@ from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 from torchtitan.models.qwen3.parallelize_qwen3 import parallelize_qwen3, validate_qwen3
 from torchtitan.models.qwen3.pipeline_qwen3 import pipeline_qwen3
 from torchtitan.models.train_spec import TrainSpec, register_train_spec
-from torchtitan.optimizer import build_lr_schedulers, build_optimizers
 from torchtitan.parallelisms.expert_parallel import moe_after_step
+from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
 
 __all__ = ["Qwen3", "Qwen3ModelArgs", "qwen3_configs", "parallelize_qwen3", "pipeline_qwen3"]
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 from torchtitan.models.qwen3.model import Qwen3ModelArgs
 from torchtitan.models.qwen3.pipeline_qwen3 import stage_starts_for
 from torchtitan.parallelisms.context_parallel import apply_cp

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.models.qwen3.model import Qwen3ModelArgs, block_flops
 from torchtitan.models.train_spec import LossFn, ParallelizeFn
 from torchtitan.parallelisms.parallel_dims import ParallelDims

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 from torchtitan.runtime.torch_compat import memory as torch_compat_memory
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import torch
 
 from torchtitan.config import rules
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms.mixed_precision import warn_if_emulated
 from torchtitan.parallelisms.parallel_dims import ParallelDims

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 
 
 def output_locations(job_config: JobConfig) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""torchrun with one line at the end: `python -m torchtitan.launch [torchrun options] -m torchtitan.train ...`.
+"""torchrun with one line at the end: `python -m torchtitan.runtime.launch [torchrun options] -m torchtitan.train ...`.
 
 run_llama_train.sh starts training through this wrapper. It runs torchrun's own launcher in this
 process with a report folder for the ranks (torchtitan.runtime.reports), and when the job ends it prints
@@ -62,7 +62,7 @@ def _started_ranks() -> bool:
 
 def _kill_hung_ranks(folder: str, done: threading.Event) -> None:
     """Kills, with SIGKILL, the ranks of this node that a peer's hang report names as stuck
-    (torchtitan/watchdog.py). Only children of this launcher are touched, so a pid reused by
+    (torchtitan/observability/watchdog.py). Only children of this launcher are touched, so a pid reused by
     another process, or a rank of another node, is left alone."""
     killed: set[int] = set()
     while not done.wait(0.5):

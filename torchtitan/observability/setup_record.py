@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchtitan.metrics import MetricsLogger, local_state_bytes
+from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -35,9 +35,9 @@ from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelinin
 
 if TYPE_CHECKING:
     from torchtitan.checkpoint.resume import ResumePoint
-    from torchtitan.job_config import JobConfig
-    from torchtitan.optimizer import OptimizersContainer
+    from torchtitan.config.job_config import JobConfig
     from torchtitan.parallelisms.pipeline_runtime import Pipeline
+    from torchtitan.trainer.optimizer import OptimizersContainer
 
 
 class SetupRecord:

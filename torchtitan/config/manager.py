@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 from torchtitan.assets import resolve_path
 from torchtitan.config import rules
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError, UserError
-from torchtitan.job_config import JobConfig
 
 if typing.TYPE_CHECKING:
     from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -253,7 +253,7 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m torchtitan.config_manager [options]`: the launcher's pre-check, without torch.
+    """`python -m torchtitan.config.manager [options]`: the launcher's pre-check, without torch.
 
     run_llama_train.sh runs this before torchrun so that --help and bad options answer at once,
     with one line and exit code 2, instead of once per rank behind torchrun's error report. It
@@ -288,6 +288,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run the imported module's main, so ConfigError raised by other torchtitan modules is the
     # same class as the one caught here (not a twin defined in __main__).
-    from torchtitan.config_manager import main as _main
+    from torchtitan.config.manager import main as _main
 
     sys.exit(_main())

@@ -26,16 +26,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.text_dataset import validation_batch_size
-from torchtitan.job_config import JobConfig
+from torchtitan.observability.watchdog import Watchdog
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.runtime import collectives
 from torchtitan.trainer.step import document_mask_eos, model_kwargs
-from torchtitan.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,26 @@ class ValidationResult:
         return math.exp(self.loss) if self.loss < 700 else math.inf
 
 
+@dataclass(frozen=True)
+class ValidatedModel:
+    """What validation runs forward: this rank's model parts (its pipeline stages, with PP), their
+    pipeline and device, and the loss with the context it runs in (loss parallelism, or none)."""
+
+    parallel_dims: ParallelDims
+    parts: list[nn.Module]
+    pipeline: Pipeline | None
+    device: torch.device
+    loss_fn: Callable
+    loss_context: Callable[[], contextlib.AbstractContextManager]
+
+
 class Validator:
     def __init__(self, job_config: JobConfig, build_dataloader: Callable[..., Any], tokenizer: Any,
-                 parallel_dims: ParallelDims, model_parts: list[nn.Module], loss_fn: Callable,
-                 loss_context: Callable[[], contextlib.AbstractContextManager], pipeline: Pipeline | None,
-                 device: torch.device, shards: DataShards):
+                 model: ValidatedModel, shards: DataShards):
         self.validation, self.training = job_config.validation, job_config.training
         self.job_config, self.build_dataloader, self.tokenizer = job_config, build_dataloader, tokenizer
-        self.parallel_dims, self.model_parts, self.loss_fn = parallel_dims, model_parts, loss_fn
-        self.loss_context, self.pipeline, self.device = loss_context, pipeline, device
+        self.parallel_dims, self.model_parts, self.loss_fn = model.parallel_dims, model.parts, model.loss_fn
+        self.loss_context, self.pipeline, self.device = model.loss_context, model.pipeline, model.device
         # The validation data is cut into as many shards as the training data (training.dataset_shards),
         # so that, like a training batch, a validation batch depends only on the shard count and the
         # global batch size: every layout of a job validates on the same tokens.

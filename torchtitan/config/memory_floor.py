@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
-from torchtitan.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 

@@ -1,0 +1,1 @@
+"""Generation from a trained checkpoint."""

@@ -1,0 +1,1 @@
+"""What a run tells its user: logs, metrics, progress, profiles, the setup record, the watchdog."""
