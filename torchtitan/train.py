@@ -75,7 +75,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     device_type = device_setup.device_type()
     comm = job_config.comm
     device = process_group.init_distributed(device_type, collective_timeout(comm.init_timeout_seconds),
-                                      comm.trace_buf_size, job_config.job.dump_folder)
+                                            comm.trace_buf_size, job_config.job.dump_folder)
     # From here on a rank that stops making progress is named within the timeout (watchdog.py).
     with watch_this_rank(process_group.rank(), process_group.world_size(), job_config.job.dump_folder,
                          comm.init_timeout_seconds) as watchdog:

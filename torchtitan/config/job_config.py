@@ -1,6 +1,6 @@
 """The job's configuration schema: one dataclass per TOML section, each field with its `--help` text.
 
-Only the schema: parsing, type coercion and the checks live in `config_manager`, which every
+Only the schema: parsing, type coercion and the checks live in `config.manager` and `config.rules`, which every
 feature's rules are collected into. This module imports nothing from torchtitan, so any feature can
 name `JobConfig` without an import circle. Field names follow the late-2024 torchtitan TOML schema
 so existing configs run unchanged.

@@ -4,7 +4,7 @@ Each rule is declared once below: its name, its phase, the options it reads, and
 that checks it (raising a one-line user error). A phase says what a rule needs besides the
 options, and so which step of start-up can run it:
 
-- options: the option values alone. Run by `config_manager.parse_args`.
+- options: the option values alone. Run by `config.manager.parse_args`.
 - shapes:  batch, microbatch and stage counts: the pipeline plan, returned to whoever runs the
            job. Run by the launcher's pre-check and by `preflight`.
 - layout:  the parallel degrees against the number of ranks. Run by the launcher's pre-check

@@ -161,12 +161,12 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         "fused": optimizer.fused,
         "foreach": not optimizer.fused,
     }
-    if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config_manager)
+    if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config/rules.py)
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")
         return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs)
     zero1 = None
-    if optimizer.zero1:  # validated to come with dp_replicate > 1 (config_manager)
+    if optimizer.zero1:  # validated to come with dp_replicate > 1 (config/rules.py)
         zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)
         owned = [p for p in zero1.params if zero1.owns(p)]
         logger.info(f"applied ZeRO-1 over mesh {{'dp_replicate': {zero1.size}}}: this replica keeps the optimizer state "

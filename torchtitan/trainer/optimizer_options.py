@@ -1,7 +1,7 @@
 """Which optimizer options compose with the rest of the job; optimizer.py implements them.
 
 Torch-free, so the launcher's pre-check refuses a bad combination before torch starts. The
-config pass (`config_manager`) collects `check_options` and `check_layout` from here.
+rules registry (`config/rules.py`) names `check_options` and `check_layout` here as its early_step and optimizer_layout rules.
 """
 
 from __future__ import annotations
