@@ -24,7 +24,12 @@ PRIVATE_NAMES = (
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",
                 ("mod", "checkpoint_impl", "checkpoint_fn")),
     PrivateName("torch.distributed.fsdp.FSDPModule._get_fsdp_state", ("self",)),
-    PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups", instance=True),
+    # One of the two: a list of groups in 2.13, at most one group in 2.11 (missing there: the seam's
+    # names were checked on the GPU machine's torch 2.11.0 by test_torch_compat, 2026-11-27).
+    PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups", instance=True,
+                optional=True),
+    PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group", instance=True,
+                optional=True),
     PrivateName("torch.nn.Module._compiled_call_impl", instance=True, checked=CPU_AND_GPU_CHECK),
 )
 
@@ -53,8 +58,13 @@ def fsdp_based_replicate() -> Callable[..., Any] | None:
 
 def fsdp_param_groups(module: FSDPModule) -> list:
     """FSDP2's parameter groups of `module` (mesh info, resharding, policies per group): fully_shard
-    keeps them in its private state only."""
-    return module._get_fsdp_state()._fsdp_param_groups
+    keeps them in its private state only: a list in torch 2.13, one group (or None) in 2.11."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def replicated_by_ddp(module: nn.Module) -> bool:
