@@ -280,8 +280,9 @@ class Trainer:
         if self.job_config.float8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(self.model_parts)
         self.lr_schedulers.step()
-        t = self.training
-        self.train_state.tokens_seen += t.batch_size * t.seq_len * t.gradient_accumulation_steps * self.dp_degree
+        training = self.training
+        self.train_state.tokens_seen += (training.batch_size * training.seq_len * training.gradient_accumulation_steps
+                                         * self.dp_degree)
         return lr
 
     def after_step(self, result: StepResult, logged: bool) -> tuple | None:
