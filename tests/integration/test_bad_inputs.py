@@ -175,6 +175,8 @@ CASES: list[Case] = [
            env={"WORLD_SIZE": "2"}),
     config("context parallel odd sequence", "--experimental.context_parallel_degree 2 --training.seq_len 63",
            "training.seq_len 63 must divide by 2 x experimental.context_parallel_degree", env={"WORLD_SIZE": "2"}),
+    config("sequence parallel uneven sequence", "--training.tensor_parallel_degree 2 --training.seq_len 63",
+           "training.seq_len 63 must divide by training.tensor_parallel_degree 2", env={"WORLD_SIZE": "2"}),
     config("document mask with context parallelism", "--experimental.context_parallel_degree 2 --training.document_mask",
            "training.document_mask does not compose with context parallelism (experimental.context_parallel_degree 2)",
            env={"WORLD_SIZE": "2"}),

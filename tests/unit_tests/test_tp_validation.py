@@ -126,3 +126,22 @@ def test_float8_without_torchao_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs torchao: .*pip install -e '.\[float8\]'"):
         check_float8_support(parse_args(["--float8.enable_float8_linear", "--float8.emulate"]), "cpu", False)
+
+
+@pytest.mark.parametrize("argv,refused", [
+    (["--training.tensor_parallel_degree", "2", "--training.seq_len", "63"], "training.seq_len 63 must divide by"),
+    (["--training.tensor_parallel_degree", "4", "--experimental.context_parallel_degree", "2",
+      "--training.seq_len", "12"], "training.seq_len 12 / experimental.context_parallel_degree 2 = 6 must divide by "
+                                   "training.tensor_parallel_degree 4"),
+    (["--training.tensor_parallel_degree", "2", "--training.seq_len", "63", "--training.disable_sequence_parallel"],
+     None),
+    (["--training.tensor_parallel_degree", "2", "--training.seq_len", "64"], None),
+])
+def test_sequence_parallelism_needs_positions_that_split_evenly(argv, refused):
+    """Sequence parallelism shards each rank's sequence over tp: an uneven split is refused by the
+    config pass (it used to fail in the first forward); without sequence parallelism any length runs."""
+    if refused is None:
+        parse_args(argv)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            parse_args(argv)

@@ -368,6 +368,22 @@ def check_options(config: JobConfig) -> None:
             raise ConfigError(f"training.document_mask does not compose with context parallelism "
                               f"(experimental.context_parallel_degree {cp}) yet: ring attention has no document mask; "
                               "turn one of them off")
+    _check_sequence_parallel(training, cp)
+
+
+def _check_sequence_parallel(training, cp: int) -> None:
+    """Sequence parallelism (TP's default) splits the positions of each rank's sequence evenly over
+    the tp ranks; an uneven split would fail deep in the first forward (RoPE's rows, or a gloo
+    size mismatch), so it is refused here."""
+    tp = training.tensor_parallel_degree
+    if tp == 1 or training.disable_sequence_parallel:
+        return
+    local = training.seq_len // cp  # with cp > 1, already checked to divide by 2 x cp
+    if local % tp:
+        per_rank = f" / experimental.context_parallel_degree {cp} = {local}" if cp > 1 else ""
+        raise ConfigError(f"training.seq_len {training.seq_len}{per_rank} must divide by training.tensor_parallel_degree "
+                          f"{tp}: sequence parallelism splits each sequence's positions evenly over the tp ranks; "
+                          "choose such a seq_len, or set training.disable_sequence_parallel")
 
 
 def check_layout(config: JobConfig, dims: ParallelDims) -> None:
