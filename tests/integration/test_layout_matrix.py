@@ -9,9 +9,9 @@ from tests.machinery.layout_matrix import ci_points
 
 POINTS = {p.name: p for p in ci_points()}
 # The fast tier's points: FSDP, DDP and HSDP, TP, CP and PP each at least once, with every AC mode,
-# tied embeddings, accumulation, expert parallelism, and a refusal; on 2 to 4 ranks.
-FAST = ("fsdp2+ac_selective+moe", "rep2+ac_op", "rep2_fsdp2+ac_full+tied+accum_2", "tp2+sp_off+lp_off+tied+accum_2+moe",
-        "cp2+ac_op+accum_2", "pp2+Interleaved1F1B+ac_full", "cp2+compile")
+# tied embeddings, accumulation, zero1, expert parallelism on both MoE models, and a refusal; on 2 to 4 ranks.
+FAST = ("fsdp2+ac_selective+moe", "rep4+ac_selective+accum_2+zero1", "rep2_fsdp2+ac_full+tied+accum_2",
+        "tp2+sp_off+lp_off+ac_full+dsv3", "cp2+ac_op+accum_2", "pp2+Interleaved1F1B+ac_op+tied", "cp2+compile")
 assert set(FAST) <= set(POINTS), set(FAST) - set(POINTS)
 
 

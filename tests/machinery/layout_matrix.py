@@ -39,7 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from tests.machinery.matrix_model import DEPTHS, MODEL_NAME, MOE_MODEL_NAME, flavor_name
+from tests.machinery.matrix_model import DEPTHS, DSV3_MODEL_NAME, MODEL_NAME, MOE_MODEL_NAME, flavor_name
 from tests.machinery.tiny_run import TINY_RUN
 from torchtitan.tools.parity import (
     COMPARISON_ARGS,
@@ -152,15 +152,25 @@ FACTORS = (
            {"off": (("compile.compiled_modules", 0),), "on": (("compile.compiled_modules", POSITIVE),)}),
     Factor("tied", ("untied", "tied"), lambda d: True, DIMS),  # a model flavor: Point.shared()
     Factor("accum", ("1", "2"), lambda d: True, DIMS, {"2": ("--training.gradient_accumulation_steps", "2")}),
-    # A mixture-of-experts model (matrix_model's qwen3_moe_matrix) with its experts split over every
-    # rank expert parallelism can borrow (dp_shard x cp x tp; Point.ep_degree).
-    Factor("moe", ("dense", "ep"), lambda d: d.dp_shard * d.cp * d.tp > 1, DIMS),
+    # A mixture-of-experts model with its experts split over every rank expert parallelism can borrow
+    # (dp_shard x cp x tp; Point.ep_degree): matrix_model's qwen3_moe_matrix ("ep") or
+    # deepseek_v3_matrix ("dsv3": latent attention, a dense first block, shared experts, MTP).
+    Factor("moe", ("dense", "ep", "dsv3"), lambda d: d.dp_shard * d.cp * d.tp > 1, DIMS),
     Factor("zero1", ("off", "on"), lambda d: d.dp_replicate > 1, ("dp_shard", "cp", "tp", "pp"),
            {"on": ("--optimizer.zero1",)},
            {"off": (("zero1", None),), "on": (("zero1", Check("shared over the replicas", lambda z: z is not None
                                                                and z["replicas"] > 1)),)}),
 )
 _FACTOR = {f.name: f for f in FACTORS}
+# Pairs of variant values no model offers (not refusals: there is nothing to run). DeepSeek-V3 has
+# no tied embeddings.
+IMPOSSIBLE = (frozenset({("tied", "tied"), ("moe", "dsv3")}),)
+
+
+def possible(variants: tuple[tuple[str, str], ...] | dict[str, str]) -> bool:
+    chosen = set(dict(variants).items())
+    return not any(pair <= chosen for pair in IMPOSSIBLE)
+
 # The concrete schedules of each kind, used in turn so the full matrix runs each of them.
 SCHEDULES = {"single": ("1F1B", "GPipe"), "interleaved": ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"),
              "V": ("ZBVZeroBubble", "DualPipeV")}
@@ -185,7 +195,7 @@ class Point:
 
     @property
     def name(self) -> str:
-        extras = [f"{f}_{v}" if f in ("ac", "accum", "sp", "lp") else f
+        extras = [f"{f}_{v}" if f in ("ac", "accum", "sp", "lp") else v if (f, v) == ("moe", "dsv3") else f
                   for f, v in self.variants if v != _FACTOR[f].values[0] and f != "schedule"]
         if self.schedule:
             extras.insert(0, self.schedule)
@@ -199,7 +209,17 @@ class Point:
 
     @property
     def moe(self) -> bool:
-        return self.value("moe") == "ep"
+        return self.value("moe") in ("ep", "dsv3")
+
+    @property
+    def dsv3(self) -> bool:
+        return self.value("moe") == "dsv3"
+
+    @property
+    def mtp(self) -> bool:
+        """DeepSeek-V3 predicts further tokens (one MTP module), except under context parallelism,
+        which refuses it."""
+        return self.dsv3 and not self.degrees.over("cp")
 
     @property
     def ep_degree(self) -> int:
@@ -209,12 +229,14 @@ class Point:
 
     @property
     def flavor(self) -> str:
-        return flavor_name(self.depth, self.value("tied") == "tied", moe=self.moe)
+        return flavor_name(self.depth, self.value("tied") == "tied", moe=self.moe, dsv3=self.dsv3)
 
     def shared(self) -> tuple[str, ...]:
         """Overrides that define the model (the seed checkpoint and the baseline use them too)."""
-        return ("--experimental.custom_import", "tests.machinery.matrix_model", "--model.name",
-                MOE_MODEL_NAME if self.moe else MODEL_NAME, "--model.flavor", self.flavor)
+        name = DSV3_MODEL_NAME if self.dsv3 else MOE_MODEL_NAME if self.moe else MODEL_NAME
+        no_mtp = ("--model.mtp_depth", "0") if self.dsv3 and not self.mtp else ()
+        return ("--experimental.custom_import", "tests.machinery.matrix_model", "--model.name", name,
+                "--model.flavor", self.flavor, *no_mtp)
 
     def overrides(self) -> tuple[str, ...]:
         args = [a for d in DIMS for a in (_OPTION[d], str(getattr(self.degrees, d)))]
@@ -250,7 +272,15 @@ class Point:
             expect += [("moe.ep_mesh", {"ep": self.ep_degree}), ("moe.experts_per_rank", 8 // self.ep_degree)]
         else:
             expect.append(("moe", None))
+        expect += [("mtp.depth", 1), ("mtp.ranks", self.mtp_ranks())] if self.mtp else [("mtp", None)]
         return tuple(expect + [e for f, v in self.variants for e in _FACTOR[f].expect.get(v, ())])
+
+    def mtp_ranks(self) -> list[int]:
+        """The ranks that hold the MTP modules: the last pipeline stage's (pp rank 0 with a V
+        schedule, whose stages fold back, else the last pp rank; pp is the mesh's outermost dim)."""
+        per_stage = self.nproc // self.degrees.pp
+        holder = 0 if self.value("schedule") == "V" else self.degrees.pp - 1
+        return list(range(holder * per_stage, (holder + 1) * per_stage))
 
     def mesh(self) -> dict[str, int]:
         """The world mesh the setup record shows: under expert parallelism dp_shard is split in two."""
@@ -324,7 +354,7 @@ def coverage_goals() -> list[Goal]:
                                   _point({f.name: value}, **_witness_degrees(f, dim=dim))))
     for f1, f2 in itertools.combinations(FACTORS, 2):
         for v1, v2 in itertools.product(f1.values, f2.values):
-            if v1 != f1.values[0] or v2 != f2.values[0]:
+            if (v1 != f1.values[0] or v2 != f2.values[0]) and possible({f1.name: v1, f2.name: v2}):
                 goals.append(Goal(f"{f1.name} {v1} with {f2.name} {v2}", 1,
                                   lambda p, a=(f1.name, v1), b=(f2.name, v2): p.value(a[0]) == a[1] and p.value(b[0]) == b[1],
                                   _point({f1.name: v1, f2.name: v2}, **_witness_degrees(f1, f2))))
@@ -337,7 +367,7 @@ def cost(point: Point) -> float:
     v = point.value
     per_rank = (1 + 4 * (v("compile") == "on") + 0.5 * (v("accum") == "2") + 0.5 * (v("ac") != "none")
                 + 0.3 * (point.depth > 2) + 0.1 * (v("tied") == "tied") + 0.1 * (v("zero1") == "on")
-                + 0.3 * (v("moe") == "ep"))
+                + 0.3 * (v("moe") == "ep") + 0.6 * (v("moe") == "dsv3"))
     return point.nproc * per_rank
 
 
@@ -375,6 +405,8 @@ def _candidates(degrees: Degrees, turn: dict[str, int]) -> list[Point]:
     points = []
     for values in itertools.product(*(f.values for f in applicable)):
         variants = tuple(zip((f.name for f in applicable), values))
+        if not possible(variants):
+            continue
         kind = dict(variants).get("schedule")
         schedule = SCHEDULES[kind][turn[kind] % len(SCHEDULES[kind])] if kind else ""
         points.append(Point(degrees, variants, schedule))

@@ -12,22 +12,30 @@ vocabulary all divide by 8).
 `qwen3_moe_matrix` is the mixture-of-experts twin for the matrix's expert-parallel variant: Qwen3
 blocks of the same width whose feed-forwards are 8 experts (top-2, 128 wide each), so expert
 parallelism can go to 8; flavors `M<n>` and `M<n>_tied`.
+
+`deepseek_v3_matrix` is the DeepSeek-V3 variant: deepseek_v3's `tiny` (width 128, 16 latent-attention
+heads, 8 routed experts top-2 in 4 groups plus a shared one, one MTP module) at each depth, its first
+block dense and the rest MoE; flavors `D<n>` (the family has no tied embeddings).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.llama import llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.train_spec import get_train_spec, register_train_spec, registered_names
 
 MODEL_NAME = "llama3_matrix"
 MOE_MODEL_NAME = "qwen3_moe_matrix"
+DSV3_MODEL_NAME = "deepseek_v3_matrix"
 DEPTHS = (2, 4, 8, 16)
 
 
-def flavor_name(depth: int, tied: bool, moe: bool = False) -> str:
+def flavor_name(depth: int, tied: bool, moe: bool = False, dsv3: bool = False) -> str:
+    if dsv3:
+        return f"D{depth}"
     return f"{'M' if moe else 'L'}{depth}{'_tied' if tied else ''}"
 
 
@@ -45,7 +53,15 @@ def _moe_flavors() -> dict:
             for depth in DEPTHS for is_tied in (False, True)}
 
 
+def _dsv3_flavors() -> dict:
+    # deepseek_v3's `tiny` at each depth: D2 is `tiny` itself (one dense block, then MoE blocks).
+    return {flavor_name(depth, False, dsv3=True): dataclasses.replace(deepseek_v3_configs["tiny"], n_layers=depth)
+            for depth in DEPTHS}
+
+
 if MODEL_NAME not in registered_names():  # importing twice (a warm process) registers once
     register_train_spec(dataclasses.replace(get_train_spec("llama3"), name=MODEL_NAME, config=_flavors()))
 if MOE_MODEL_NAME not in registered_names():
     register_train_spec(dataclasses.replace(get_train_spec("qwen3"), name=MOE_MODEL_NAME, config=_moe_flavors()))
+if DSV3_MODEL_NAME not in registered_names():
+    register_train_spec(dataclasses.replace(get_train_spec("deepseek_v3"), name=DSV3_MODEL_NAME, config=_dsv3_flavors()))

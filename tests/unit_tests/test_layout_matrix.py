@@ -9,6 +9,9 @@ import pytest
 from tests.machinery import layout_matrix as lm
 from tests.machinery.fake_runner import FakeRunner
 from tests.machinery.matrix_model import flavor_name
+from torchtitan.config.manager import parse_args
+from torchtitan.config.preflight import preflight
+from torchtitan.errors import UserError
 from torchtitan.tools.parity import ParityError, unmet
 
 Degrees = lm.Degrees
@@ -119,7 +122,7 @@ def test_a_point_expects_its_layout_and_variants_in_the_setup_record():
               "fsdp": None, "ddp": {"kind": "fsdp_replicate", "mesh": {"dp_replicate": 2}}, "cp": None, "pipeline": None,
               "tp": {"mesh": {"tp": 2}, "sequence_parallel": False, "loss_parallel": True},
               "activation_checkpoint": {"blocks": ["layers.0", "layers.1"], "wrapped": ["layers.0"], "op_level": False},
-              "compile": {"compiled_modules": 0}, "zero1": {"replicas": 2}, "moe": None}
+              "compile": {"compiled_modules": 0}, "zero1": {"replicas": 2}, "moe": None, "mtp": None}
     assert unmet(record, point.expect()) == []
     record["activation_checkpoint"]["wrapped"] = ["layers.0", "layers.1"]  # full, not every second block
     record["tp"]["sequence_parallel"] = True
@@ -156,3 +159,47 @@ def test_a_point_whose_run_fails_is_an_error_with_its_output(tmp_path):
     assert [name.split("-")[0] for name in runner.calls] == ["seed", "baseline", point.name]  # the baseline trained
     with pytest.raises(ParityError, match=f"^{point.name}: expected ok, got error: training failed"):
         lm.MatrixRunner(tmp_path, steps=2, runner=runner).check(point)
+
+
+def test_a_deepseek_v3_point_expects_experts_and_mtp_where_they_were_applied():
+    """The DeepSeek-V3 variant: deepseek_v3_matrix with experts over every rank EP can borrow, and its
+    MTP module on every rank, or on the last pipeline stage's ranks (pp rank 0's under a V schedule,
+    where the stages fold back); context parallelism runs it without MTP, which it refuses."""
+    point = lm._point({"moe": "dsv3"}, dp_shard=2, tp=2)
+    assert point.name == "fsdp2_tp2+dsv3" and point.flavor == "D2" and point.ep_degree == 4
+    assert "deepseek_v3_matrix" in point.shared() and "--model.mtp_depth" not in point.shared()
+    expect = dict(point.expect())
+    assert expect["moe.ep_mesh"] == {"ep": 4} and expect["moe.experts_per_rank"] == 2
+    assert expect["mtp.depth"] == 1 and expect["mtp.ranks"] == [0, 1, 2, 3]
+    one_f_one_b = dict(lm._point({"moe": "dsv3"}, dp_shard=2, pp=2).expect())
+    assert one_f_one_b["mtp.ranks"] == [2, 3] and one_f_one_b["pipeline.schedule"] == "1F1B"
+    v_shaped = lm._point({"moe": "dsv3", "schedule": "V"}, dp_shard=2, pp=2)
+    assert dict(v_shaped.expect())["mtp.ranks"] == [0, 1] and v_shaped.depth == 4
+    with_cp = lm._point({"moe": "dsv3"}, dp_shard=2, cp=2)
+    assert with_cp.shared()[-2:] == ("--model.mtp_depth", "0") and dict(with_cp.expect())["mtp"] is None
+    assert lm.refusal(with_cp) is None
+    # Without the override the product refuses it (in one line naming the option).
+    args = lm._config_args(with_cp)
+    at = args.index("--model.mtp_depth")
+    with pytest.raises(UserError, match="set model.mtp_depth 0 to train with context parallelism"):
+        preflight(parse_args(args[:at] + args[at + 2:]), with_cp.nproc)
+    assert dict(lm._point({"moe": "ep"}, dp_shard=2).expect())["mtp"] is None
+
+
+def test_deepseek_v3_meets_every_dim_and_never_ties_embeddings(points):
+    dsv3 = [p for p in points if p.value("moe") == "dsv3"]
+    for dim in lm.DIMS:
+        assert any(p.degrees.over(dim) for p in dsv3 if not p.refused_by_design), dim
+    assert all(p.value("tied") != "tied" for p in dsv3)  # the family has no tied embeddings
+    assert not [g.text for g in lm.coverage_goals() if "tied tied" in g.text and "dsv3" in g.text]
+    assert any(p.dsv3 and p.degrees.over("cp") and not p.mtp for p in lm.ci_points(points))
+
+
+def test_the_deepseek_v3_matrix_flavors_keep_a_dense_first_block_and_mtp():
+    from torchtitan.models.train_spec import get_train_spec
+
+    flavors = get_train_spec("deepseek_v3_matrix").config
+    assert sorted(flavors) == sorted(flavor_name(d, False, dsv3=True) for d in (2, 4, 8, 16))
+    for depth in (2, 4, 8, 16):
+        args = flavors[flavor_name(depth, False, dsv3=True)]
+        assert (args.n_layers, args.n_dense_layers, args.mtp_depth, args.num_experts) == (depth, 1, 1, 8)

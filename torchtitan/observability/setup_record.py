@@ -8,8 +8,9 @@ that step's own row and carries `first_step`, so a resumed run writes its own an
 runs' records for the steps it keeps (metrics.py). Every key is listed in docs/architecture.md.
 
 The parallelisms are described from rank 0's model parts as built (with pipeline parallelism,
-rank 0 holds the first stage); per-rank facts (state bytes, pipeline stages) are gathered from
-every rank once. FSDP2, composable DDP, the pipeline schedule and torch.compile keep what is read
+rank 0 holds the first stage; `moe` comes from the first rank that holds MoE layers); per-rank
+facts (state bytes, pipeline stages, MoE layers and MTP modules held) are gathered from every
+rank once. FSDP2, composable DDP, the pipeline schedule and torch.compile keep what is read
 here only in private attributes; each such read says so.
 """
 
@@ -87,7 +88,24 @@ def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, p
     if pipeline is not None:
         stages = torch_compat_pipelining.schedule_stages(pipeline.schedule)
         facts["pipeline_stages"] = [{"stage": s.stage_index, "blocks": _blocks(s.submod)} for s in stages]
+    # Under PP rank 0 may hold no MoE layer (a dense first stage) and the MTP modules live on the
+    # last stage: each rank says what it holds, so the record shows where they were applied.
+    moe = _moe([(name, m) for part in model_parts for name, m in part.named_modules()])
+    if moe is not None:
+        facts["moe"] = moe
+    if _mtp_modules(model_parts):
+        facts["mtp_modules"] = _mtp_modules(model_parts)
     return facts
+
+
+def _mtp_modules(model_parts: list[nn.Module]) -> int:
+    """Multi-token prediction modules (a model's `mtp` list, DeepSeek-V3) in these model parts."""
+    return sum(len(getattr(part, "mtp", None) or ()) for part in model_parts)
+
+
+def _mtp(model_parts: list[nn.Module], ranks: list[dict]) -> dict | None:
+    depth = max([_mtp_modules(model_parts), *(r.get("mtp_modules", 0) for r in ranks)])
+    return None if depth == 0 else {"depth": depth, "ranks": [r["rank"] for r in ranks if r.get("mtp_modules")]}
 
 
 def _blocks(part: nn.Module) -> list[str]:
@@ -126,7 +144,9 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         "activation_checkpoint": _activation_checkpoint(model_parts, modules),
         "compile": {"compiled_modules": sum(torch_compat_composable.compiled_call(m) is not None for _, m in modules)},
         "float8": _float8(modules, fsdp is not None),
-        "moe": _moe(modules),
+        # Rank 0's MoE layers, or the first rank's that holds some (a dense first pipeline stage).
+        "moe": _moe(modules) or next((r["moe"] for r in ranks if r.get("moe")), None),
+        "mtp": _mtp(model_parts, ranks),
         # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.
         "autocast": _autocast(model_parts),
     }
@@ -181,9 +201,11 @@ def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: Parall
     placements = Counter(repr(pl) for p in params if (pl := _tp_placement(p)) is not None)
     # Sequence parallelism leaves its mark on the norms: their weights become DTensors replicated over
     # tp (norms without weights cannot show it).
-    # (Per-head q/k norms are replicated over tp in any case: they see a slice of the heads.)
+    # (Some norms are replicated over tp in any case: per-head q/k norms see a slice of the heads,
+    # latent attention's q_norm/kv_norm and the MTP modules' norms run whole on every tp rank.)
     norms_replicated = any(type(m).__name__.endswith("Norm") and isinstance(_tp_placement(p), Replicate)
-                           and name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm")
+                           and name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm", "kv_norm")
+                           and "mtp" not in name.split(".")
                            for name, m in modules for p in m.parameters(recurse=False))
     return {"mesh": _mesh(parallel_dims.tp_mesh), "parameters": sum(placements.values()),
             "placements": dict(sorted(placements.items())), "sequence_parallel": norms_replicated,
