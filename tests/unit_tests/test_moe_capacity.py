@@ -264,3 +264,35 @@ def test_logging_steps_report_dropped_pairs_per_layer_and_the_share():
     dropless(x)
     values, summary = moe_after_step([_model_with(dropless)], _one_process(), log=True)
     assert not any(k.startswith("moe_dropped_tokens") for k in values) and "dropped" not in summary
+
+
+def test_the_dry_run_simulates_capacity_mode_under_expert_parallelism_without_exchanging_counts(monkeypatch):
+    """Qwen3 tiny_moe, EP 2, on fake tensors: the static dispatch sends equal splits, so the
+    dry run's stand-in for the exchange of counts is never called."""
+    from torchtitan.config.manager import parse_args
+    from torchtitan.estimation import shapes_only
+    from torchtitan.estimation.dry_run import dry_run
+
+    def no_exchange(*args):
+        raise AssertionError("capacity mode exchanged counts")
+
+    monkeypatch.setattr(shapes_only, "balanced_exchange", no_exchange)
+    args = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--model.flavor", "tiny_moe",
+            "--training.seq_len", "128", "--job.dry_run", "--job.dry_run_device", "cpu", "--job.dry_run_world_size", "2",
+            "--training.expert_parallel_degree", "2"]
+    result = dry_run(parse_args([*args, "--moe.capacity_factor", "1.25"]))
+    moe = result.ranks[0].parallelisms["moe"]
+    assert moe["capacity_factor"] == 1.25 and moe["ep_mesh"] == {"ep": 2}
+    assert result.ranks[0].memory.peak > 0
+    with pytest.raises(AssertionError, match="exchanged counts"):  # dropless does exchange them
+        dry_run(parse_args(args))
+
+
+def test_moe_bench_capacity_layer_smoke():
+    from scripts import moe_bench
+
+    dropless, capacity = moe_bench.bench_capacity_layer(0.5, sequences=2, seq_len=32, reps=1)
+    assert dropless["mode"] == "dropless" and dropless["dropped"] == 0
+    assert capacity["mode"] == "capacity 0.5" and 0 < capacity["dropped"] < 1
+    assert all(r["layer_ms"] > 0 and r["dispatch_ms"] > 0 for r in (dropless, capacity))
+    assert "capacity" in moe_bench.SECTIONS
