@@ -49,12 +49,17 @@ def test_document_mask_changes_the_losses(parity):
 
 def test_the_capacity_layout_really_drops_tokens(parity):
     """The dropping mode's parity row means something only if tokens were dropped: in every step of
-    the layout and of its baseline, and the same number in both (per sequence, whatever the layout)."""
+    the layout and of its baseline; and from the same weights (step 1) the same pairs in every layer
+    (capacity per sequence, whatever the layout). The losses alone would not show a capacity per
+    rank batch: at init the tiny model's MoE outputs are small beside the residual, and a per-batch
+    capacity moves its losses by less than the tolerance while dropping 94 pairs instead of 70."""
     run, base = parity.run(all_layouts()["moe_capacity_ep2_accum2"]), parity.baseline(tuple(QWEN3_MOE_CAPACITY.split()))
     for records in (run.records, base.records):
         dropped = [sum(v for k, v in r.items() if k.startswith("moe_dropped_tokens/")) for r in records]
         assert all(d > 0 for d in dropped), dropped
-    assert run.records[0]["moe_dropped_tokens/layer0"] == base.records[0]["moe_dropped_tokens/layer0"]
+    first_run, first_base = ({k: v for k, v in r.items() if k.startswith("moe_dropped_tokens/")}
+                             for r in (run.records[0], base.records[0]))
+    assert first_run == first_base and len(first_base) == 2
 
 
 @pytest.mark.fast
