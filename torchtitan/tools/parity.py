@@ -212,6 +212,11 @@ SUITES: dict[str, list[Layout]] = {
           "--experimental.pipeline_parallel_split_points layers.3",
           {"moe.ep_mesh": {"ep": 2}, "pipeline.stages": 2}, shared=DEEPSEEK_V3_DEBUG),
         L("dsv3_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=DEEPSEEK_V3_NO_MTP),
+        # The dropping mode under a pipeline (MTP's MoE block on the last stage drops tokens too).
+        L("dsv3_capacity_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_split_points layers.3",
+          {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0, "pipeline.stages": 2},
+          shared=f"{DEEPSEEK_V3_DEBUG} --moe.capacity_factor 1.0"),
         L("dsv3_fsdp2_no_mtp", 2, "--training.data_parallel_shard_degree 2", {"fsdp.mesh": {"dp_shard_cp": 2}},
           shared=DEEPSEEK_V3_NO_MTP),
     ],
