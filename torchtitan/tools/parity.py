@@ -211,6 +211,10 @@ SUITES: dict[str, list[Layout]] = {
         L("dsv3_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_split_points layers.3",
           {"moe.ep_mesh": {"ep": 2}, "pipeline.stages": 2}, shared=DEEPSEEK_V3_DEBUG),
+        # Tensor parallelism without sequence or loss parallelism: the replicated MLA compressions
+        # and MTP's per-token parts see whole sequences, the MTP loss whole logits.
+        L("dsv3_tp2_no_sp", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel "
+          "--training.disable_loss_parallel", {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": False}, shared=DEEPSEEK_V3),
         L("dsv3_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=DEEPSEEK_V3_NO_MTP),
         # The dropping mode under a pipeline (MTP's MoE block on the last stage drops tokens too).
         L("dsv3_capacity_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
