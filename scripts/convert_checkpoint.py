@@ -163,15 +163,17 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
             base = adapter.model_args_from_hf_config(original)
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{sidecar}/files/config.json: {e}") from None
-        for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads,
-                                                                           base.n_kv_heads or base.n_heads)):
+        kv_heads = getattr(base, "n_kv_heads", None) or base.n_heads  # (DeepSeek-V3's MLA: one per head)
+        for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads, kv_heads)):
             if given is not None and given != kept:
                 raise CheckpointError(f"{flag} {given} contradicts the original config.json kept with the checkpoint "
                                       f"({kept}); leave {flag} out")
         args = adapter.args_with_shapes(base, shapes, ns.n_heads, ns.n_kv_heads)
         # transformers 5 writes `dtype` and prefers it over the older `torch_dtype`: update whichever is there.
         dtype_keys = [k for k in ("torch_dtype", "dtype") if k in original] or ["torch_dtype"]
-        return args, {**original, **dict.fromkeys(dtype_keys, dtype)}
+        # Imports dequantize (DeepSeek-V3's fp8 files); what is written is not quantized.
+        config = {k: v for k, v in original.items() if k != "quantization_config"}
+        return args, {**config, **dict.fromkeys(dtype_keys, dtype)}
     args = adapter.args_with_shapes(_registry_args(manifest, ns.n_heads), shapes, ns.n_heads, ns.n_kv_heads)
     return args, adapter.hf_config(args, torch_dtype=dtype, **_token_ids(tokenizer))
 
