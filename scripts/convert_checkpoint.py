@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Converts model weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
 
-Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE) can be
+Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE; DeepSeek-V3) can be
 converted: the adapter gives its Hugging Face names, tensor layouts and config.json.
 
 Usage examples (from the repository root, with PYTHONPATH=.):
@@ -339,7 +339,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="convert_checkpoint.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3: --model) -> weights-only DCP checkpoint")
+    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3, DeepSeek-V3: --model) -> weights-only DCP checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
