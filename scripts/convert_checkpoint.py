@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Converts model weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
 
-Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE) can be
+Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE; DeepSeek-V3) can be
 converted: the adapter gives its Hugging Face names, tensor layouts and config.json.
 
 Usage examples (from the repository root, with PYTHONPATH=.):
@@ -163,15 +163,17 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
             base = adapter.model_args_from_hf_config(original)
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{sidecar}/files/config.json: {e}") from None
-        for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads,
-                                                                           base.n_kv_heads or base.n_heads)):
+        kv_heads = getattr(base, "n_kv_heads", None) or base.n_heads  # (DeepSeek-V3's MLA: one per head)
+        for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads, kv_heads)):
             if given is not None and given != kept:
                 raise CheckpointError(f"{flag} {given} contradicts the original config.json kept with the checkpoint "
                                       f"({kept}); leave {flag} out")
         args = adapter.args_with_shapes(base, shapes, ns.n_heads, ns.n_kv_heads)
         # transformers 5 writes `dtype` and prefers it over the older `torch_dtype`: update whichever is there.
         dtype_keys = [k for k in ("torch_dtype", "dtype") if k in original] or ["torch_dtype"]
-        return args, {**original, **dict.fromkeys(dtype_keys, dtype)}
+        # Imports dequantize (DeepSeek-V3's fp8 files); what is written is not quantized.
+        config = {k: v for k, v in original.items() if k != "quantization_config"}
+        return args, {**config, **dict.fromkeys(dtype_keys, dtype)}
     args = adapter.args_with_shapes(_registry_args(manifest, ns.n_heads), shapes, ns.n_heads, ns.n_kv_heads)
     return args, adapter.hf_config(args, torch_dtype=dtype, **_token_ids(tokenizer))
 
@@ -337,7 +339,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="convert_checkpoint.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3: --model) -> weights-only DCP checkpoint")
+    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3, DeepSeek-V3: --model) -> weights-only DCP checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "

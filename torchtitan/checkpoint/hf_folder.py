@@ -121,7 +121,7 @@ def names_by_fqn(names: Iterable[str], args: Any, adapter: HFAdapter, hf_dir: st
         if name.endswith(_BUFFER_SUFFIX):
             continue
         try:
-            fqns = adapter.from_hf_names(name)
+            fqns = our_names(adapter, name, args)
         except KeyError:
             unknown.append(name)
             continue
@@ -131,6 +131,14 @@ def names_by_fqn(names: Iterable[str], args: Any, adapter: HFAdapter, hf_dir: st
         raise CheckpointError(f"{hf_dir} holds tensors that are not {adapter.hf_architecture(args)} parameters: "
                               f"{sorted(unknown)[0]}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
     return parts
+
+
+def our_names(adapter: HFAdapter, name: str, args: Any) -> tuple[str, ...]:
+    """`adapter.from_hf_names(name)`, given `args` too where the adapter's names depend on them
+    (`from_hf_names_takes_args`: DeepSeek-V3's MTP layers follow its last block)."""
+    if getattr(adapter, "from_hf_names_takes_args", False):
+        return adapter.from_hf_names(name, args)  # type: ignore[call-arg]
+    return adapter.from_hf_names(name)
 
 
 def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,
