@@ -147,14 +147,14 @@ def _check_shapes(tensors: dict[str, torch.Tensor], args: Any, model_cls: type[T
     """Refuses tensors whose shapes differ from those of the model `args` (which `source` gives) describe."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model_cls.from_model_args(args).state_dict().items()}
+    for name, tensor in tensors.items():  # a shape tells more than a block missing at the end
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"{where}: {name} has shape {list(tensor.shape)}, but {source} implies "
+                                  f"{list(expected[name])}{fix}")
     extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
         raise CheckpointError((f"{where} holds {extra[0]}, which {source} does not imply" if extra
                                else f"{where} lacks {missing[0]}, which {source} implies") + fix)
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise CheckpointError(f"{where}: {name} has shape {list(tensor.shape)}, but {source} implies "
-                                  f"{list(expected[name])}{fix}")
 
 
 def _same_model(args: Any, flavor: Any, model_cls: type[TrainableModel]) -> bool:

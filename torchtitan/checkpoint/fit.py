@@ -226,9 +226,6 @@ class FitCheck:
             problems.append((f"it holds a {self.saved.name} model, this run trains {self.ours.name}",
                              f"set model.name {self.saved.name}, or checkpoint.allow_partial_load to load it anyway"))
         heads, computed = self._conversion_differences()
-        if heads:  # as for the Hugging Face folder it came from (hf_training.check_fits): never loadable
-            raise self._error(f"its attention heads are laid out differently ({', '.join(heads)}), and the query and "
-                              "key rows are ordered per head", "use the model.flavor of the converted model")
         tied = self._tied_difference()
         if tied is not None:
             problems.append(tied)
@@ -242,6 +239,10 @@ class FitCheck:
                              + (f" ({hint})" if hint else "") + more,
                              "check model.flavor and the tokenizer (it sets the vocabulary size), or name what not "
                              "to load in checkpoint.exclude_from_loading"))
+        if heads:  # as for the Hugging Face folder it came from (hf_training.check_fits): no partial load either
+            first = problems[0][0] if problems else (f"its attention heads are laid out differently ({', '.join(heads)}),"
+                                                     " and the query and key rows are ordered per head")
+            raise self._error(first, "use the model.flavor of the converted model")
         missing = sorted({k for r in reports for k in r["missing"]})
         if missing and all(k.startswith("dataloader.") for k in missing):
             # A data position of another shape: another mixture of sources, or an older format.
