@@ -57,7 +57,10 @@ def args_from_record(base: Any, record: dict[str, Any]) -> Any:
     `args_record`) holds: the inverse of args_record for the fields `base` has. Nested dataclasses
     come back from their dicts, tuples from their lists; fields `base` lacks are ignored (a manifest
     of another version)."""
-    hints = typing.get_type_hints(type(base))
+    try:
+        hints = typing.get_type_hints(type(base))
+    except (NameError, TypeError):  # an annotation naming what only type checkers import
+        hints = {}
     updates = {}
     for f in dataclasses.fields(base):
         if f.name not in record:
