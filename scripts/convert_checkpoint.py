@@ -260,9 +260,11 @@ def _check_model_name(name: str, flavor: str | None = None) -> None:
 def hf_to_dcp(ns: argparse.Namespace) -> str:
     _require_dir(ns.hf_dir, "Hugging Face folder")
     _require_new_output(ns.out_dir)
+    config = hf_folder.read_json(os.path.join(ns.hf_dir, "config.json"), "config.json")
+    if ns.model is None:  # the family that reads config.json; else the default's names refuse the folder
+        ns.model = (hf_folder.family_of(config, _DEFAULT_MODEL) or (_DEFAULT_MODEL,))[0]
     _check_model_name(ns.model)
     adapter = _hf_adapter(ns.model)
-    config = hf_folder.read_json(os.path.join(ns.hf_dir, "config.json"), "config.json")
     files = hf_folder.safetensors_files(ns.hf_dir)
     try:
         args = adapter.model_args_from_hf_config(config if isinstance(config, dict) else {})
@@ -382,11 +384,12 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="convert_checkpoint.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3: --model) -> weights-only DCP checkpoint")
+    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3, ...) -> weights-only DCP checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
-    p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
-                   "names and layouts are used (default llama3)")
+    p.add_argument("--model", help="model name recorded in the manifest, whose Hugging Face names and layouts are used "
+                   "(default: the registered model whose config.json reader takes the folder's architecture, llama3 "
+                   "for a Llama)")
     p.set_defaults(run=hf_to_dcp)
     p = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face folder (config.json + safetensors)")
     p.add_argument("ckpt_dir")

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.assets import resolve_path
 from torchtitan.checkpoint import folders, hf_folder
-from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.folders import Manifest
 from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, whole_model_shapes
 from torchtitan.checkpoint.model_args import checkpoint_args
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
@@ -44,7 +44,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.datasets.tokenizer import tokenizer_from_file
 from torchtitan.errors import ConfigError, UserError, out_of_memory
 from torchtitan.inference.generation import Continuation, Sampling, eval_mode, generate, positions_needed
-from torchtitan.models import get_train_spec, registered_names
+from torchtitan.models import get_train_spec
 from torchtitan.runtime import process_group
 from torchtitan.runtime.reports import reporting_to_folder, say_how_it_ended
 
@@ -72,18 +72,11 @@ def find_source(path: str) -> Source:
         raise GenerateError(f"--checkpoint {path} does not exist")
     if is_hf_folder(path):
         config = hf_folder.read_json(os.path.join(path, "config.json"), "config.json")
-        wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
-        for name in registered_names():
-            adapter = get_train_spec(name).hf_adapter
-            if adapter is None:
-                continue
-            try:
-                args = adapter.model_args_from_hf_config(config)
-            except (CheckpointError, KeyError, TypeError, ValueError):
-                continue
-            if adapter.hf_architecture(args) == wanted:
-                return Source(path, True, name, args)
-        raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+        found = hf_folder.family_of(config)
+        if found is None:
+            wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+            raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+        return Source(path, True, *found)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, folders.MANIFEST)):
         found, _ = folders.scan(path)
         complete = [f for f in found if f.problem is None]

@@ -15,7 +15,7 @@ STEPS = ["--training.steps", "2", "--training.warmup_steps", "1"]
 @pytest.mark.parametrize("family", list(FAMILY_RUNS))
 def test_a_converted_folder_trains_like_the_hugging_face_folder_it_came_from(family, tmp_path):
     reference(tmp_path / "hf", family)
-    convert("hf-to-dcp", tmp_path / "hf", tmp_path / "dcp", "--model", family)
+    convert("hf-to-dcp", tmp_path / "hf", tmp_path / "dcp")
     for start in ("dcp", "hf", ""):  # "": the run's own initial weights, which the others must not have
         load = ["--checkpoint.initial_load_path", str(tmp_path / start)] if start else []
         run_train([*TINY_RUN, *FAMILY_RUNS[family], *STEPS, *load, "--job.dump_folder", str(tmp_path / f"run_{start}")])

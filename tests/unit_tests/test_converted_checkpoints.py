@@ -78,10 +78,11 @@ def assert_generates_like(checkpoint: Path, hf: torch.nn.Module) -> None:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def converted(request, tmp_path_factory):
-    """(family, the reference model, its folder, its hf-to-dcp conversion)."""
+    """(family, the reference model, its folder, its hf-to-dcp conversion). No --model: the family
+    whose reader takes config.json's architecture is found."""
     family, root = request.param, tmp_path_factory.mktemp(request.param)
     hf = reference(root / "hf", family)
-    convert("hf-to-dcp", root / "hf", root / "dcp", "--model", family)
+    convert("hf-to-dcp", root / "hf", root / "dcp")
     return family, hf, root / "hf", root / "dcp"
 
 
@@ -137,7 +138,7 @@ def test_another_head_layout_of_the_same_shapes_is_refused(tmp_path):
 def test_a_computation_no_shape_shows_is_refused(tmp_path):
     """Qwen3-MoE experts per token: a run choosing 4 of 8 would compute another model."""
     reference(tmp_path / "hf", "qwen3", num_experts=8, top_k=2, moe_hidden_dim=32)
-    convert("hf-to-dcp", tmp_path / "hf", tmp_path / "dcp", "--model", "qwen3")
+    convert("hf-to-dcp", tmp_path / "hf", tmp_path / "dcp")
     with pytest.raises(CheckpointError, match=r"the model it was converted from computes otherwise: top_k 2 "
                                               r"\(checkpoint\) vs 4 \(this run\); use the model.flavor"):
         fit(tmp_path / "dcp", "qwen3", "hf", run_args("qwen3", num_experts=8, top_k=4, moe_hidden_dim=32))
