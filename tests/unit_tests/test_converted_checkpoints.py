@@ -22,8 +22,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from scripts import convert_checkpoint  # noqa: E402
 from scripts import generate as generate_script  # noqa: E402
-from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, checkpoint_record, tied_aliases  # noqa: E402
+from torchtitan.checkpoint.fit import FitCheck, ModelRecord, checkpoint_record, tied_aliases  # noqa: E402
 from torchtitan.checkpoint.folders import CheckpointError, Manifest  # noqa: E402
+from torchtitan.checkpoint.model_args import args_record  # noqa: E402
 from torchtitan.checkpoint.safe_load import read_metadata  # noqa: E402
 from torchtitan.inference.generation import Sampling, generate  # noqa: E402
 from torchtitan.models import get_train_spec  # noqa: E402

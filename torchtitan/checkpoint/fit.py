@@ -22,13 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
-from torchtitan.checkpoint.model_args import (  # args_record: imported from here by older code
-    HEAD_FIELDS,
-    NUMERIC_FIELDS,
-    SHAPE_VISIBLE_FIELDS,
-    args_record,  # noqa: F401
-    differences,
-)
+from torchtitan.checkpoint.model_args import HEAD_FIELDS, NUMERIC_FIELDS, SHAPE_VISIBLE_FIELDS, differences
 
 logger = logging.getLogger(__name__)
 
