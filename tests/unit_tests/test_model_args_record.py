@@ -36,3 +36,21 @@ def test_differences_name_both_sides_and_leave_out_run_settings():
     assert differences(other, tiny, "checkpoint", "this run") == {
         "n_kv_heads": "n_kv_heads 16 (checkpoint) vs 8 (this run)",
         "rope_theta": "rope_theta 1.0 (checkpoint) vs 500000.0 (this run)"}
+
+
+CONVERTIBLE = [(name, flavor) for name, flavor in FLAVORS if get_train_spec(name).hf_adapter is not None]
+
+
+@pytest.mark.parametrize("name,flavor", CONVERTIBLE, ids=[f"{n}-{f}" for n, f in CONVERTIBLE])
+def test_a_conversion_of_a_flavors_config_json_is_recorded_as_that_flavor(name, flavor):
+    """What hf-to-dcp records for a published model's folder: the flavor of its shapes and computation,
+    whatever its vocabulary (so a run of that flavor loads it without a warning, another is refused
+    naming both)."""
+    from scripts.convert_checkpoint import _converted_manifest
+
+    spec = get_train_spec(name)
+    adapter = spec.hf_adapter
+    args = adapter.model_args_from_hf_config(adapter.hf_config(dataclasses.replace(spec.config[flavor], vocab_size=1000)))
+    manifest = _converted_manifest({}, name, args, "/models/x")
+    assert manifest.model == {"name": name, "flavor": flavor} and manifest.converted_from == "/models/x"
+    assert checkpoint_args(spec.config, "hf", manifest.model_args) == args
