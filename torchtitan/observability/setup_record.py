@@ -245,7 +245,8 @@ def _moe(modules: list[tuple[str, nn.Module]]) -> dict | None:
     return {"layers": len(layers), "experts": first.num_experts, "top_k": first.top_k,
             "ep_mesh": {"ep": ep} if ep > 1 else None, "experts_per_rank": first.num_experts // ep,
             "expert_fsdp_mesh": fsdp_dims or None, "fsdp_unit_meshes": units,
-            "aux_loss_coef": first.aux_loss_coef, "bias_update_rate": first.bias_update_rate}
+            "aux_loss_coef": first.aux_loss_coef, "bias_update_rate": first.bias_update_rate,
+            "capacity_factor": first.capacity_factor}
 
 
 def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:
