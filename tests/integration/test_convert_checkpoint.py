@@ -419,6 +419,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
                                                                          "it lacks layers.0.attention.wk.weight and 9 more"),
         "zip archive as torch file": (["torch-to-dcp", tmp / "archive.pt", tmp / "out"],
                                       f"{tmp}/archive.pt is not a torch.save file (RuntimeError: "),
+        "flavor the weights are not": (["torch-to-dcp", tmp / "weights.pt", tmp / "out", "--flavor", "tiny"],
+                                       f"{tmp}/weights.pt: output.weight has shape [2256, 64], but --flavor tiny implies "
+                                       "[2256, 128]; name the flavor that wrote the weights, or leave --flavor out"),
         "list as torch file": (["torch-to-dcp", tmp / "list.pt", tmp / "out"], "does not hold a state dict (a dict of "
                                                                              "parameter name -> tensor)"),
         # Hugging Face folders

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from torchtitan.checkpoint.folders import CheckpointError
+from torchtitan.models import get_train_spec, registered_names
 
 if TYPE_CHECKING:
     from torchtitan.models.hf_adapter import HFAdapter
@@ -58,6 +59,25 @@ def read_json(path: str, what: str) -> Any:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{what} {path} is not valid JSON ({e})") from None
+
+
+def family_of(config: Any, prefer: str | None = None) -> tuple[str, Any] | None:
+    """The registered model family whose HFAdapter reads `config` (a parsed config.json) as the model
+    its `architectures` names, and the args it reads; None when none does. `prefer` is asked first
+    (Llama 2 and Llama 3 read the same folders)."""
+    wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+    names = registered_names()
+    for name in ([prefer] if prefer in names else []) + [n for n in names if n != prefer]:
+        adapter = get_train_spec(name).hf_adapter
+        if adapter is None:
+            continue
+        try:
+            args = adapter.model_args_from_hf_config(config)
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+        if adapter.hf_architecture(args) == wanted:
+            return name, args
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
