@@ -58,8 +58,12 @@ def test_published_sizes():
     assert abs(total / 1e9 - 671) < 0.5 and abs(active / 1e9 - 37) < 1
     copies = 2 * v3.vocab_size * v3.dim
     assert abs((mtp_params(v3)[0] + copies) / 1e9 - 14) < 0.6
-    # DeepSeek-V2-Lite: 15.7B parameters, 2.4B activated (the embedding lookup not counted).
-    lite = deepseek_v3_configs["16B"]
+    # Moonlight-16B-A3B: 16B parameters, 3B activated; DeepSeek-V2-Lite (the same blocks with softmax
+    # routing and a 102,400-token vocabulary): 15.7B, 2.4B activated without the embedding lookup.
+    moonlight = deepseek_v3_configs["16B"]
+    total, active = param_counts(moonlight)
+    assert abs(total / 1e9 - 16) < 0.1 and abs(active / 1e9 - 3) < 0.15
+    lite = dataclasses.replace(moonlight, vocab_size=102400, hidden_dim=10944, score_func="softmax", route_scale=1.0)
     total, active = param_counts(lite)
     assert abs(total / 1e9 - 15.7) < 0.05 and abs((active - lite.vocab_size * lite.dim) / 1e9 - 2.4) < 0.1
 
