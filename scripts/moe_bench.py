@@ -30,6 +30,10 @@ an identity), plus the share of token choices dropped. (2) debugmodel_moe traine
 trainer at EP 2 on 2 ranks, dropless and dropping: step time and the all-to-all share, as the "ep"
 section measures them. About a minute and a half on 2 cores.
 
+Section "deepseek": DeepSeek-V3's debugmodel (train_configs/deepseek_v3_debug.toml) trained under each
+of its layouts (one process, FSDP, EP with and without the dropping mode, TP, PP with MTP on the last
+stage, CP, EP x TP): tokens/s per rank, step time, the all-to-all share. About five minutes on 2 cores.
+
 The default run takes about 65 CPU-seconds (about half a minute of an idle 2-core CPU; on a
 shared machine the figures move with the other processes' load). Each section is one function taking
 the parsed arguments and printing its table (`SECTIONS`); further sections plug in there.
@@ -208,26 +212,29 @@ def a2a_seconds(trace_path: Path) -> tuple[float, float]:
     return a2a / 1e6, step / 1e6
 
 
-def train_ep(args: argparse.Namespace, ep: int, extra: tuple[str, ...] = ()) -> dict:
-    """Trains debugmodel_moe at expert-parallel degree `ep` on as many ranks (FSDP over the same
-    ranks): tokens/s per rank (mean of the logged steps after the first), step seconds, the
-    all-to-all share of one profiled step (mean over ranks) and the share of token choices dropped."""
+def train_ep(args: argparse.Namespace, ep: int, extra: tuple[str, ...] = (), nproc: int | None = None,
+             config: str = "qwen3_moe_debug", experts: int = DEBUGMODEL_MOE.experts) -> dict:
+    """Trains debugmodel_moe (or `config`'s model) at expert-parallel degree `ep` on `nproc` ranks (ep
+    by default; FSDP over the ranks `extra` leaves): tokens/s per rank (mean of the logged steps
+    after the first), step seconds, the all-to-all share of one profiled step (mean over ranks) and
+    the share of token choices dropped."""
+    nproc = nproc or ep
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        overrides = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml",
+        overrides = ["--job.config_file", f"bundled:train_configs/{config}.toml",
                      "--training.steps", str(args.ep_steps), "--training.seq_len", str(args.ep_seq_len),
                      "--training.batch_size", str(args.ep_batch), "--training.warmup_steps", "1",
                      "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(folder),
                      "--profiling.enable_profiling", "--profiling.profile_freq", str(args.ep_steps),
                      "--training.expert_parallel_degree", str(ep), *extra]
-        run_trainer(overrides, nproc=ep, timeout=1800)
+        run_trainer(overrides, nproc=nproc, timeout=1800)
         steps = read_metrics(folder)[1:]
         tps = statistics.mean(r["tokens_per_second"] for r in steps)
         traces = sorted(folder.glob("profile_traces/iteration_*/rank*_trace.json"))
         shares = [a2a / step for a2a, step in map(a2a_seconds, traces) if step > 0]
-        routed = sum(v for r in steps for k, v in r.items() if k.startswith("moe_mean_tokens_per_expert/")) * DEBUGMODEL_MOE.experts
+        routed = sum(v for r in steps for k, v in r.items() if k.startswith("moe_mean_tokens_per_expert/")) * experts
         dropped = sum(v for r in steps for k, v in r.items() if k.startswith("moe_dropped_tokens/"))
-        return {"ep": ep, "ranks": ep, "tps": tps, "a2a": statistics.mean(shares) if shares and ep > 1 else 0.0,
+        return {"ep": ep, "ranks": nproc, "tps": tps, "a2a": statistics.mean(shares) if shares and ep > 1 else 0.0,
                 "step_s": args.ep_batch * args.ep_seq_len / tps, "dropped": dropped / routed if routed else 0.0}
 
 
@@ -325,12 +332,47 @@ def capacity_section(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# DeepSeek-V3's debug model under each layout
+
+# (name, ranks, expert-parallel degree, overrides): every parallelism the family has, at 2 ranks
+# (4 for the compositions), and the dropping mode.
+DEEPSEEK_LAYOUTS = (
+    ("one process", 1, 1, ()),
+    ("FSDP 2", 2, 1, ()),
+    ("EP 2 (FSDP 2)", 2, 2, ()),
+    ("EP 2 (FSDP 2), capacity 1.25", 2, 2, ("--moe.capacity_factor", "1.25")),
+    ("TP 2", 2, 1, ("--training.tensor_parallel_degree", "2")),
+    ("PP 2 (MTP on the last stage)", 2, 1, ("--experimental.pipeline_parallel_degree", "2",
+                                           "--experimental.pipeline_parallel_split_points", "layers.3")),
+    ("CP 2 (MTP off)", 2, 1, ("--experimental.context_parallel_degree", "2", "--model.mtp_depth", "0")),
+    ("EP 2 x TP 2 (FSDP 2)", 4, 2, ("--training.tensor_parallel_degree", "2")),
+)
+
+
+def deepseek_section(args: argparse.Namespace) -> None:
+    """Trains DeepSeek-V3's debugmodel (train_configs/deepseek_v3_debug.toml: 2 dense + 2 MoE
+    blocks, MTP 1) under each layout of DEEPSEEK_LAYOUTS: tokens/s per rank, step seconds and the
+    all-to-all share of the step."""
+    print(f"## DeepSeek-V3 debugmodel per layout ({args.ep_steps} steps, seq {args.ep_seq_len}, "
+          f"{args.ep_batch} sequences per data-parallel rank)")
+    print()
+    print("| layout | ranks | tokens/s per rank | step s | all-to-all share of step | choices dropped |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, nproc, ep, extra in DEEPSEEK_LAYOUTS:
+        r = train_ep(args, ep, extra, nproc=nproc, config="deepseek_v3_debug", experts=8)
+        print(f"| {name} | {nproc} | {r['tps']:,.0f} | {r['step_s']:.2f} | {100 * r['a2a']:.1f}% | "
+              f"{100 * r['dropped']:.2f}% |", flush=True)
+    print(f"\n(gloo on {os.cpu_count()} CPU cores, one thread per rank: ranks beyond the core count share cores)")
+
+
+# ---------------------------------------------------------------------------------------------
 # Sections, in the order they run. A section takes the parsed arguments and prints its table.
 
 SECTIONS = {
     "grouped_mm": grouped_mm_section,
     "ep": ep_section,
     "capacity": capacity_section,
+    "deepseek": deepseek_section,
 }
 
 
@@ -338,7 +380,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=["grouped_mm", "ep", "capacity"],
+                        help="default: all but deepseek (about five minutes more)")
     default_devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=default_devices,
                         help=f"where to run the grouped_mm section (default: {' '.join(default_devices)})")
