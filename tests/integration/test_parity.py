@@ -9,8 +9,9 @@ import pytest
 
 from torchtitan.tools.parity import DOCUMENT_MASK, QWEN3_MOE_CAPACITY, SUITES, Layout, ParityError, all_layouts
 
-# The fast tier's layouts: an FSDP option, float8, bf16, document masking and the Qwen3 MoE family.
-FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2")
+# The fast tier's layouts: an FSDP option, float8, bf16, document masking, the Qwen3 MoE family and
+# DeepSeek-V3 (latent attention split by heads, MTP under loss parallelism, experts over the tp ranks).
+FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2", "dsv3_ep2_tp2")
 
 
 @pytest.mark.unmeasured("numerics only: trains and compares losses; the harness's verdicts are test_parity_harness.py's")
