@@ -39,8 +39,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.runtime.torch_compat import collectives as torch_compat_collectives
 
 logger = logging.getLogger(__name__)
@@ -167,6 +169,44 @@ def moe_fsdp_units(layers: Sequence[nn.Module], parallel_dims: ParallelDims) -> 
         if parallel_dims.tp > 1:
             units.append(FSDPUnit(layer, parallel_dims.moe_fsdp_mesh, factor))
     return units
+
+
+# ---------------------------------------------------------------------------------------------
+# What an MoE model needs of the layout
+
+
+def check_moe_layout(num_experts: int, parallel_dims: ParallelDims, plan: PipelinePlan | None,
+                     job_config: JobConfig, flavor: str) -> None:
+    """The layout rules of any model with MoE layers, for its family's ValidateFn (one line each).
+    (A dense flavor with ep > 1 is refused by preflight's `experts` rule, for every family.)"""
+    ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
+    if ep > 1 and num_experts % ep:
+        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {num_experts} experts of {flavor}")
+    if ep > 1 or tp > 1:
+        # The MoE layers then have FSDP units of their own inside each block.
+        ac = job_config.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            raise ConfigError("activation_checkpoint.selective_ac_option 'op' cannot checkpoint MoE layers that expert or "
+                              "tensor parallelism shards on their own (their FSDP gathers run inside the checkpointed "
+                              "region and differ in the recompute); use activation_checkpoint.mode full, or selective "
+                              "with a block interval")
+    if tp == 1:
+        return
+    if plan is not None and plan.split_backward:
+        raise ConfigError(f"experimental.pipeline_parallel_schedule {plan.schedule} computes weight gradients in a "
+                          "second backward pass, which cannot reach the MoE layers' parameters under "
+                          "training.tensor_parallel_degree > 1 (PyTorch 2.13); use a schedule without zero bubble "
+                          "(1F1B, Interleaved1F1B, ...)")
+    if parallel_dims.ddp_enabled:
+        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} shards its MoE layers over the tp "
+                          "ranks with FSDP, which DDP replicas (training.data_parallel_replicate_degree "
+                          f"{parallel_dims.dp_replicate} with training.data_parallel_shard_degree 1) cannot hold; "
+                          "shard instead (training.data_parallel_shard_degree > 1)")
+    local = job_config.training.seq_len // cp
+    if local % tp:
+        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
+                          f"the sequence: training.seq_len {job_config.training.seq_len} / "
+                          f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
 
 
 # ---------------------------------------------------------------------------------------------
