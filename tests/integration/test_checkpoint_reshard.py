@@ -99,3 +99,15 @@ def test_tied_embeddings_saved_by_two_pipeline_stages_load_into_one_weight(tmp_p
     run(pipeline, "pp2", tied)
     single, _ = resume(tmp_path, "tied_single", "single", pipeline, 4, tied)
     assert_continues(pipeline, single, 5)
+
+
+def test_deepseek_mtp_embedding_copy_saved_by_the_last_stage_loads_into_one_weight(tmp_path):
+    """DeepSeek-V3 with multi-token prediction under PP: the last stage keeps a copy of the token
+    embedding (for MTP) under the first stage's name, `tok_embeddings.weight`, one weight with it;
+    both stages save it, and one process loads it (with the experts, their bias and MTP's
+    modules) and continues with the pipeline run's losses."""
+    model = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--moe.bias_update_rate", "0.001"]
+    pipeline = tmp_path / "dsv3_pp2"
+    run(pipeline, "pp2", model)
+    single, _ = resume(tmp_path, "dsv3_single", "single", pipeline, 4, model)
+    assert_continues(pipeline, single, 5)

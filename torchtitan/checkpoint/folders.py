@@ -55,6 +55,9 @@ class Manifest:
     # The run's tokenizer: {"path": a bundled: name or an absolute path, "sha256": of the file}, so
     # tools that read the checkpoint (scripts/generate.py) find it and notice another in its place.
     tokenizer: dict[str, str] | None = None
+    # What scripts/convert_checkpoint.py made the weights from (a Hugging Face folder, a torch.save
+    # file); None for a checkpoint a run wrote. Such weights are loaded like that folder would be.
+    converted_from: str | None = None
     saved_at: str = ""
     format: str = FORMAT
 

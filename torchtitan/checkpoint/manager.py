@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.assets import BUNDLED_PREFIX, resolve_path
 from torchtitan.checkpoint import folders, hf_training
 from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, first_error, gather_from_ranks, one_line, save_failure
-from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, build_on_meta, checkpoint_record, tied_aliases
+from torchtitan.checkpoint.fit import FitCheck, ModelRecord, build_on_meta, checkpoint_record, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, Manifest
+from torchtitan.checkpoint.model_args import args_record
 from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from torchtitan.checkpoint.states import DataState, ModelState, PartialState, RNGState, TrainState, flatten
