@@ -10,12 +10,13 @@ generated instead:
    whose product is 1, 2, 4 or 8 (56 points).
 2. **Variants** that change how a layout runs (`FACTORS`: pipeline schedule kind, sequence and
    loss parallelism, activation checkpointing, compile, tied embeddings, gradient accumulation,
-   ZeRO-1)
+   ZeRO-1, and the model: dense, Qwen3-MoE or DeepSeek-V3 with expert parallelism)
    are placed on the base points greedily, as a pairwise covering rather than the full product:
    each value of each variant must meet every parallel dim it interacts with at least once
    (weight 10), the known holes in `NAMED_GOALS` must be met (weight 10), and every pair of
    variant values (weight 1) meets on some point: on a base point where one has room, else on a
-   small extra point. Expensive values (compile, accumulation,
+   small extra point (a pair no model offers, `IMPOSSIBLE`, is neither placed nor required).
+   Expensive values (compile, accumulation,
    more blocks) cost in proportion to the ranks they run on, so they land on small points.
    A placement the product refuses is never chosen for a base point; a goal that only refused
    placements can meet gets a point of its own (for a pair of variants, only then), which must
@@ -25,7 +26,8 @@ generated instead:
    trained 10 steps from a seed checkpoint with the global batch of one process, and its losses
    compared (parity.py). There is no third outcome: a crash, hang or divergence is a bug.
 
-Runs use the `llama3_matrix` model (matrix_model.py), as deep as each point's pipeline needs.
+Runs use the `llama3_matrix` model (matrix_model.py), or its MoE twins `qwen3_moe_matrix` and
+`deepseek_v3_matrix` on the MoE variant's points, as deep as each point's pipeline needs.
 `ci_points()` is the subset the test suite runs (every point up to 4 ranks and at least 12
 8-rank points covering every pair of dims); `scripts/loss_compare.py --suite matrix` runs all.
 """
