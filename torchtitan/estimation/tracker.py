@@ -85,7 +85,7 @@ class StepTracker:
     def __init__(self, model_parts: list[nn.Module], optimizers: list[Any], offload: bool = False):
         self.offload = offload
         self.optimizers = optimizers
-        self.moe_layers = [m for part in model_parts for m in part.modules() if _is_moe_layer(m)]
+        self.moe_layers = [m for part in model_parts for m in part.modules() if is_moe_layer(m)]
         # FSDP's tracker needs every part to be an FSDP root. Where only some submodules are sharded
         # (MoE experts over their own mesh in a layout without FSDP), the plain tracker still sees
         # every allocation; their gathered parameters then count as temporaries.
@@ -159,7 +159,7 @@ class StepTracker:
         return maxima
 
 
-def _is_moe_layer(module: nn.Module) -> bool:
+def is_moe_layer(module: nn.Module) -> bool:
     """A mixture-of-experts layer (torchtitan/models/moe.py's MoE, or a family's own with the same
     parts): it has `num_experts` and an `experts` submodule."""
     return hasattr(module, "num_experts") and isinstance(getattr(module, "experts", None), nn.Module)
