@@ -229,14 +229,18 @@ def test_router_bias_steers_the_choice_not_the_weights():
     torch.testing.assert_close(weights.gather(-1, experts.argsort(-1)), ref_weights, rtol=0, atol=1e-6)
 
 
-def test_moe_uses_the_expert_bias_only_with_a_bias_update_rate():
+def test_the_expert_bias_steers_the_choice_whatever_the_update_rate():
+    # DeepSeek-V3 freezes the bias late in training (rate 0) and keeps using it; a converted
+    # checkpoint's e_score_correction_bias likewise steers with the rate at 0.
     x = torch.randn(2, 10, DIM)
     for rate in (0.0, 0.01):
         moe = make_moe(bias_update_rate=rate)
         moe.expert_bias[0] = 1.0
         moe(x)
         counts, _ = moe.take_step_stats()
-        assert (counts[0] == 20) == (rate > 0), (rate, counts)
+        assert counts[0] == 20, (rate, counts)
+        moe.update_expert_bias(counts)
+        assert (moe.expert_bias[0] < 1.0) == (rate > 0)  # only a positive rate moves it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,3 +490,49 @@ def test_moe_bench_grouped_mm_smoke():
     assert "| tiny | cpu | float32 | 16 | 24 | 4 | 2 | 32 | 64 |" in table
     assert "| odd |" in table and "n/a" in table
     assert "grouped_mm" in moe_bench.SECTIONS
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3 routing: sigmoid scores, group-limited top-k, routed scaling
+
+
+def _reference_group_limited(scores, bias, n_group, topk_group, top_k, scale):
+    """Token by token, in plain Python: rate each group by its two best biased scores, keep the
+    best groups, pick the top-k biased scores among their experts, weight by the raw scores."""
+    chosen, weights = [], []
+    per_group = scores.shape[1] // n_group
+    for s, b in zip(scores.tolist(), [bias.tolist()] * scores.shape[0]):
+        biased = [x + y for x, y in zip(s, b)]
+        rating = [sum(sorted(biased[g * per_group:(g + 1) * per_group], reverse=True)[:2]) for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -rating[g])[:topk_group]
+        allowed = [e for g in groups for e in range(g * per_group, (g + 1) * per_group)]
+        picks = sorted(allowed, key=lambda e: -biased[e])[:top_k]
+        w = [s[e] for e in picks]
+        chosen.append(sorted(picks))
+        weights.append(sorted(x / sum(w) * scale for x in w))
+    return chosen, weights
+
+
+def test_sigmoid_group_limited_routing_equals_a_token_by_token_reference():
+    torch.manual_seed(3)
+    router = TokenChoiceRouter(DIM, 8, 3, norm_topk_prob=True, score_func="sigmoid", n_group=4, topk_group=2,
+                               route_scale=2.5)
+    bias = torch.randn(8) * 0.1
+    x = torch.randn(40, DIM)
+    probs, experts, weights = router(x, bias)
+    scores = torch.sigmoid(router.gate(x).float())
+    ref_experts, ref_weights = _reference_group_limited(scores, bias, 4, 2, 3, 2.5)
+    order = experts.sort(dim=-1)
+    assert order.values.tolist() == ref_experts
+    torch.testing.assert_close(weights.sort(dim=-1).values, torch.tensor(ref_weights), rtol=1e-6, atol=1e-6)
+    # Every token's experts lie in at most topk_group groups.
+    assert max(len({e // 2 for e in row}) for row in experts.tolist()) <= 2
+    # The balancing loss sees the sigmoid scores normalised per token.
+    torch.testing.assert_close(probs, scores / scores.sum(-1, keepdim=True))
+
+
+def test_router_refuses_groups_that_cannot_hold_top_k():
+    with pytest.raises(ValueError, match="n_group"):
+        TokenChoiceRouter(DIM, 8, 2, True, "sigmoid", n_group=3, topk_group=1)
+    with pytest.raises(ValueError, match="exceeds"):
+        TokenChoiceRouter(DIM, 8, 3, True, "sigmoid", n_group=4, topk_group=1)

@@ -101,6 +101,10 @@ class Model:
         "any other path is relative to the working directory.",
     )
     vocab_size_divisible_by: int = opt(1, "Pad the vocabulary (embedding and output rows) up to a multiple of this.")
+    mtp_depth: int = opt(-1, "Multi-token prediction depth (DeepSeek-V3: extra modules predicting tokens further "
+                             "ahead, trained beside the model): -1 = the flavor's, 0 = off.")
+    mtp_loss_weight: float = opt(0.3, "Weight of the multi-token prediction loss (the mean over depths; DeepSeek-V3 "
+                                      "used 0.3, then 0.1 late in training). Logged as mtp_loss, unweighted.")
 
 
 @dataclass

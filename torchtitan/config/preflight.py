@@ -35,7 +35,10 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
     flavor = train_spec.config[model.flavor]
     # vocab_size is required of every model's args; the others are set where the model has them.
     updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": model.norm_type,
-               "moe_aux_loss_coef": job_config.moe.aux_loss_coef, "moe_bias_update_rate": job_config.moe.bias_update_rate}
+               "moe_aux_loss_coef": job_config.moe.aux_loss_coef, "moe_bias_update_rate": job_config.moe.bias_update_rate,
+               "mtp_loss_weight": model.mtp_loss_weight}
+    if model.mtp_depth >= 0:
+        updates["mtp_depth"] = model.mtp_depth
     padding = -vocab_size % model.vocab_size_divisible_by
     if padding:
         if not hasattr(flavor, "vocab_padding"):
@@ -94,6 +97,14 @@ def check_experts(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: P
     raise ConfigError(f"{needs}; {model_name} has no experts (leave it at 1)")
 
 
+def check_mtp(job_config: JobConfig, train_spec: TrainSpec) -> None:
+    """model.mtp_depth > 0 needs a family with multi-token prediction modules (an `mtp_depth` field)."""
+    depth = job_config.model.mtp_depth
+    if depth > 0 and not hasattr(train_spec.config[job_config.model.flavor], "mtp_depth"):
+        raise ConfigError(f"model.mtp_depth {depth}: model {job_config.model.name!r} has no multi-token prediction "
+                          "(deepseek_v3 has); leave it at -1 or 0")
+
+
 def check_model_shapes(train_spec: TrainSpec, model_args: Any, parallel_dims: ParallelDims,
                        plan: PipelinePlan | None, job_config: JobConfig) -> None:
     """The model family's own rules (its TrainSpec's validate_fn): head and vocabulary counts
@@ -150,6 +161,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
     rules.run("experts", job_config, train_spec, parallel_dims, model)
+    rules.run("mtp", job_config, train_spec)
     rules.run("model_shapes", train_spec, model_args, parallel_dims, plan, job_config)
     device_type = device_type or device_setup.device_type()
     rules.run("async_tp_device", job_config, device_type)

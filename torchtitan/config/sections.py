@@ -92,6 +92,10 @@ def check_moe(config: JobConfig) -> None:
 
 def check_model(config: JobConfig) -> None:
     _at_least_one({"model.vocab_size_divisible_by": config.model.vocab_size_divisible_by})
+    model = config.model
+    if model.mtp_depth < -1 or model.mtp_loss_weight < 0:
+        raise ConfigError(f"model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, and model.mtp_loss_weight "
+                          f">= 0; got {model.mtp_depth} and {model.mtp_loss_weight}")
 
 
 def check_profiling(config: JobConfig) -> None:

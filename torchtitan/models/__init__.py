@@ -1,6 +1,7 @@
 """Model registry. Importing this package registers the built-in model families."""
 
 from torchtitan.models import (
+    deepseek_v3,  # noqa: F401  (registers deepseek_v3)
     llama,  # noqa: F401  (registers llama2 and llama3)
     qwen3,  # noqa: F401  (registers qwen3, dense and MoE)
 )

@@ -19,10 +19,12 @@ The dry run (torchtitan/estimation/shapes_only.py) replaces the two that need va
 tensors that have none: `MoE.count_tokens` (bincount of the routing) and `GroupedExperts.kernels`
 (which expert matmul runs, and running it).
 
-Routing (as Qwen3-MoE): softmax over the experts' scores in fp32, the top k chosen (plus a
-per-expert bias when auxiliary-loss-free balancing is on; the bias steers the choice only), the
-chosen probabilities renormalised to sum to one when `norm_topk_prob`. Dropless: every token
-reaches all of its k experts, however unbalanced the routing.
+Routing (`TokenChoiceRouter`): softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) scores in fp32, the
+top k chosen (plus a per-expert bias, zero unless auxiliary-loss-free balancing moved it; the bias
+steers the choice only), optionally among the best groups of experts only (DeepSeek-V3's
+group-limited routing), the chosen weights renormalised to sum to one when `norm_topk_prob` and
+scaled by `route_scale`. Dropless: every token reaches all of its k experts, however unbalanced
+the routing.
 
 Load balancing, either or both:
 - an auxiliary loss per layer, DeepSeek-V3's sequence-wise form of the standard one:
@@ -166,21 +168,63 @@ class GroupedExperts(nn.Module):
 
 
 class TokenChoiceRouter(nn.Module):
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    """Each token's top-k experts and their weights.
+
+    `score_func`: "softmax" (Qwen3-MoE, DeepSeek-V2) turns the gate's logits into probabilities over
+    the experts; "sigmoid" (DeepSeek-V3) scores each expert on its own. `n_group` / `topk_group`:
+    group-limited routing (DeepSeek-V3's node-limited routing): the experts form `n_group` equal
+    groups, each group is rated by the sum of its two best scores (its best one when a group holds a
+    single expert), and a token may choose only among the experts of its `topk_group` best groups,
+    which bounds how many nodes its tokens travel to when groups map to nodes. The bias
+    (auxiliary-loss-free balancing, and DeepSeek-V3's imported correction bias) steers the choice
+    only, never the weights. `route_scale` multiplies the chosen weights (DeepSeek-V3's routed
+    scaling factor)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, score_func: str = "softmax",
+                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0):
         super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be softmax or sigmoid, got {score_func!r}")
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"group-limited routing needs n_group ({n_group}) dividing the {num_experts} experts and "
+                             f"1 <= topk_group ({topk_group}) <= n_group")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top_k {top_k} exceeds the {topk_group * (num_experts // n_group)} experts of "
+                             f"{topk_group} groups of {num_experts // n_group}")
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.score_func, self.n_group, self.topk_group, self.route_scale = score_func, n_group, topk_group, route_scale
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> probabilities (T, E) fp32, chosen experts (T, k) and their weights (T, k)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        choose_by = probs if bias is None else probs + bias
+        """x (T, dim) -> probabilities (T, E) fp32 (sigmoid scores normalised per token, as the
+        balancing loss wants them), chosen experts (T, k) and their weights (T, k)."""
+        logits = self.gate(x).float()
+        scores = F.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        choose_by = scores if bias is None else scores + bias
+        if self.n_group > 1:
+            choose_by = self._limit_to_groups(choose_by)
         experts = torch.topk(choose_by, self.top_k, dim=-1).indices
-        weights = probs.gather(-1, experts)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = scores.gather(-1, experts)
+        if self.score_func == "softmax":
+            probs = scores
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+            if self.norm_topk_prob:  # (the epsilon: sigmoid scores can all underflow to zero)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         return probs, experts, weights
+
+    def _limit_to_groups(self, choose_by: torch.Tensor) -> torch.Tensor:
+        """`choose_by` with the experts outside each token's `topk_group` best groups set to -inf."""
+        tokens, n_experts = choose_by.shape
+        grouped = choose_by.view(tokens, self.n_group, n_experts // self.n_group)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (T, n_group)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, n_experts)
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -199,13 +243,15 @@ class AuxLossGrad(torch.autograd.Function):
 
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
-                 aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0):
+                 aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0, score_func: str = "softmax",
+                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {num_experts}")
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.bias_update_rate = aux_loss_coef, bias_update_rate
-        self.router = TokenChoiceRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.router = TokenChoiceRouter(dim, num_experts, top_k, norm_topk_prob, score_func, n_group, topk_group,
+                                        route_scale)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         # Auxiliary-loss-free balancing state: saved in checkpoints, updated by the trainer.
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
@@ -233,8 +279,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         tokens = x.reshape(-1, dim)
-        bias = self.expert_bias if self.bias_update_rate > 0 else None
-        probs, experts, weights = self.router(tokens, bias)
+        # The bias is zero unless balancing moved it or a converted checkpoint brought one (DeepSeek-V3's
+        # e_score_correction_bias); a zero bias chooses exactly as none would.
+        probs, experts, weights = self.router(tokens, self.expert_bias)
         flat_experts = experts.flatten()  # (T*k,), token t's choices at t*k ... t*k+k-1
         counts = self.count_tokens(flat_experts, self.num_experts)
         # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.

@@ -166,9 +166,16 @@ def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_
 
 
 def _layer_index(name: str) -> int:
-    """The block index in an MoE layer's module name (`layers.3.moe`, under any wrapper)."""
+    """The block index in an MoE layer's module name (`layers.3.moe`, under any wrapper); a
+    multi-token prediction module's block (`mtp.0.block.moe`, DeepSeek-V3) counts as -1 - depth."""
     parts = name.split(".")
+    if "layers" not in parts and "mtp" in parts:
+        return -1 - int(parts[parts.index("mtp") + 1])
     return int(parts[parts.index("layers") + 1])
+
+
+def _layer_label(index: int) -> str:
+    return f"layer{index}" if index >= 0 else f"mtp{-1 - index}"
 
 
 def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
@@ -204,8 +211,8 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
         return None
     values = {"moe_aux_loss": sum(aux for _, _, aux in mine.values())}
     for i, (most, mean, _) in sorted(mine.items()):
-        values[f"moe_max_tokens_per_expert/layer{i}"] = most
-        values[f"moe_mean_tokens_per_expert/layer{i}"] = mean
+        values[f"moe_max_tokens_per_expert/{_layer_label(i)}"] = most
+        values[f"moe_mean_tokens_per_expert/{_layer_label(i)}"] = mean
     worst = max(mine, key=lambda i: mine[i][0] / max(mine[i][1], 1e-9))
     ratio = mine[worst][0] / max(mine[worst][1], 1e-9)
-    return values, f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} (layer {worst})"
+    return values, f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} ({_layer_label(worst)})"

@@ -69,26 +69,35 @@ def stage_starts(n_layers: int, unit_costs: list[float], job_config: JobConfig, 
     return balanced_split(unit_costs, plan.num_stages)
 
 
-def build_stage_module(model: nn.Module, first: int, last: int, num_stages: int, stage_id: int) -> nn.Module:
-    """A copy of the (meta-device) model that holds blocks first..last-1 under their original names."""
+def build_stage_module(model: nn.Module, first: int, last: int, num_stages: int, stage_id: int,
+                       embedding_on_last_stage: bool = False) -> nn.Module:
+    """A copy of the (meta-device) model that holds blocks first..last-1 under their original names.
+    The last stage also keeps a model's `mtp` modules (multi-token prediction) and, with
+    `embedding_on_last_stage` (they embed tokens ahead), a copy of the token embedding."""
     stage = copy.deepcopy(model)
     for name in list(stage.layers.keys()):
         if not first <= int(name) < last:
             del stage.layers[name]
-    if stage_id != 0:
+    is_last = stage_id == num_stages - 1
+    if stage_id != 0 and not (is_last and embedding_on_last_stage):
         stage.tok_embeddings = None
-    if stage_id != num_stages - 1:
+    if not is_last:
         stage.norm, stage.output, stage.vocab_mask = None, None, None
+        if hasattr(stage, "mtp"):
+            stage.mtp = None
     return stage
 
 
 def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int], tied_embeddings: bool,
                            plan: PipelinePlan, parallel_dims: ParallelDims, job_config: JobConfig,
                            device: torch.device, parallelize_fn: Callable[..., nn.Module],
-                           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+                           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           embedding_on_last_stage: bool = False) -> Pipeline:
     """Cuts this rank's stages at `starts`, parallelizes each with `parallelize_fn`, and builds
     the schedule around `loss_fn` (the TrainSpec's ParallelizeFn and LossFn; typed loosely here
-    because parallelisms do not import the model registry)."""
+    because parallelisms do not import the model registry). `embedding_on_last_stage`: the last
+    stage keeps a copy of the token embedding, one weight with the first stage's (pipeline_tied.py),
+    for a model whose last stage embeds tokens too (DeepSeek-V3's multi-token prediction)."""
     pp_mesh = parallel_dims.pp_mesh
     bounds = [0, *starts, n_layers]
     names = [f"layers.{bounds[i]}-{bounds[i + 1] - 1}" for i in range(plan.num_stages)]
@@ -98,7 +107,8 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), plan)
     modules = []
     for stage_id in stage_ids:
-        module = build_stage_module(model, bounds[stage_id], bounds[stage_id + 1], plan.num_stages, stage_id)
+        module = build_stage_module(model, bounds[stage_id], bounds[stage_id + 1], plan.num_stages, stage_id,
+                                    embedding_on_last_stage)
         modules.append(parallelize_fn(module, parallel_dims, job_config))
     stages = make_stages(modules, stage_ids, plan, pp_mesh.get_group(), device)
     scale = plan.microbatches * job_config.training.gradient_accumulation_steps
@@ -112,14 +122,19 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
     # Every rank passes the loss function: a schedule without one runs forward only.
     schedule = build_schedule(plan, stages, microbatch_loss)
     tied = None
-    if tied_embeddings:
-        # The embedding (first stage) and the output projection (last stage) share one matrix.
+    if tied_embeddings or embedding_on_last_stage:
+        if tied_embeddings and embedding_on_last_stage:
+            raise ConfigError("a model whose last pipeline stage embeds tokens cannot also tie its output projection "
+                              "to the embedding (one weight shared by three modules)")
+        # The embedding (first stage) and the output projection, or the embedding's copy (last
+        # stage), share one matrix.
         by_stage = dict(zip(stage_ids, modules))
         last_stage = plan.num_stages - 1
         placement = stage_ranks(plan)
         owners = (placement[0], placement[last_stage])
         tied = TiedWeights((by_stage[0], "tok_embeddings") if 0 in by_stage else None,
-                           (by_stage[last_stage], "output") if last_stage in by_stage else None,
+                           (by_stage[last_stage], "tok_embeddings" if embedding_on_last_stage else "output")
+                           if last_stage in by_stage else None,
                            owners, parallel_dims.world_mesh)
     by_id = dict(zip(stage_ids, modules))
 
@@ -127,8 +142,8 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
         # This rank's own, or a fresh one on the meta device (the dry run materialises it).
         if 0 in by_id:
             return by_id[0]
-        return parallelize_fn(build_stage_module(model, bounds[0], bounds[1], plan.num_stages, 0), parallel_dims,
-                              job_config)
+        return parallelize_fn(build_stage_module(model, bounds[0], bounds[1], plan.num_stages, 0,
+                                                 embedding_on_last_stage), parallel_dims, job_config)
 
     return Pipeline(schedule, modules, 0 in stage_ids, plan.num_stages - 1 in stage_ids, tied,
                     make_eval_schedule=lambda: forward_only_schedule(plan, stages, microbatch_loss),

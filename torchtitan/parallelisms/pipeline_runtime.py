@@ -147,12 +147,13 @@ class Pipeline:
         self.timer.busy, self.step_seconds = 0.0, 0.0
         return collectives.mean_across(idle, pp_mesh)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device, /,
                          **kwargs: torch.Tensor) -> torch.Tensor:
         """Runs one batch through the schedule (microbatched forwards and backwards). Returns the
         batch's loss on the last stage (the schedule's loss function is already scaled) and zero
-        elsewhere. `kwargs` (document_ids) go to every stage's forward: every rank passes them, and
-        the schedule cuts them into microbatches along the batch as it cuts the inputs."""
+        elsewhere. `kwargs` (document_ids; labels for a model that takes them) go to every stage's
+        forward: every rank passes them, and the schedule cuts them into microbatches along the
+        batch as it cuts the inputs."""
         targets, losses = (labels, []) if self.has_last_stage else (None, None)
         args = (inputs,) if self.has_first_stage else ()
         start = time.perf_counter()
@@ -163,7 +164,7 @@ class Pipeline:
         return torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]).sum()
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
-                 loss_scale: float, **kwargs: torch.Tensor) -> torch.Tensor:
+                 loss_scale: float, /, **kwargs: torch.Tensor) -> torch.Tensor:
         """Runs one batch forward only (the schedule's `eval`, microbatched like a training step)
         and returns its mean loss on the last stage, zero elsewhere. `loss_scale` undoes the
         division the schedule's loss function applies for gradient accumulation; `kwargs` as in

@@ -120,6 +120,11 @@ FLOAT8_TOLERANCE = 1e-3
 # Qwen3 runs its smallest flavors: what they prove (experts, q/k norms, the layouts) does not need more.
 QWEN3_MOE = "--model.name qwen3 --model.flavor tiny_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
 QWEN3_DENSE = "--model.name qwen3 --model.flavor tiny"
+# DeepSeek-V3's `tiny`: latent attention, a dense and an MoE block (shared experts, group-limited
+# sigmoid routing), multi-token prediction (depth 1), auxiliary loss and bias both on.
+DEEPSEEK_V3 = ("--model.name deepseek_v3 --model.flavor tiny --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001")
+DEEPSEEK_V3_NO_MTP = f"{DEEPSEEK_V3} --model.mtp_depth 0"
+DEEPSEEK_V3_DEBUG = DEEPSEEK_V3.replace("tiny", "debugmodel")
 POSITIVE = Check("a count above 0", lambda n: n > 0)
 # bf16 compute (training.mixed_precision_param) on llama3's 2-block `tiny` model: the seed and
 # the baseline (one process under autocast) too. bf16 rounds each matmul's output to 8 bits of
@@ -185,6 +190,24 @@ SUITES: dict[str, list[Layout]] = {
         L("qwen3_fsdp2_tp2", 4, "--training.tensor_parallel_degree 2",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_DENSE),
         L("qwen3_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=QWEN3_DENSE),
+    ],
+    # DeepSeek-V3 (issue 39's rows): expert parallelism alone and with FSDP, TP and PP (MTP on the
+    # last stage, its embedding copy tied to the first stage's), context parallelism (latent
+    # attention in the ring; MTP off, which context parallelism refuses), and MTP off under FSDP.
+    "deepseek_v3": [
+        L("dsv3_ep2", 2, "--training.expert_parallel_degree 2", {"moe.ep_mesh": {"ep": 2}}, shared=DEEPSEEK_V3),
+        L("dsv3_ep2_fsdp4", 4, "--training.expert_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "moe.expert_fsdp_mesh": {"efsdp": 2}, "fsdp.mesh": {"dp_shard_cp": 4}},
+          shared=DEEPSEEK_V3),
+        L("dsv3_ep2_tp2", 4, "--training.expert_parallel_degree 2 --training.tensor_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "tp.mesh": {"tp": 2}}, shared=DEEPSEEK_V3),
+        # The debug model (2 dense + 2 MoE blocks) cut so that both stages hold an MoE block.
+        L("dsv3_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_split_points layers.3",
+          {"moe.ep_mesh": {"ep": 2}, "pipeline.stages": 2}, shared=DEEPSEEK_V3_DEBUG),
+        L("dsv3_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=DEEPSEEK_V3_NO_MTP),
+        L("dsv3_fsdp2_no_mtp", 2, "--training.data_parallel_shard_degree 2", {"fsdp.mesh": {"dp_shard_cp": 2}},
+          shared=DEEPSEEK_V3_NO_MTP),
     ],
     # Document masking through each way the document ids travel: beside the tokens into an FSDP
     # model whose blocks are compiled (accumulating gradients), into TP ranks that gather the

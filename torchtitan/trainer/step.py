@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -107,6 +108,12 @@ def model_kwargs(inputs: torch.Tensor, eos_id: int | None) -> dict[str, torch.Te
     return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
 
 
+def takes_labels(train_spec: TrainSpec) -> bool:
+    """Whether the family's forward takes the labels as well (`labels`: DeepSeek-V3's multi-token
+    prediction needs the tokens ahead); such a model gets them in training."""
+    return "labels" in inspect.signature(train_spec.model_cls.forward).parameters
+
+
 def loss_context(parallel_dims: ParallelDims) -> Callable[[], ContextManager]:
     """What the loss (and its backward) is computed in, training and validation alike: with loss
     parallelism, DTensor's loss_parallel, whose cross-entropy consumes vocabulary-sharded logits."""
@@ -121,12 +128,15 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
     `defer_sharded_reduction`: training.defer_sharded_gradient_reduction. `eos_id`: document
     masking's separator (`document_mask_eos`), None without it."""
     accum = len(micro_batches)
+    with_labels = takes_labels(train_spec)
     in_loss_context = loss_context(parallel_dims)
     step_loss = torch.zeros((), device=device)
     for micro, (inputs, labels) in enumerate(micro_batches):
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         extra = model_kwargs(inputs, eos_id)  # (document masking does not compose with context parallelism)
         inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
+        if with_labels:
+            extra["labels"] = labels
         if accum > 1:
             _skip_reductions(parallel_dims, model_parts, micro == accum - 1, defer_sharded_reduction)
         with in_loss_context():

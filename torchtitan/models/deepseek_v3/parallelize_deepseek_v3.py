@@ -1,0 +1,210 @@
+"""parallelize_deepseek_v3: applies parallelisms to a DeepSeek-V3 model or one pipeline stage.
+
+The order is Qwen3-MoE's (float8 -> TP -> EP -> CP -> AC -> compile -> FSDP/HSDP or DDP), with the
+MoE layers' own FSDP units wrapped before their blocks (torchtitan/parallelisms/expert_parallel.py).
+
+Tensor parallelism of multi-head latent attention: the projections that produce per-head
+outputs (`wq` or `wq_b`, `wkv_b`) are split by heads (column-wise), `wo` row-wise; the
+compressions (`wq_a`, `wkv_a`) and their norms are small and shared by all heads, so they stay
+whole on every tp rank (replicated, their gradients identical across tp). The shared experts
+are split like a dense feed-forward; the routed ones take their rank's slice of the sequence, as
+in Qwen3-MoE. The MTP modules get the same block plan, and their `eh_proj` and norms, which act per
+token, run on the sequence slice under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import ConfigError
+from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs
+from torchtitan.models.deepseek_v3.pipeline_deepseek_v3 import stage_starts_for
+from torchtitan.parallelisms.context_parallel import apply_cp
+from torchtitan.parallelisms.data_parallel import apply_data_parallel
+from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, configure_moe, moe_fsdp_units, moe_tp_plan
+from torchtitan.parallelisms.float8 import apply_float8
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan
+from torchtitan.parallelisms.tensor_parallel import (
+    apply_ac_and_compile,
+    apply_async_tp,
+    apply_root_tp,
+    check_tp_shapes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def validate_deepseek_v3(args: DeepSeekV3ModelArgs, parallel_dims: ParallelDims, plan: PipelinePlan | None,
+                         job_config: JobConfig) -> None:
+    """Shape and combination requirements of the layout (the TrainSpec's ValidateFn)."""
+    flavor = f"model {job_config.model.name} {job_config.model.flavor}"
+    if plan is not None:
+        stage_starts_for(args, job_config, plan)  # raises when the stages cannot be cut
+    ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
+    if args.mtp_depth and cp > 1:
+        raise ConfigError(f"multi-token prediction (model.mtp_depth {args.mtp_depth}) needs the tokens ahead of each "
+                          f"position, which context parallelism ({cp}) spreads over other ranks; set model.mtp_depth 0 "
+                          "to train with context parallelism")
+    if args.mtp_depth and job_config.training.seq_len <= args.mtp_depth:
+        raise ConfigError(f"model.mtp_depth {args.mtp_depth} needs training.seq_len above it "
+                          f"({job_config.training.seq_len})")
+    if job_config.float8.enable_float8_linear and tp > 1:
+        raise ConfigError(f"float8.enable_float8_linear with training.tensor_parallel_degree {tp}: {flavor} has no "
+                          "float8 tensor-parallel plan yet; use float8 without TP, or TP in bf16")
+    if ep > 1 and args.num_experts % ep:
+        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {args.num_experts} experts of {flavor}")
+    if ep > 1 or tp > 1:
+        ac = job_config.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            raise ConfigError("activation_checkpoint.selective_ac_option 'op' cannot checkpoint MoE layers that expert or "
+                              "tensor parallelism shards on their own (their FSDP gathers run inside the checkpointed "
+                              "region and differ in the recompute); use activation_checkpoint.mode full, or selective "
+                              "with a block interval")
+    if tp > 1 and plan is not None and plan.split_backward:
+        raise ConfigError(f"experimental.pipeline_parallel_schedule {plan.schedule} computes weight gradients in a "
+                          "second backward pass, which cannot reach the MoE layers' parameters under "
+                          "training.tensor_parallel_degree > 1 (PyTorch 2.13); use a schedule without zero bubble "
+                          "(1F1B, Interleaved1F1B, ...)")
+    if tp == 1:
+        return
+    if parallel_dims.ddp_enabled:
+        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} shards its MoE layers over the tp "
+                          "ranks with FSDP, which DDP replicas (training.data_parallel_replicate_degree "
+                          f"{parallel_dims.dp_replicate} with training.data_parallel_shard_degree 1) cannot hold; "
+                          "shard instead (training.data_parallel_shard_degree > 1)")
+    local = job_config.training.seq_len // cp
+    if local % tp:
+        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
+                          f"the sequence: training.seq_len {job_config.training.seq_len} / "
+                          f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
+    sizes = (("n_heads", args.n_heads), ("dense feed-forward hidden size", args.hidden_dim),
+             ("shared experts' hidden size", args.moe_hidden_dim * args.n_shared_experts))
+    check_tp_shapes(tp, flavor, sizes, args.vocab_size + args.vocab_padding)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """Every transformer block of this model part: the main ones, then the MTP modules' ones."""
+    return [*model.layers.values(), *(m.block for m in (getattr(model, "mtp", None) or ()))]
+
+
+def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    training = job_config.training
+    ac = job_config.activation_checkpoint
+    moe_layers = [block.moe for block in _blocks(model) if block.moe is not None]
+    configure_moe(moe_layers, parallel_dims, job_config)
+    # MTP's loss is a mean over the step's sequences, like the main loss.
+    model.sequences_per_step = training.batch_size * training.gradient_accumulation_steps
+    if job_config.float8.enable_float8_linear:
+        apply_float8(model, job_config)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
+                 sequence_parallel=not training.disable_sequence_parallel)
+        if job_config.experimental.enable_async_tensor_parallel:
+            apply_async_tp(parallel_dims.tp_mesh)
+    if parallel_dims.ep > 1:
+        apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
+        for block in model.layers.values():
+            block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
+                         apply_compile)
+    # (The MTP modules' dense parts join the root's FSDP unit, beside the output projection they share.)
+    apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
+    return model
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Dense blocks compile whole; MoE blocks compile their attention and shared experts (routing
+    is data-dependent: tokens per expert and all-to-all sizes; see Qwen3's apply_compile_attention)."""
+    for block in model.layers.values():
+        if block.moe is None:
+            block.compile(fullgraph=True)
+        else:
+            block.attention.compile(fullgraph=True)
+            if block.shared_experts is not None:
+                block.shared_experts.compile(fullgraph=True)
+    logger.info(f"compiled {len(model.layers)} DeepSeek-V3 blocks with torch.compile (MoE blocks: attention and "
+                "shared experts)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+class ReplicatedOnTP(ParallelStyle):
+    """A module computed whole on every tp rank from a replicated input: its parameters become
+    replicated DTensors (so gradient clipping and checkpoints see them as the other TP weights), its
+    input and output stay plain tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        return distribute_module(module, device_mesh, input_fn=inputs,
+                                 output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out)
+
+
+def mla_plan(attention: nn.Module) -> dict[str, ParallelStyle]:
+    """Multi-head latent attention's plan, by names relative to the block (module docstring)."""
+    plan: dict[str, ParallelStyle] = {"attention.wkv_a": ReplicatedOnTP(), "attention.kv_norm": ReplicatedOnTP(),
+                                      "attention.wkv_b": ColwiseParallel()}
+    if attention.wq is not None:
+        plan["attention.wq"] = ColwiseParallel()
+    else:
+        plan.update({"attention.wq_a": ReplicatedOnTP(), "attention.q_norm": ReplicatedOnTP(),
+                     "attention.wq_b": ColwiseParallel()})
+    return plan
+
+
+def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = mla_plan(block.attention)
+    plan["attention.wo"] = RowwiseParallel(output_layouts=seq)
+    ffn = "feed_forward" if block.feed_forward is not None else "shared_experts"
+    if getattr(block, ffn) is not None:
+        plan.update({f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel(),
+                     f"{ffn}.w2": RowwiseParallel(output_layouts=seq)})
+        if sequence_parallel:
+            plan[ffn] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if block.moe is not None:
+        plan["moe"] = moe_tp_plan(sequence_parallel)
+    if sequence_parallel:
+        plan.update({
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # Gather the sequence before the projections; the RoPE table passes as is.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        })
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    apply_root_tp(model, tp_mesh, loss_parallel, sequence_parallel)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
+    # MTP modules: per-token parts on the sequence slice (or whole, without sequence parallelism).
+    per_token = SequenceParallel(use_local_output=True) if sequence_parallel else ReplicatedOnTP()
+    for module in getattr(model, "mtp", None) or ():
+        parallelize_module(module.block, tp_mesh, block_plan(module.block, sequence_parallel))
+        parallelize_module(module, tp_mesh, {"enorm": per_token, "hnorm": per_token, "eh_proj": per_token,
+                                             "norm": per_token})
+    logger.info(f"applied tensor parallelism over mesh {{'tp': {tp_mesh.size()}}} (sequence parallel "
+                f"{'on' if sequence_parallel else 'off'}, loss parallel {'on' if loss_parallel else 'off'}; "
+                "multi-head latent attention split by heads)")
