@@ -245,8 +245,9 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                 tokens = shard_batch(batches[0], parallel_dims.cp_mesh)[0].tensor_split(pipeline.microbatches)[0]
                 replay = PipelineReplay(pipeline, parallel_dims.pp_mesh.get_local_rank(), first_stage, tokens)
                 del first_stage
-                pipeline.forward_backward = lambda inputs, labels, device, **kwargs: replay.step(inputs, labels,
-                                                                                                 **kwargs)
+                # Positional-only, as the Pipeline's: a model's own `labels` (MTP) travel in kwargs.
+                pipeline.forward_backward = lambda inputs, labels, device, /, **kwargs: replay.step(inputs, labels,
+                                                                                                    **kwargs)
             params = [p for part in model_parts for p in part.parameters()]
 
             def step() -> None:

@@ -229,7 +229,8 @@ class Model:
                            expert_params=sum(p.numel() for m in moe for p in m.experts.parameters()),
                            moe_hidden_dim=w1.shape[1] if w1 is not None else args.dim)
         return cls(name, flavor, sum(p.numel() for p in model.parameters()), args.n_layers, args.dim, heads,
-                   args.n_kv_heads or heads, head_dim, hidden, args.vocab_size, model.flops_per_token, **experts)
+                   getattr(args, "n_kv_heads", None) or heads, head_dim, hidden, args.vocab_size, model.flops_per_token,
+                   **experts)
 
 
 def _divisors(n: int) -> list[int]:
