@@ -77,8 +77,13 @@ SCREEN_MARGIN = 1.05
 EXPERT_IMBALANCE = 1.5
 CAPACITY_FACTORS = (1.25,)
 CAPACITY_OPTION = "capacity_factor"  # moe.capacity_factor: 0 dropless, > 0 the dropping mode
-# Bytes per routed (token, choice) row and model dim that an MoE layer keeps (screened_bytes).
-MOE_ROW_DIMS = 10
+# screened_bytes' MoE terms, calibrated on dry runs of DeepSeek-V3 16B (FSDP 8 x EP 2, AC none)
+# and 671B (FSDP 64 x PP 8 x EP 64, full AC): bytes per routed (token, choice) row and model dim
+# that an MoE layer keeps (about 8 bf16 copies: sorted, sent, received, regrouped, the experts'
+# output and its way back, weighted), and per local expert parameter of a pipeline stage under
+# FSDP (unsharded bf16 weights and gradients, the fp32 gradient reduced, their temporaries).
+MOE_ROW_DIMS = 16
+STAGE_EXPERT_BYTES = 16
 
 
 def capacity_option_available() -> bool:
@@ -363,8 +368,14 @@ def screened_bytes(model: Model, layout: Layout, seq_len: int, imbalance: float 
     - with FSDP under PP, the stage's bf16 parameters and gradients, unsharded: PyTorch's pipeline
       stage reshards and reduces them only after the last microbatch's backward (5 bytes per
       parameter of the stage, calibrated on Llama 3 405B over FSDP 8 x TP 8 x PP 8).
+    MoE models (terms calibrated on DeepSeek-V3 16B and 671B, MOE_ROW_DIMS): a gathered MoE
+    layer holds 1/ep of its experts (not split by TP); an MoE block keeps, in place of the dense
+    FFN's 8 x hidden, top_k x load x (MOE_ROW_DIMS x dim + 8 x expert hidden) per token (load:
+    expert_load), and one such layer's buffers more as its transient; under PP with FSDP a
+    stage's local experts cost STAGE_EXPERT_BYTES each.
     It leaves out the recomputation's transients and most other temporaries: 0 to 20 % under the
-    dry run's figure in the calibration runs, up to 5 % over for small models under PP."""
+    dry run's figure in the calibration runs (MoE: 9 to 12 % under), up to 5 % over for small
+    models under PP."""
     shard = layout.dp_shard * layout.cp
     # (Experts are sharded over shard x tp ranks in every layout, as the rest over tp x shard.)
     state = model.n_params / (layout.tp * layout.pp * shard) * (16 if layout.accum > 1 else 12)
@@ -395,7 +406,7 @@ def screened_bytes(model: Model, layout: Layout, seq_len: int, imbalance: float 
     logits = tokens * model.vocab_size / layout.tp * 12
     stage = 0
     if layout.pp > 1 and shard > 1:
-        stage = (dense / layout.tp + model.expert_params / layout.ep) / layout.pp * 5
+        stage = (dense / layout.tp * 5 + model.expert_params / layout.ep * STAGE_EXPERT_BYTES) / layout.pp
     return int(state + gathered + activations + dispatch + logits + stage)
 
 
