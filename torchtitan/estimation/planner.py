@@ -60,6 +60,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from torch import nn
+
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
 from torchtitan.errors import UserError
@@ -201,6 +203,7 @@ class Model:
     # token, MoE layers, the routed experts' parameters in all of them, an expert's hidden width.
     num_experts: int = 0
     top_k: int = 0
+    attention_width: int = 0  # outputs of one block's attention projections (0: unknown)
     moe_layers: int = 0
     expert_params: int = 0
     moe_hidden_dim: int = 0
@@ -227,10 +230,13 @@ class Model:
         hidden = max((m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)
                       and m.in_features == args.dim and m.out_features != args.vocab_size), default=4 * args.dim)
         moe = [m for m in model.modules() if is_moe_layer(m)]
-        experts = {}
+        attention = next((m.attention for m in model.modules() if isinstance(getattr(m, "attention", None), nn.Module)),
+                         None)
+        experts = {"attention_width": 0 if attention is None else
+                   sum(m.out_features for m in attention.modules() if isinstance(m, nn.Linear))}
         if moe:
             w1 = getattr(moe[0].experts, "w1", None)
-            experts = dict(num_experts=moe[0].num_experts, top_k=moe[0].top_k, moe_layers=len(moe),
+            experts.update(num_experts=moe[0].num_experts, top_k=moe[0].top_k, moe_layers=len(moe),
                            expert_params=sum(p.numel() for m in moe for p in m.experts.parameters()),
                            moe_hidden_dim=w1.shape[1] if w1 is not None else args.dim)
         return cls(name, flavor, sum(p.numel() for p in model.parameters()), args.n_layers, args.dim, heads,
@@ -389,8 +395,12 @@ def screened_bytes(model: Model, layout: Layout, seq_len: int, imbalance: float 
     full = 2 * model.dim / layout.tp
     in_flight = min(layout.pp, layout.microbatches) if layout.pp > 1 else 1
 
+    # The attention's share: 18 x dim, calibrated on Llama (projections up to 4 x dim wide); much
+    # wider ones (multi-head latent attention's up-projections) at Llama 8B's bytes per output.
+    attention = 7.2 * model.attention_width if model.attention_width > 4 * model.dim else 18 * model.dim
+
     def kept(per_token_ffn: float, blocks: int) -> float:
-        none = 4 * model.dim + (18 * model.dim + per_token_ffn) / layout.tp
+        none = 4 * model.dim + (attention + per_token_ffn) / layout.tp
         per_token_block = {"none": none, "selective": (none + full) / 2, "full": full}[layout.ac]
         return tokens * per_token_block * blocks / layout.pp * in_flight
 
