@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Converts model weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
 
-Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE) can be
+Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE; DeepSeek-V3) can be
 converted: the adapter gives its Hugging Face names, tensor layouts and config.json.
 
 Usage examples (from the repository root, with PYTHONPATH=.):
@@ -28,6 +28,7 @@ status 2 and leaves nothing behind; outputs appear under their final name only o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import shutil
@@ -39,7 +40,9 @@ import torch
 
 from torchtitan.assets import resolve_path
 from torchtitan.checkpoint import folders, hf_folder
+from torchtitan.checkpoint.fit import build_on_meta, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.model_args import RUN_FIELDS, args_record, checkpoint_args
 from torchtitan.checkpoint.weights import (
     common_dtype,
     load_model_entries,
@@ -125,30 +128,63 @@ def _check_names(adapter: HFAdapter, names: list[str], where: str) -> None:
 
 
 def _registry_args(manifest: Manifest, n_heads: int | None) -> Any | None:
-    """The model args of the flavor that wrote the checkpoint (None, the family's defaults, when it is
-    not registered and --n-heads is given)."""
+    """The model args the checkpoint recorded, over those of its flavor (model_args.checkpoint_args);
+    None, the family's defaults, when neither is known and --n-heads is given."""
     name, flavor = manifest.model.get("name"), manifest.model.get("flavor")
     try:
-        return get_train_spec(name).config[flavor]
+        args = checkpoint_args(get_train_spec(name).config, flavor, manifest.model_args)
     except (KeyError, ValueError):
+        args = None
+    if args is None:
         if n_heads is None:
             raise CheckpointError(f"the checkpoint's model {name} {flavor} is not a registered flavor, so its head count "
-                                  "is unknown; pass --n-heads (and --n-kv-heads)") from None
-        return None
+                                  "is unknown; pass --n-heads (and --n-kv-heads)")
+    return args
 
 
-def _check_shapes(tensors: dict[str, torch.Tensor], args: Any, model_cls: type[TrainableModel], where: str) -> None:
-    """Refuses tensors whose shapes differ from those of the model `args` describe."""
+def _check_shapes(tensors: dict[str, torch.Tensor], args: Any, model_cls: type[TrainableModel], where: str,
+                  source: str = "config.json", fix: str = "") -> None:
+    """Refuses tensors whose shapes differ from those of the model `args` (which `source` gives) describe."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in model_cls.from_model_args(args).state_dict().items()}
+    for name, tensor in tensors.items():  # a shape tells more than a block missing at the end
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"{where}: {name} has shape {list(tensor.shape)}, but {source} implies "
+                                  f"{list(expected[name])}{fix}")
     extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
-        raise CheckpointError(f"{where} holds {extra[0]}, which config.json does not imply" if extra
-                              else f"{where} lacks {missing[0]}, which config.json implies")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise CheckpointError(f"{where}: {name} has shape {list(tensor.shape)}, but config.json implies "
-                                  f"{list(expected[name])}")
+        raise CheckpointError((f"{where} holds {extra[0]}, which {source} does not imply" if extra
+                               else f"{where} lacks {missing[0]}, which {source} implies") + fix)
+
+
+def _same_model(args: Any, flavor: Any, model_cls: type[TrainableModel]) -> bool:
+    """Whether `args` describe the model of `flavor` whatever its vocabulary (which training takes
+    from the tokenizer): the same computation (RUN_FIELDS aside) and the same tensor shapes."""
+    ours, theirs = args_record(args), args_record(flavor)
+    if any(ours.get(k) != theirs.get(k) for k in ours.keys() | theirs.keys() if k not in (*RUN_FIELDS, "vocab_size")):
+        return False
+    flavor = dataclasses.replace(flavor, **{k: getattr(args, k) for k in ("vocab_size", "vocab_padding")
+                                            if hasattr(args, k) and hasattr(flavor, k)})
+    with torch.device("meta"):
+        shapes = [{k: v.shape for k, v in model_cls.from_model_args(a).state_dict().items()} for a in (args, flavor)]
+    return shapes[0] == shapes[1]
+
+
+def _converted_manifest(model: dict[str, torch.Tensor], name: str, args: Any | None, source: str,
+                        flavor: str | None = None) -> Manifest:
+    """The manifest of converted weights, recording what a run's manifest records (the model's args
+    and tied weights) so that generation, training (initial_load_path) and export read them as they
+    read a run's checkpoint, and where they came from. Their flavor is `flavor`, else the registered
+    flavor they are the model of, else "hf" (or "unknown" without args)."""
+    spec = get_train_spec(name)
+    if flavor is None and args is not None:
+        flavor = next((f for f, a in spec.config.items() if _same_model(args, a, spec.model_cls)), "hf")
+    manifest = weights_manifest(model, name, flavor or "unknown")
+    if args is not None:
+        manifest.model_args = args_record(args)
+        manifest.tied = tied_aliases(build_on_meta(spec.model_cls, args))
+    manifest.converted_from = os.path.abspath(source)
+    return manifest
 
 
 def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[str, torch.Tensor],
@@ -163,15 +199,17 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
             base = adapter.model_args_from_hf_config(original)
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{sidecar}/files/config.json: {e}") from None
-        for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads,
-                                                                           base.n_kv_heads or base.n_heads)):
+        kv_heads = getattr(base, "n_kv_heads", None) or base.n_heads  # (DeepSeek-V3's MLA: one per head)
+        for flag, given, kept in (("--n-heads", ns.n_heads, base.n_heads), ("--n-kv-heads", ns.n_kv_heads, kv_heads)):
             if given is not None and given != kept:
                 raise CheckpointError(f"{flag} {given} contradicts the original config.json kept with the checkpoint "
                                       f"({kept}); leave {flag} out")
         args = adapter.args_with_shapes(base, shapes, ns.n_heads, ns.n_kv_heads)
         # transformers 5 writes `dtype` and prefers it over the older `torch_dtype`: update whichever is there.
         dtype_keys = [k for k in ("torch_dtype", "dtype") if k in original] or ["torch_dtype"]
-        return args, {**original, **dict.fromkeys(dtype_keys, dtype)}
+        # Imports dequantize (DeepSeek-V3's fp8 files); what is written is not quantized.
+        config = {k: v for k, v in original.items() if k != "quantization_config"}
+        return args, {**config, **dict.fromkeys(dtype_keys, dtype)}
     args = adapter.args_with_shapes(_registry_args(manifest, ns.n_heads), shapes, ns.n_heads, ns.n_kv_heads)
     return args, adapter.hf_config(args, torch_dtype=dtype, **_token_ids(tokenizer))
 
@@ -224,9 +262,11 @@ def _check_model_name(name: str, flavor: str | None = None) -> None:
 def hf_to_dcp(ns: argparse.Namespace) -> str:
     _require_dir(ns.hf_dir, "Hugging Face folder")
     _require_new_output(ns.out_dir)
+    config = hf_folder.read_json(os.path.join(ns.hf_dir, "config.json"), "config.json")
+    if ns.model is None:  # the family that reads config.json; else the default's names refuse the folder
+        ns.model = (hf_folder.family_of(config, _DEFAULT_MODEL) or (_DEFAULT_MODEL,))[0]
     _check_model_name(ns.model)
     adapter = _hf_adapter(ns.model)
-    config = hf_folder.read_json(os.path.join(ns.hf_dir, "config.json"), "config.json")
     files = hf_folder.safetensors_files(ns.hf_dir)
     try:
         args = adapter.model_args_from_hf_config(config if isinstance(config, dict) else {})
@@ -235,7 +275,7 @@ def hf_to_dcp(ns: argparse.Namespace) -> str:
     hf_tensors, headers = hf_folder.read_hf_tensors(ns.hf_dir, files)
     ours, buffers = hf_folder.hf_to_ours(hf_tensors, args, adapter, ns.hf_dir)
     _check_shapes(ours, args, get_train_spec(ns.model).model_cls, ns.hf_dir)
-    manifest = weights_manifest(ours, ns.model, "hf")
+    manifest = _converted_manifest(ours, ns.model, args, ns.hf_dir)
     write_weights(ours, ns.out_dir, manifest, hf_folder.sidecar_writer(ns.hf_dir, files, headers, buffers))
     return _summary(len(hf_tensors), manifest.total_bytes, f"{len(files)} safetensors file(s)", ns.out_dir)
 
@@ -313,7 +353,16 @@ def torch_to_dcp(ns: argparse.Namespace) -> str:
     adapter = _hf_adapter(ns.model)
     model = load_torch_file(ns.in_file)
     _check_names(adapter, list(model), ns.in_file)
-    manifest = weights_manifest(model, ns.model, ns.flavor or "unknown")
+    args = None
+    if ns.flavor is not None:  # the flavor's args, checked against every tensor; the vocabulary is the weights'
+        spec = get_train_spec(ns.model)
+        (embedding,) = adapter.from_hf_names(hf_folder.HF_EMBEDDING)
+        flavor = spec.config[ns.flavor]
+        vocabulary = {"vocab_size": model[embedding].shape[0], "vocab_padding": 0}  # every row becomes a token
+        args = dataclasses.replace(flavor, **{k: v for k, v in vocabulary.items() if hasattr(flavor, k)})
+        _check_shapes(model, args, spec.model_cls, ns.in_file, f"--flavor {ns.flavor}",
+                      "; name the flavor that wrote the weights, or leave --flavor out")
+    manifest = _converted_manifest(model, ns.model, args, ns.in_file, ns.flavor)
     write_weights(model, ns.out_dir, manifest)
     return _summary(len(model), manifest.total_bytes, ns.in_file, ns.out_dir)
 
@@ -337,11 +386,12 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="convert_checkpoint.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3: --model) -> weights-only DCP checkpoint")
+    p = sub.add_parser("hf-to-dcp", help="Hugging Face folder (Llama, Qwen3, DeepSeek-V3, ...) -> weights-only DCP checkpoint")
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
-    p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
-                   "names and layouts are used (default llama3)")
+    p.add_argument("--model", help="model name recorded in the manifest, whose Hugging Face names and layouts are used "
+                   "(default: the registered model whose config.json reader takes the folder's architecture, llama3 "
+                   "for a Llama)")
     p.set_defaults(run=hf_to_dcp)
     p = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face folder (config.json + safetensors)")
     p.add_argument("ckpt_dir")
@@ -369,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--model", default=_DEFAULT_MODEL, help="model name recorded in the manifest, whose Hugging Face "
                    "names and layouts are used (default llama3)")
-    p.add_argument("--flavor", help="flavor recorded in the manifest (lets dcp-to-hf know the head count)")
+    p.add_argument("--flavor", help="the flavor the weights are, checked against their shapes (all but the vocabulary's, "
+                                    "which they give) and recorded with its model args, so that generation, training "
+                                    "and dcp-to-hf know the model; without it they know none")
     p.set_defaults(run=torch_to_dcp)
     return parser
 

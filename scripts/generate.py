@@ -35,15 +35,16 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.assets import resolve_path
 from torchtitan.checkpoint import folders, hf_folder
-from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.folders import Manifest
 from torchtitan.checkpoint.hf_training import is_hf_folder, load_hf_weights, whole_model_shapes
+from torchtitan.checkpoint.model_args import checkpoint_args
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.checkpoint.states import ModelState
 from torchtitan.config.manager import parse_args
 from torchtitan.datasets.tokenizer import tokenizer_from_file
 from torchtitan.errors import ConfigError, UserError, out_of_memory
 from torchtitan.inference.generation import Continuation, Sampling, eval_mode, generate, positions_needed
-from torchtitan.models import get_train_spec, registered_names
+from torchtitan.models import get_train_spec
 from torchtitan.runtime import process_group
 from torchtitan.runtime.reports import reporting_to_folder, say_how_it_ended
 
@@ -65,39 +66,17 @@ class Source:
     tokenizer: dict[str, str] | None = None  # a checkpoint's record of its run's tokenizer (Manifest)
 
 
-def _args_from_record(base: Any, record: dict[str, Any]) -> Any:
-    """The flavor's args with the values a manifest recorded (nested dataclasses come back as dicts)."""
-    updates = {}
-    for f in dataclasses.fields(base):
-        if f.name not in record:
-            continue
-        value, current = record[f.name], getattr(base, f.name)
-        if isinstance(value, dict) and dataclasses.is_dataclass(current):
-            value = type(current)(**value)
-        elif isinstance(value, dict):
-            continue  # a nested value the flavor has none of: keep the flavor's
-        updates[f.name] = value
-    return dataclasses.replace(base, **updates)
-
-
 def find_source(path: str) -> Source:
     """What `--checkpoint` names, and the model it holds."""
     if not os.path.exists(path):
         raise GenerateError(f"--checkpoint {path} does not exist")
     if is_hf_folder(path):
         config = hf_folder.read_json(os.path.join(path, "config.json"), "config.json")
-        wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
-        for name in registered_names():
-            adapter = get_train_spec(name).hf_adapter
-            if adapter is None:
-                continue
-            try:
-                args = adapter.model_args_from_hf_config(config)
-            except (CheckpointError, KeyError, TypeError, ValueError):
-                continue
-            if adapter.hf_architecture(args) == wanted:
-                return Source(path, True, name, args)
-        raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+        found = hf_folder.family_of(config)
+        if found is None:
+            wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+            raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+        return Source(path, True, *found)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, folders.MANIFEST)):
         found, _ = folders.scan(path)
         complete = [f for f in found if f.problem is None]
@@ -112,10 +91,22 @@ def find_source(path: str) -> Source:
     name, flavor = manifest.model.get("name"), manifest.model.get("flavor")
     try:
         spec = get_train_spec(name)
-        base = spec.config[flavor]
     except (KeyError, UserError):
-        raise GenerateError(f"--checkpoint {path} holds model {name} {flavor}, which is not registered") from None
-    return Source(path, False, name, _args_from_record(base, manifest.model_args or {}), manifest.tokenizer)
+        raise GenerateError(f"--checkpoint {path} holds model {name}, which is not registered") from None
+    # The args it recorded (a run's, or a conversion's), over its flavor's when that is registered.
+    args = checkpoint_args(spec.config, flavor, manifest.model_args or {})
+    if args is None:
+        raise GenerateError(f"--checkpoint {path} holds model {name} {flavor}: it records no model args and the flavor is "
+                            "not registered, so the model's sizes are unknown; convert it with torch-to-dcp --flavor")
+    return Source(path, False, name, args, manifest.tokenizer or _kept_tokenizer(path))
+
+
+def _kept_tokenizer(path: str) -> dict[str, str] | None:
+    """The tokenizer.model of the Hugging Face folder a checkpoint was converted from, which
+    hf-to-dcp keeps beside the weights (hf_folder.SIDECAR), as a manifest's tokenizer record."""
+    kept = os.path.join(path, hf_folder.SIDECAR, "files", hf_folder.TOKENIZER_FILE)
+    digest = _sha256(kept)
+    return None if digest is None else {"path": os.path.abspath(kept), "sha256": digest}
 
 
 def choose_tokenizer(source: Source, given: str | None) -> tuple[str, str | None]:

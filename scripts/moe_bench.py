@@ -22,6 +22,18 @@ as a trained router aims for). Reported: median milliseconds of --reps passes af
 (and --warmup more), the speed-up of grouped over the loop, and the largest difference between the
 two paths' outputs and gradients (0 in fp32 on CPU, where both compute the same products).
 
+Section "capacity": the dropping mode (`--moe.capacity_factor`, default 1.25 here; --capacity-factor)
+against dropless routing. (1) One debugmodel_moe-shaped MoE layer in this process (dim 256, 8
+experts, top-2, 8 sequences of 512 tokens), forward + backward, median of --reps: the whole layer,
+and the dispatch alone (routing, sorting, the buffer and the combine, with the experts replaced by
+an identity), plus the share of token choices dropped. (2) debugmodel_moe trained with the real
+trainer at EP 2 on 2 ranks, dropless and dropping: step time and the all-to-all share, as the "ep"
+section measures them. About a minute and a half on 2 cores.
+
+Section "deepseek": DeepSeek-V3's debugmodel (train_configs/deepseek_v3_debug.toml) trained under each
+of its layouts (one process, FSDP, EP with and without the dropping mode, TP, PP with MTP on the last
+stage, CP, EP x TP): tokens/s per rank, step time, the all-to-all share. About five minutes on 2 cores.
+
 The default run takes about 65 CPU-seconds (about half a minute of an idle 2-core CPU; on a
 shared machine the figures move with the other processes' load). Each section is one function taking
 the parsed arguments and printing its table (`SECTIONS`); further sections plug in there.
@@ -39,8 +51,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from torchtitan.models.moe import GroupedExperts, grouped_mm_supported
+from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
 from torchtitan.tools.runs import read_metrics, run_trainer
 
 
@@ -199,6 +212,32 @@ def a2a_seconds(trace_path: Path) -> tuple[float, float]:
     return a2a / 1e6, step / 1e6
 
 
+def train_ep(args: argparse.Namespace, ep: int, extra: tuple[str, ...] = (), nproc: int | None = None,
+             config: str = "qwen3_moe_debug", experts: int = DEBUGMODEL_MOE.experts) -> dict:
+    """Trains debugmodel_moe (or `config`'s model) at expert-parallel degree `ep` on `nproc` ranks (ep
+    by default; FSDP over the ranks `extra` leaves): tokens/s per rank (mean of the logged steps
+    after the first), step seconds, the all-to-all share of one profiled step (mean over ranks) and
+    the share of token choices dropped."""
+    nproc = nproc or ep
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        overrides = ["--job.config_file", f"bundled:train_configs/{config}.toml",
+                     "--training.steps", str(args.ep_steps), "--training.seq_len", str(args.ep_seq_len),
+                     "--training.batch_size", str(args.ep_batch), "--training.warmup_steps", "1",
+                     "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(folder),
+                     "--profiling.enable_profiling", "--profiling.profile_freq", str(args.ep_steps),
+                     "--training.expert_parallel_degree", str(ep), *extra]
+        run_trainer(overrides, nproc=nproc, timeout=1800)
+        steps = read_metrics(folder)[1:]
+        tps = statistics.mean(r["tokens_per_second"] for r in steps)
+        traces = sorted(folder.glob("profile_traces/iteration_*/rank*_trace.json"))
+        shares = [a2a / step for a2a, step in map(a2a_seconds, traces) if step > 0]
+        routed = sum(v for r in steps for k, v in r.items() if k.startswith("moe_mean_tokens_per_expert/")) * experts
+        dropped = sum(v for r in steps for k, v in r.items() if k.startswith("moe_dropped_tokens/"))
+        return {"ep": ep, "ranks": nproc, "tps": tps, "a2a": statistics.mean(shares) if shares and ep > 1 else 0.0,
+                "step_s": args.ep_batch * args.ep_seq_len / tps, "dropped": dropped / routed if routed else 0.0}
+
+
 def ep_section(args: argparse.Namespace) -> None:
     """Trains debugmodel_moe with the real trainer at each expert-parallel degree (EP n on n ranks,
     FSDP over the same ranks), reports tokens/s per rank (mean of the logged steps after the first)
@@ -206,27 +245,123 @@ def ep_section(args: argparse.Namespace) -> None:
     print(f"## debugmodel_moe under expert parallelism ({args.ep_steps} steps, seq {args.ep_seq_len}, "
           f"{args.ep_batch} sequences per rank)")
     print()
-    rows = []
-    for ep in args.ep_degrees:
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
-            overrides = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml",
-                         "--training.steps", str(args.ep_steps), "--training.seq_len", str(args.ep_seq_len),
-                         "--training.batch_size", str(args.ep_batch), "--training.warmup_steps", "1",
-                         "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--job.dump_folder", str(folder),
-                         "--profiling.enable_profiling", "--profiling.profile_freq", str(args.ep_steps),
-                         "--training.expert_parallel_degree", str(ep)]
-            run_trainer(overrides, nproc=ep, timeout=1800)
-            steps = read_metrics(folder)[1:]
-            tps = statistics.mean(r["tokens_per_second"] for r in steps)
-            traces = sorted(folder.glob("profile_traces/iteration_*/rank*_trace.json"))
-            shares = [a2a / step for a2a, step in map(a2a_seconds, traces) if step > 0]
-            rows.append({"ep": ep, "ranks": ep, "tps": tps, "a2a": statistics.mean(shares) if shares and ep > 1 else 0.0,
-                         "step_s": args.ep_batch * args.ep_seq_len / tps})
+    rows = [train_ep(args, ep) for ep in args.ep_degrees]
     print("| EP | ranks | tokens/s per rank | step s | all-to-all share of step |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['ep']} | {r['ranks']} | {r['tps']:,.0f} | {r['step_s']:.2f} | {100 * r['a2a']:.1f}% |")
+    print(f"\n(gloo on {os.cpu_count()} CPU cores, one thread per rank: ranks beyond the core count share cores)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The dropping mode against dropless routing
+
+
+class _PassThrough(nn.Module):
+    """Experts that return their input: what is left of the layer is its dispatch and combine."""
+
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        return x * 1.0
+
+
+def bench_capacity_layer(capacity_factor: float, sequences: int = 8, seq_len: int = 512, reps: int = 3,
+                         seed: int = 0) -> list[dict]:
+    """Forward + backward of one debugmodel_moe-shaped MoE layer, dropless and dropping: median ms
+    of the whole layer and of its dispatch alone, and the share of token choices dropped."""
+    shape = DEBUGMODEL_MOE
+    torch.manual_seed(seed)
+    # A shared direction in every token makes the router prefer some experts, as an untrained or
+    # drifting router does (a few percent of the choices overflow at factor 1.25).
+    x = (torch.randn(sequences, seq_len, shape.dim) + 0.25 * torch.randn(shape.dim)).requires_grad_()
+    grad = torch.randn(sequences, seq_len, shape.dim)
+    layers = {}
+    for name, factor in (("dropless", 0.0), (f"capacity {capacity_factor:g}", capacity_factor)):
+        layer = MoE(shape.dim, shape.hidden, shape.experts, shape.top_k, capacity_factor=factor)
+        torch.manual_seed(seed)
+        layer.init_weights(0.02)
+        with torch.no_grad():
+            layer.router.gate.weight.normal_(0.0, shape.dim ** -0.5)  # a router that prefers some experts
+        layers[name] = layer
+    passthrough = {name: _PassThrough() for name in layers}
+
+    def step(layer: MoE, experts: nn.Module | None) -> None:
+        if experts is not None:
+            real, layer.experts = layer.experts, experts
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(grad)
+        if experts is not None:
+            layer.experts = real
+
+    fns = {}
+    for name, layer in layers.items():
+        fns[(name, "layer")] = lambda layer=layer: step(layer, None)
+        fns[(name, "dispatch")] = lambda layer=layer, name=name: step(layer, passthrough[name])
+    for fn in fns.values():
+        fn()  # untimed
+    for layer in layers.values():
+        layer.take_step_stats()
+    step(layers[f"capacity {capacity_factor:g}"], None)
+    counts, _, dropped = layers[f"capacity {capacity_factor:g}"].take_step_stats()
+    ms = _time_ms(fns, torch.device("cpu"), reps, 0)
+    return [{"mode": name, "layer_ms": ms[(name, "layer")], "dispatch_ms": ms[(name, "dispatch")],
+             "dropped": 0.0 if name == "dropless" else (dropped / counts.sum()).item()} for name in layers]
+
+
+def capacity_section(args: argparse.Namespace) -> None:
+    factor = args.capacity_factor
+    print(f"## Dropping mode (capacity factor {factor:g}) against dropless routing")
+    print()
+    print(f"One debugmodel_moe-shaped layer (dim 256, 8 experts, top-2, 8 x 512 tokens), forward + backward, "
+          f"median of {args.reps}:")
+    print()
+    print("| mode | layer ms | dispatch ms (experts as identity) | choices dropped |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in bench_capacity_layer(factor, reps=args.reps):
+        print(f"| {r['mode']} | {r['layer_ms']:.1f} | {r['dispatch_ms']:.1f} | {100 * r['dropped']:.2f}% |")
+    print()
+    print(f"debugmodel_moe trained at EP 2 on 2 ranks ({args.ep_steps} steps, seq {args.ep_seq_len}, "
+          f"{args.ep_batch} sequences per rank):")
+    print()
+    print("| mode | tokens/s per rank | step s | all-to-all share of step | choices dropped |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, extra in (("dropless", ()), (f"capacity {factor:g}", ("--moe.capacity_factor", str(factor)))):
+        r = train_ep(args, 2, extra)
+        print(f"| {name} | {r['tps']:,.0f} | {r['step_s']:.2f} | {100 * r['a2a']:.1f}% | {100 * r['dropped']:.2f}% |")
+    print(f"\n(torch {torch.__version__}, {torch.get_num_threads()} CPU threads in this process; gloo, one thread per rank)")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3's debug model under each layout
+
+# (name, ranks, expert-parallel degree, overrides): every parallelism the family has, at 2 ranks
+# (4 for the compositions), and the dropping mode.
+DEEPSEEK_LAYOUTS = (
+    ("one process", 1, 1, ()),
+    ("FSDP 2", 2, 1, ()),
+    ("EP 2 (FSDP 2)", 2, 2, ()),
+    ("EP 2 (FSDP 2), capacity 1.25", 2, 2, ("--moe.capacity_factor", "1.25")),
+    ("TP 2", 2, 1, ("--training.tensor_parallel_degree", "2")),
+    ("PP 2 (MTP on the last stage)", 2, 1, ("--experimental.pipeline_parallel_degree", "2",
+                                           "--experimental.pipeline_parallel_split_points", "layers.3")),
+    ("CP 2 (MTP off)", 2, 1, ("--experimental.context_parallel_degree", "2", "--model.mtp_depth", "0")),
+    ("EP 2 x TP 2 (FSDP 2)", 4, 2, ("--training.tensor_parallel_degree", "2")),
+)
+
+
+def deepseek_section(args: argparse.Namespace) -> None:
+    """Trains DeepSeek-V3's debugmodel (train_configs/deepseek_v3_debug.toml: 2 dense + 2 MoE
+    blocks, MTP 1) under each layout of DEEPSEEK_LAYOUTS: tokens/s per rank, step seconds and the
+    all-to-all share of the step."""
+    print(f"## DeepSeek-V3 debugmodel per layout ({args.ep_steps} steps, seq {args.ep_seq_len}, "
+          f"{args.ep_batch} sequences per data-parallel rank)")
+    print()
+    print("| layout | ranks | tokens/s per rank | step s | all-to-all share of step | choices dropped |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, nproc, ep, extra in DEEPSEEK_LAYOUTS:
+        r = train_ep(args, ep, extra, nproc=nproc, config="deepseek_v3_debug", experts=8)
+        print(f"| {name} | {nproc} | {r['tps']:,.0f} | {r['step_s']:.2f} | {100 * r['a2a']:.1f}% | "
+              f"{100 * r['dropped']:.2f}% |", flush=True)
     print(f"\n(gloo on {os.cpu_count()} CPU cores, one thread per rank: ranks beyond the core count share cores)")
 
 
@@ -236,6 +371,8 @@ def ep_section(args: argparse.Namespace) -> None:
 SECTIONS = {
     "grouped_mm": grouped_mm_section,
     "ep": ep_section,
+    "capacity": capacity_section,
+    "deepseek": deepseek_section,
 }
 
 
@@ -243,7 +380,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=["grouped_mm", "ep", "capacity"],
+                        help="default: all but deepseek (about five minutes more)")
     default_devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=default_devices,
                         help=f"where to run the grouped_mm section (default: {' '.join(default_devices)})")
@@ -257,6 +395,7 @@ def main() -> None:
     parser.add_argument("--ep-steps", type=int, default=6, help="training steps per ep run")
     parser.add_argument("--ep-seq-len", type=int, default=512)
     parser.add_argument("--ep-batch", type=int, default=4, help="sequences per rank and step")
+    parser.add_argument("--capacity-factor", type=float, default=1.25, help="the capacity section's dropping mode")
     args = parser.parse_args()
     if "cuda" in args.devices and not torch.cuda.is_available():
         parser.error("--devices cuda: no CUDA device here")

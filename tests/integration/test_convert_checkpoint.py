@@ -409,7 +409,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
                                                                              "not a folder"),
         "output in a missing folder": (["hf-to-dcp", hf, tmp / "no" / "out"], f"the folder {tmp}/no for output "
                                                                             f"{tmp}/no/out does not exist"),
-        "unknown model": (["hf-to-dcp", hf, tmp / "out", "--model", "gpt9"], "unknown --model 'gpt9'; registered: llama2, "),
+        "unknown model": (["hf-to-dcp", hf, tmp / "out", "--model", "gpt9"], "unknown --model 'gpt9'; registered: deepseek_v3, llama2, "),
         "unknown flavor": (["torch-to-dcp", tmp / "part.pt", tmp / "out", "--flavor", "huge"],
                            "unknown --flavor 'huge' for model 'llama3'; choose from "),
         "missing torch file": (["torch-to-dcp", tmp / "nope.pt", tmp / "out"], f"input file {tmp}/nope.pt does not exist"),
@@ -419,6 +419,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, str]]:
                                                                          "it lacks layers.0.attention.wk.weight and 9 more"),
         "zip archive as torch file": (["torch-to-dcp", tmp / "archive.pt", tmp / "out"],
                                       f"{tmp}/archive.pt is not a torch.save file (RuntimeError: "),
+        "flavor the weights are not": (["torch-to-dcp", tmp / "weights.pt", tmp / "out", "--flavor", "tiny"],
+                                       f"{tmp}/weights.pt: output.weight has shape [2256, 64], but --flavor tiny implies "
+                                       "[2256, 128]; name the flavor that wrote the weights, or leave --flavor out"),
         "list as torch file": (["torch-to-dcp", tmp / "list.pt", tmp / "out"], "does not hold a state dict (a dict of "
                                                                              "parameter name -> tensor)"),
         # Hugging Face folders

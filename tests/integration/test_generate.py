@@ -132,11 +132,15 @@ def checkpoint_of(folder: Path, flavor: str) -> Path:
 def test_checkpoints_that_no_registered_model_reads_are_one_line(capsys, tmp_path):
     gpt2 = hf_folder_of(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64})
     unknown = checkpoint_of(tmp_path / "unknown", "unknown")
+    other = tmp_path / "other"
+    write_weights({"w": torch.zeros(2)}, str(other), weights_manifest({"w": torch.zeros(2)}, "gpt9", "small"))
     damaged = checkpoint_of(tmp_path / "damaged", "tiny")
     (damaged / "__0_0.distcp").write_bytes(b"")
     cases = {
         gpt2: f"error: --checkpoint {gpt2}: no registered model reads its config.json (architectures GPT2LMHeadModel)",
-        unknown: f"error: --checkpoint {unknown} holds model llama3 unknown, which is not registered",
+        unknown: f"error: --checkpoint {unknown} holds model llama3 unknown: it records no model args and the flavor "
+                 "is not registered, so the model's sizes are unknown; convert it with torch-to-dcp --flavor",
+        other: f"error: --checkpoint {other} holds model gpt9, which is not registered",
         damaged: f"error: --checkpoint {damaged} is damaged: its file __0_0.distcp has 0 bytes, ",
     }
     for folder, expected in cases.items():

@@ -7,10 +7,11 @@ baseline; bf16 layouts within parity.BF16_TOLERANCES of one process computing in
 
 import pytest
 
-from torchtitan.tools.parity import DOCUMENT_MASK, SUITES, Layout, ParityError, all_layouts
+from torchtitan.tools.parity import DOCUMENT_MASK, QWEN3_MOE_CAPACITY, SUITES, Layout, ParityError, all_layouts
 
-# The fast tier's layouts: an FSDP option, float8, bf16, document masking and the Qwen3 MoE family.
-FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2")
+# The fast tier's layouts: an FSDP option, float8, bf16, document masking, the Qwen3 MoE family and
+# DeepSeek-V3 (latent attention split by heads, MTP under loss parallelism, experts over the tp ranks).
+FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2", "dsv3_ep2_tp2")
 
 
 @pytest.mark.unmeasured("numerics only: trains and compares losses; the harness's verdicts are test_parity_harness.py's")
@@ -45,6 +46,21 @@ def test_document_mask_changes_the_losses(parity):
     assert len(diffs) == parity.steps and len(validation_diffs) == 2
     # Over what a parity comparison compares: the training and the validation losses.
     assert max(diffs + validation_diffs) > 10 * parity.loss_tolerance, (diffs, validation_diffs)
+
+
+def test_the_capacity_layout_really_drops_tokens(parity):
+    """The dropping mode's parity row means something only if tokens were dropped: in every step of
+    the layout and of its baseline; and from the same weights (step 1) the same pairs in every layer
+    (capacity per sequence, whatever the layout). The losses alone would not show a capacity per
+    rank batch: at init the tiny model's MoE outputs are small beside the residual, and a per-batch
+    capacity moves its losses by less than the tolerance while dropping 94 pairs instead of 70."""
+    run, base = parity.run(all_layouts()["moe_capacity_ep2_accum2"]), parity.baseline(tuple(QWEN3_MOE_CAPACITY.split()))
+    for records in (run.records, base.records):
+        dropped = [sum(v for k, v in r.items() if k.startswith("moe_dropped_tokens/")) for r in records]
+        assert all(d > 0 for d in dropped), dropped
+    first_run, first_base = ({k: v for k, v in r.items() if k.startswith("moe_dropped_tokens/")}
+                             for r in (run.records[0], base.records[0]))
+    assert first_run == first_base and len(first_base) == 2
 
 
 @pytest.mark.fast

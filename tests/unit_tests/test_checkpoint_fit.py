@@ -7,8 +7,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from torchtitan.checkpoint.fit import FitCheck, ModelRecord, args_record, excluded_by, tied_aliases
+from torchtitan.checkpoint.fit import FitCheck, ModelRecord, excluded_by, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError
+from torchtitan.checkpoint.model_args import args_record
 from torchtitan.checkpoint.safe_load import read_metadata
 from torchtitan.checkpoint.states import flatten
 from torchtitan.config.manager import ConfigError, parse_args

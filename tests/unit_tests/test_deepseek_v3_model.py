@@ -58,8 +58,12 @@ def test_published_sizes():
     assert abs(total / 1e9 - 671) < 0.5 and abs(active / 1e9 - 37) < 1
     copies = 2 * v3.vocab_size * v3.dim
     assert abs((mtp_params(v3)[0] + copies) / 1e9 - 14) < 0.6
-    # DeepSeek-V2-Lite: 15.7B parameters, 2.4B activated (the embedding lookup not counted).
-    lite = deepseek_v3_configs["16B"]
+    # Moonlight-16B-A3B: 16B parameters, 3B activated; DeepSeek-V2-Lite (the same blocks with softmax
+    # routing and a 102,400-token vocabulary): 15.7B, 2.4B activated without the embedding lookup.
+    moonlight = deepseek_v3_configs["16B"]
+    total, active = param_counts(moonlight)
+    assert abs(total / 1e9 - 16) < 0.1 and abs(active / 1e9 - 3) < 0.15
+    lite = dataclasses.replace(moonlight, vocab_size=102400, hidden_dim=10944, score_func="softmax", route_scale=1.0)
     total, active = param_counts(lite)
     assert abs(total / 1e9 - 15.7) < 0.05 and abs((active - lite.vocab_size * lite.dim) / 1e9 - 2.4) < 0.1
 
@@ -202,3 +206,22 @@ def test_mtp_depth_for_a_family_without_mtp_is_refused():
 def test_mtp_depth_option_overrides_the_flavor():
     assert _preflight("--model.mtp_depth", "2").model_args.mtp_depth == 2
     assert _preflight().model_args.mtp_depth == deepseek_v3_configs["tiny"].mtp_depth
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--model.mtp_depth", "4", "--training.seq_len", "4"), "needs training.seq_len above it"),
+    (("--float8.enable_float8_linear", "--float8.emulate", "--training.tensor_parallel_degree", "2"),
+     "no float8 tensor-parallel plan"),
+    (("--training.tensor_parallel_degree", "3"), "must divide"),
+])
+def test_layouts_the_family_cannot_run_are_refused_in_one_line(args, message):
+    world = 3 if "3" in args else 2 if "2" in args else 1
+    with pytest.raises(ConfigError, match=message) as refusal:
+        _preflight(*args, world_size=world)
+    assert "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize("option,value", [("--model.mtp_depth", "-2"), ("--model.mtp_loss_weight", "-0.1")])
+def test_bad_mtp_options_are_refused_when_parsed(option, value):
+    with pytest.raises(ConfigError, match="model.mtp_depth must be"):
+        parse_args([*TINY_RUN, option, value])

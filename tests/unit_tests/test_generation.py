@@ -16,6 +16,7 @@ from torchtitan.inference.generation import (
     sample,
 )
 from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs
 from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 
 MODELS = {
@@ -26,6 +27,12 @@ MODELS = {
     "qwen3_moe": lambda: Qwen3(Qwen3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                          vocab_size=300, max_seq_len=64, num_experts=4, top_k=2,
                                                          moe_hidden_dim=32)),
+    # Latent attention: values have their own head size (6) beside the keys' (8 + 4); MTP is off in evaluation.
+    "deepseek_v3": lambda: DeepSeekV3(DeepSeekV3ModelArgs(dim=64, n_layers=2, n_dense_layers=1, n_heads=4, hidden_dim=96,
+                                                          vocab_size=300, max_seq_len=64, q_lora_rank=16,
+                                                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                          v_head_dim=6, num_experts=4, top_k=2, moe_hidden_dim=32,
+                                                          score_func="sigmoid", mtp_depth=1)),
 }
 
 
@@ -48,7 +55,7 @@ def test_cached_logits_equal_rerunning_the_whole_sequence(name):
         torch.testing.assert_close(cached, reference_logits(model, tokens[:, :t])[:, -1], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_moe", "deepseek_v3"])
 def test_greedy_tokens_with_and_without_the_cache_are_the_same(name):
     model = model_named(name)
     prompts = [[1, 5, 9, 200, 17], [1, 40], [1, 7, 7, 7, 7, 7, 7, 8, 9]]

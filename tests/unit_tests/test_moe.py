@@ -237,7 +237,7 @@ def test_the_expert_bias_steers_the_choice_whatever_the_update_rate():
         moe = make_moe(bias_update_rate=rate)
         moe.expert_bias[0] = 1.0
         moe(x)
-        counts, _ = moe.take_step_stats()
+        counts, _, _ = moe.take_step_stats()
         assert counts[0] == 20, (rate, counts)
         moe.update_expert_bias(counts)
         assert (moe.expert_bias[0] < 1.0) == (rate > 0)  # only a positive rate moves it
@@ -260,7 +260,7 @@ def test_dropless_output_equals_the_dense_reference_under_unbalanced_routing(top
         moe.router.gate.weight[2, 0] = 3.0
         out = moe(x)
         expected = dense_reference(moe, x)
-    counts, _ = moe.take_step_stats()
+    counts, _, _ = moe.take_step_stats()
     assert counts[2] == 46 and counts.sum() == 48 * top_k
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     assert expected.abs().min(-1).values.gt(1e-3).all()  # no token's output is dropped to zero
@@ -296,7 +296,7 @@ def test_aux_loss_gradient_is_exactly_the_formulas():
     x, g = torch.randn(3, 12, DIM), torch.randn(3, 12, DIM)
     moe = make_moe(aux_loss_coef=coef)
     out, got = train_step(moe, x, g)
-    _, aux = moe.take_step_stats()
+    _, aux, _ = moe.take_step_stats()
     # Autograd of main loss + the aux formula, on a copy that adds no aux loss of its own.
     ref = make_moe(aux_loss_coef=0.0)
     xr = x.clone().requires_grad_()
@@ -327,7 +327,7 @@ def test_sequences_per_step_spreads_the_loss_over_accumulated_forwards():
     x, g = torch.randn(4, 8, DIM), torch.randn(4, 8, DIM)
     whole = make_moe(aux_loss_coef=coef)
     _, grads_whole = train_step(whole, x, g)
-    _, aux_whole = whole.take_step_stats()
+    _, aux_whole, _ = whole.take_step_stats()
     torch.testing.assert_close(aux_whole, aux_reference(whole.router.gate.weight.detach(), x, 2, coef))
 
     def accumulate(sequences_per_step):
@@ -338,12 +338,12 @@ def test_sequences_per_step_spreads_the_loss_over_accumulated_forwards():
             (moe(xs[half]) * g[half]).sum().backward()
         return grads(moe, xs), moe.take_step_stats()
 
-    accumulated, (counts, aux) = accumulate(4)
+    accumulated, (counts, aux, _) = accumulate(4)
     assert_all_close(accumulated, grads_whole)
     torch.testing.assert_close(aux, aux_whole, rtol=1e-6, atol=0)
     assert counts.sum() == 4 * 8 * 2
     # Without it each forward averages over its own 2 sequences: twice the aux loss.
-    doubled, (_, aux_doubled) = accumulate(None)
+    doubled, (_, aux_doubled, _) = accumulate(None)
     torch.testing.assert_close(aux_doubled, 2 * aux_whole, rtol=1e-6, atol=0)
     assert (doubled[0] - grads_whole[0]).abs().max() > 1e-3
 
@@ -356,7 +356,7 @@ def test_aux_loss_of_a_sequence_split_across_ranks():
     x = torch.randn(2, seqlen, DIM)
     whole = make_moe(aux_loss_coef=coef)
     (whole(x) * 0).sum().backward()  # only the aux loss has a gradient
-    _, aux_whole = whole.take_step_stats()
+    _, aux_whole, _ = whole.take_step_stats()
     grad_whole = whole.router.gate.weight.grad.clone()
 
     halves = [x[:, :seqlen // 2], x[:, seqlen // 2:]]
@@ -397,12 +397,12 @@ def test_tokens_per_expert_counts_k_per_token_and_take_step_stats_resets():
     _, experts, _ = route_reference(x.reshape(-1, DIM), moe.router.gate.weight.detach(), 2)
     _, first, _ = route_reference(x[0], moe.router.gate.weight.detach(), 2)
     expected = torch.bincount(experts.flatten(), minlength=EXPERTS) + torch.bincount(first.flatten(), minlength=EXPERTS)
-    counts, aux = moe.take_step_stats()
+    counts, aux, _ = moe.take_step_stats()
     assert torch.equal(counts, expected.float())
     assert counts.sum() == (30 + 10) * 2
     torch.testing.assert_close(aux, aux_reference(moe.router.gate.weight.detach(), x, 2, 0.1)
                                + aux_reference(moe.router.gate.weight.detach(), x[:1], 2, 0.1))
-    counts_after, aux_after = moe.take_step_stats()
+    counts_after, aux_after, _ = moe.take_step_stats()
     assert not counts_after.any() and aux_after == 0
     assert not moe.tokens_per_expert.any() and moe.aux_loss == 0
 
@@ -420,7 +420,7 @@ def test_activation_checkpointing_counts_tokens_and_aux_once():
     out = checkpoint(checkpointed, xc, use_reentrant=False)
     (out * g).sum().backward()
     assert len(calls) == 2  # the forward really was run again in backward
-    counts, aux = checkpointed.take_step_stats()
+    counts, aux, _ = checkpointed.take_step_stats()
     assert torch.equal(counts, stats_plain[0]) and counts.sum() == 24 * 2
     assert torch.equal(aux, stats_plain[1])
     assert torch.equal(out.detach(), out_plain)
@@ -434,7 +434,7 @@ def test_forwards_flagged_off_count_nothing_but_keep_the_aux_gradient():
     flagged = make_moe(aux_loss_coef=0.5)
     flagged.count_step_stats = False  # e.g. a pipeline runtime's shape-probing forward
     _, grads_flagged = train_step(flagged, x, g)
-    counts, aux = flagged.take_step_stats()
+    counts, aux, _ = flagged.take_step_stats()
     assert not counts.any() and aux == 0
     assert_all_equal(grads_flagged, grads_counted)
 

@@ -5,6 +5,7 @@
 - safe_load.py: reading DCP folders without unpickling arbitrary objects
 - resume.py: which checkpoint a run starts from
 - fit.py: whether a checkpoint fits the model, decided from its metadata before loading
+- model_args.py: the model args a manifest records, back as args, and which differences matter
 - manager.py: the CheckpointManager that loads and saves
 - failures.py: failed reads and writes as one line; the free-space check before a save
 - async_save.py: background saving (`checkpoint.async_mode`)

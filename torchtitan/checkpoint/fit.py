@@ -14,7 +14,6 @@ optimizer state), so every rank reports what it sees and all decide from the sam
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
+from torchtitan.checkpoint.model_args import HEAD_FIELDS, NUMERIC_FIELDS, SHAPE_VISIBLE_FIELDS, differences
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,10 @@ class ModelRecord:
     flavor: str | None = None
     args: dict[str, Any] = dataclasses.field(default_factory=dict)  # the model's args dataclass, as JSON
     tied: dict[str, str] | None = None  # parameter name -> the parameter whose weight it shares
+    converted_from: str | None = None  # Manifest.converted_from: weights made by scripts/convert_checkpoint.py
 
     def __str__(self) -> str:
         return " ".join(str(v) for v in (self.name, self.flavor) if v) or "an unknown model"
-
-
-def args_record(args: Any) -> dict[str, Any]:
-    """A model's args dataclass as JSON values, as the manifest stores them."""
-    if args is None or not dataclasses.is_dataclass(args):
-        return {}
-    return json.loads(json.dumps(dataclasses.asdict(args), default=str))
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -88,7 +82,7 @@ def checkpoint_record(manifest: Manifest | None, lookup: Callable[[str, str], An
     if manifest is None or not manifest.model:
         return ModelRecord()
     record = ModelRecord(manifest.model.get("name"), manifest.model.get("flavor"), dict(manifest.model_args),
-                         None if manifest.tied is None else dict(manifest.tied))
+                         None if manifest.tied is None else dict(manifest.tied), manifest.converted_from)
     if record.tied is None and lookup is not None and record.name and record.flavor:
         try:
             model = build_on_meta(*lookup(record.name, record.flavor))
@@ -225,6 +219,7 @@ class FitCheck:
         if self.saved.name and self.ours.name and self.saved.name != self.ours.name:
             problems.append((f"it holds a {self.saved.name} model, this run trains {self.ours.name}",
                              f"set model.name {self.saved.name}, or checkpoint.allow_partial_load to load it anyway"))
+        heads, computed = self._conversion_differences()
         tied = self._tied_difference()
         if tied is not None:
             problems.append(tied)
@@ -238,6 +233,10 @@ class FitCheck:
                              + (f" ({hint})" if hint else "") + more,
                              "check model.flavor and the tokenizer (it sets the vocabulary size), or name what not "
                              "to load in checkpoint.exclude_from_loading"))
+        if heads:  # as for the Hugging Face folder it came from (hf_training.check_fits): no partial load either
+            first = problems[0][0] if problems else (f"its attention heads are laid out differently ({', '.join(heads)}),"
+                                                     " and the query and key rows are ordered per head")
+            raise self._error(first, "use the model.flavor of the converted model")
         missing = sorted({k for r in reports for k in r["missing"]})
         if missing and all(k.startswith("dataloader.") for k in missing):
             # A data position of another shape: another mixture of sources, or an older format.
@@ -261,6 +260,11 @@ class FitCheck:
             problems.append((f"the checkpoint holds {_examples(extra, len(extra))}, which this model does not have",
                              "check model.flavor and the optimizer settings, or set checkpoint.allow_partial_load to "
                              "leave them out"))
+
+        if computed:
+            problems.append((f"the model it was converted from computes otherwise: {', '.join(computed)}",
+                             "use the model.flavor of the converted model, or set checkpoint.allow_partial_load to "
+                             "compute with this run's values"))
 
         unused = [e for e in self.exclude if not any(e in r["used"] for r in reports)
                   and not any(excluded_by([e], k, self.top_level) for k in self.entries)]
@@ -301,6 +305,19 @@ class FitCheck:
             warnings.append(f"{self.path} does not record whether its weights are tied; this model ties {pairs}, "
                             "and only the latter is loaded")
         return warnings
+
+    def _conversion_differences(self) -> tuple[list[str], list[str]]:
+        """Where weights made by the converter (from a Hugging Face folder, or a torch.save file of a
+        named flavor) come from a model that differs from this run's in what no tensor shape shows:
+        (the attention head layout, any other computation). RoPE and norm settings are left to the
+        flavor-difference warning, since continued training may change them on purpose."""
+        if not (self.saved.converted_from and self.saved.args and self.ours.args and self.saved.name == self.ours.name):
+            return [], []
+        found = differences(self.saved.args, self.ours.args, "checkpoint", "this run")
+        heads = [text for name, text in found.items() if name in HEAD_FIELDS]
+        computed = [text for name, text in found.items()
+                    if name not in (*HEAD_FIELDS, *SHAPE_VISIBLE_FIELDS, *NUMERIC_FIELDS)]
+        return heads, computed
 
     def _tied_difference(self) -> tuple[str, str] | None:
         """The difference when one side ties weights the other keeps apart; None when they

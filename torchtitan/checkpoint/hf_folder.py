@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from torchtitan.checkpoint.folders import CheckpointError
+from torchtitan.models import get_train_spec, registered_names
 
 if TYPE_CHECKING:
     from torchtitan.models.hf_adapter import HFAdapter
@@ -58,6 +59,25 @@ def read_json(path: str, what: str) -> Any:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{what} {path} is not valid JSON ({e})") from None
+
+
+def family_of(config: Any, prefer: str | None = None) -> tuple[str, Any] | None:
+    """The registered model family whose HFAdapter reads `config` (a parsed config.json) as the model
+    its `architectures` names, and the args it reads; None when none does. `prefer` is asked first
+    (Llama 2 and Llama 3 read the same folders)."""
+    wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+    names = registered_names()
+    for name in ([prefer] if prefer in names else []) + [n for n in names if n != prefer]:
+        adapter = get_train_spec(name).hf_adapter
+        if adapter is None:
+            continue
+        try:
+            args = adapter.model_args_from_hf_config(config)
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+        if adapter.hf_architecture(args) == wanted:
+            return name, args
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +141,7 @@ def names_by_fqn(names: Iterable[str], args: Any, adapter: HFAdapter, hf_dir: st
         if name.endswith(_BUFFER_SUFFIX):
             continue
         try:
-            fqns = adapter.from_hf_names(name)
+            fqns = our_names(adapter, name, args)
         except KeyError:
             unknown.append(name)
             continue
@@ -131,6 +151,14 @@ def names_by_fqn(names: Iterable[str], args: Any, adapter: HFAdapter, hf_dir: st
         raise CheckpointError(f"{hf_dir} holds tensors that are not {adapter.hf_architecture(args)} parameters: "
                               f"{sorted(unknown)[0]}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""))
     return parts
+
+
+def our_names(adapter: HFAdapter, name: str, args: Any) -> tuple[str, ...]:
+    """`adapter.from_hf_names(name)`, given `args` too where the adapter's names depend on them
+    (`from_hf_names_takes_args`: DeepSeek-V3's MTP layers follow its last block)."""
+    if getattr(adapter, "from_hf_names_takes_args", False):
+        return adapter.from_hf_names(name, args)  # type: ignore[call-arg]
+    return adapter.from_hf_names(name)
 
 
 def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.checkpoint import hf_folder
 from torchtitan.checkpoint.failures import NotEnoughSpace, first_error, free_bytes, gather_from_ranks, save_failure
 from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError
+from torchtitan.checkpoint.model_args import HEAD_FIELDS, NUMERIC_FIELDS, RUN_FIELDS, SHAPE_VISIBLE_FIELDS
 from torchtitan.checkpoint.states import ModelState
 
 logger = logging.getLogger(__name__)
@@ -43,22 +44,6 @@ logger = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 5 * 10**9  # per safetensors file, as Hugging Face's own exports
 OPTION = "checkpoint.initial_load_path"  # what names the folder being read, in the lines of a training run
 CONFIG = "config.json"
-# Fields of the model args that change what the model computes but not its tensors' shapes: a
-# difference is reported, not refused (continued training may change RoPE on purpose).
-_NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "norm_type")
-# Fields that change the model's tensor shapes, so a difference shows as tensors missing, extra or of
-# another shape (which exclude_from_loading / allow_partial_load can deliberately leave out). A
-# difference in any other shape-relevant field (a MoE's experts per token, say) is refused by name.
-_SHAPE_VISIBLE_FIELDS = ("dim", "n_layers", "vocab_size", "tie_word_embeddings", "hidden_dim", "num_experts",
-                         "moe_hidden_dim")
-# Fields of the attention head layout: refused even with allow_partial_load (see check_fits).
-_HEAD_FIELDS = ("n_heads", "n_kv_heads", "head_dim")
-# Fields that are the run's own business: the sequence length it trains on, initialisation and
-# training-only settings, and the vocabulary padding (checked by the tensor shapes).
-# Also fields that are only one way of writing a size (Llama's feed-forward size from multiple_of
-# and ffn_dim_multiplier: config.json gives the size itself), which the tensor shapes check.
-_RUN_FIELDS = ("max_seq_len", "depth_init", "moe_aux_loss_coef", "moe_bias_update_rate", "vocab_padding",
-               "multiple_of", "ffn_dim_multiplier")
 
 
 def is_hf_folder(path: str) -> bool:
@@ -170,7 +155,7 @@ def _config_differences(path: str, adapter: Any, args: Any, option: str) -> tupl
         raise CheckpointError(f"{option} {path}: {CONFIG}: {e}") from None
     shapes, numeric = {}, []
     for f in dataclasses.fields(args):
-        if not hasattr(theirs, f.name) or f.name in _RUN_FIELDS:
+        if not hasattr(theirs, f.name) or f.name in RUN_FIELDS:
             continue
         a, b = getattr(theirs, f.name), getattr(args, f.name)
         if f.name == "n_kv_heads":  # None means one key/value head per attention head
@@ -178,7 +163,7 @@ def _config_differences(path: str, adapter: Any, args: Any, option: str) -> tupl
         if a == b:
             continue
         text = f"{f.name} {a} ({CONFIG}) vs {b} (this run)"
-        if f.name in _NUMERIC_FIELDS:
+        if f.name in NUMERIC_FIELDS:
             numeric.append(text)
         else:
             shapes[f.name] = text
@@ -205,7 +190,7 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     `option` names the folder in the lines (a tool reading one for itself has no partial loads)."""
     # config.json first: a folder of another family is best named by its model_type.
     shape_fields, numeric_fields = _config_differences(path, adapter, args, option)
-    if any(name in _HEAD_FIELDS for name in shape_fields):
+    if any(name in HEAD_FIELDS for name in shape_fields):
         # Equal shapes can hide this (dim 256 as 16 heads of 16 or 8 of 32), and the query and key
         # rows are ordered per head for RoPE, so no partial load can use such weights.
         raise CheckpointError(f"{option} {path} does not fit this run's model (its {CONFIG} "
@@ -218,7 +203,7 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     theirs = _expected_shapes(folder, parts, adapter, args)
     without_hf = set(adapter.tensors_without_hf(args))
     # Fields no tensor shape shows (a MoE's experts per token): the run would compute another model.
-    computed = [f"{CONFIG} has {text}" for name, text in shape_fields.items() if name not in _SHAPE_VISIBLE_FIELDS]
+    computed = [f"{CONFIG} has {text}" for name, text in shape_fields.items() if name not in SHAPE_VISIBLE_FIELDS]
     missing, skip = [], list(excluded)
     for fqn, shape in whole.items():
         if fqn in excluded or fqn in without_hf:

@@ -230,6 +230,10 @@ class MoE:
         0.0, "DeepSeek-V3 auxiliary-loss-free balancing: per step, each expert's routing bias moves by this much "
         "towards an even load (0 = off; DeepSeek-V3 uses 0.001).")
     grouped_mm: bool = opt(True, "Compute experts with torch._grouped_mm where the device supports it (else a loop).")
+    capacity_factor: float = opt(
+        0.0, "Token dropping: each expert takes at most ceil(factor x seq_len x top_k / experts) token choices from each "
+        "sequence, the earliest first; the rest pass through the residual only. Static shapes, no host sync of "
+        "split sizes (0 = off: dropless; docs/moe.md).")
 
 
 @dataclass

@@ -88,6 +88,20 @@ def check_moe(config: JobConfig) -> None:
     if moe.aux_loss_coef < 0 or moe.bias_update_rate < 0:
         raise ConfigError(f"moe.aux_loss_coef and moe.bias_update_rate must be >= 0 (0 turns each off), got "
                           f"{moe.aux_loss_coef} and {moe.bias_update_rate}")
+    if moe.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor must be > 0 to drop tokens, or 0 for dropless routing; got "
+                          f"{moe.capacity_factor}")
+
+
+def check_moe_capacity_layout(config: JobConfig) -> None:
+    """The dropping mode's capacity is per sequence, so that every layout drops the same (token,
+    choice) pairs; under TP and CP a rank routes only a slice of each sequence, and would drop
+    per slice instead."""
+    tp, cp = config.training.tensor_parallel_degree, config.experimental.context_parallel_degree
+    if config.moe.capacity_factor > 0 and (tp > 1 or cp > 1):
+        raise ConfigError(f"moe.capacity_factor {config.moe.capacity_factor} drops tokens per whole sequence, but "
+                          f"training.tensor_parallel_degree {tp} / experimental.context_parallel_degree {cp} route a "
+                          "slice of each sequence per rank; set both to 1 or moe.capacity_factor to 0 (dropless)")
 
 
 def check_model(config: JobConfig) -> None:

@@ -5,13 +5,14 @@ expert parallelism the counts the ranks exchange. The dry run's fake tensors hol
 puts these stand-ins into the model's seams (`on_fake_tensors`): tokens spread evenly over the
 experts and ranks, so the estimate of an MoE layer is that of perfectly balanced routing; and the
 grouped expert matmul always grouped, as the GPUs' kernel it stands for (the loop would need the
-groups' sizes as values).
+groups' sizes as values). The MoE dropping mode (`moe.capacity_factor`) needs none of them: its
+sizes are Python ints, so it runs on fake tensors as it runs on real ones.
 
 `expert_load` (the planner's, for dropless routing under expert parallelism): the simulated rank
 is the busiest of its expert-parallel group and receives `expert_load` times its even share of
 the group's tokens (it still sends its own tokens evenly). Without expert parallelism a rank
 computes all of its own (token, choice) pairs whatever the routing, so the load changes nothing
-there. The dropping mode needs no stand-in: its buffers have fixed shapes.
+there.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm")
 
 
-def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_grouped: bool) -> torch.Tensor:
+def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int,
+                       use_grouped: bool) -> torch.Tensor:
     if use_grouped and x.dtype != torch.bfloat16:  # standing for a CPU job: the kernel's shapes alone
         return _GroupedMatmulShapes.apply(x, weight.transpose(-2, -1))
     return grouped_mm(x, weight, counts, use_grouped)

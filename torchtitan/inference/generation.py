@@ -42,8 +42,9 @@ class _CachingKernel:
         c = self.cache
         start, end = c.position, c.position + q.shape[2]
         if self.k is None:  # sized on first use: under tensor parallelism a rank holds only its heads
-            shape = (k.shape[0], k.shape[1], c.max_len, k.shape[3])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+            # (values may have their own head size: DeepSeek-V3's latent attention)
+            self.k = k.new_zeros((k.shape[0], k.shape[1], c.max_len, k.shape[3]))
+            self.v = v.new_zeros((v.shape[0], v.shape[1], c.max_len, v.shape[3]))
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         keys, values = self.k[:, :, :end], self.v[:, :, :end]

@@ -14,7 +14,10 @@ Names need not map one to one. Mostly one of our tensors is one HF tensor, but:
 - one HF tensor may hold parts of several of ours (transformers' fused `gate_up_proj`, our w1 and
   w3): `from_hf_names` names each of them, and each one's `from_hf_tensors` takes its part;
 - we may keep a tensor HF has no counterpart for (the auxiliary-loss-free `moe.expert_bias`):
-  `to_hf_name` gives None, an export leaves it out and an import fills in `tensors_without_hf`.
+  `to_hf_name` gives None, an export leaves it out and an import fills in `tensors_without_hf`;
+- HF's names may depend on the args (DeepSeek-V3 numbers its MTP modules after the last block):
+  such an adapter sets `from_hf_names_takes_args = True`, and its `from_hf_names` then takes the
+  args as a second argument, which torchtitan/checkpoint/hf_folder.py passes when it has them.
 This module also holds the q/k row permutation that every family with HF's `rotate_half` RoPE needs.
 """
 

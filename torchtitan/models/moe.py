@@ -14,6 +14,7 @@ that default to "one device, real tensors". torchtitan/parallelisms/expert_paral
 - `MoE.sequences_per_step` is how many sequences this rank trains on per optimizer step (batch x
   gradient accumulation), so the loss is a mean per sequence over the step whatever the number of
   forwards (accumulation, pipeline microbatches).
+- `MoE.capacity_factor` (`moe.capacity_factor`): 0 routes dropless; above 0, the dropping mode.
 
 The dry run (torchtitan/estimation/shapes_only.py) replaces the two that need values, on fake
 tensors that have none: `MoE.count_tokens` (bincount of the routing) and `GroupedExperts.kernels`
@@ -23,8 +24,19 @@ Routing (`TokenChoiceRouter`): softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) scor
 top k chosen (plus a per-expert bias, zero unless auxiliary-loss-free balancing moved it; the bias
 steers the choice only), optionally among the best groups of experts only (DeepSeek-V3's
 group-limited routing), the chosen weights renormalised to sum to one when `norm_topk_prob` and
-scaled by `route_scale`. Dropless: every token reaches all of its k experts, however unbalanced
-the routing.
+scaled by `route_scale`. Dropless by default: every token reaches all of its k experts, however
+unbalanced the routing.
+
+The dropping mode (`capacity_factor` > 0, as GShard / Switch / Megatron's token dropping): each
+expert takes at most `cap = ceil(capacity_factor x S x k / E)` (token, choice) pairs from each
+sequence of S tokens (S: the tokens of the sequence this rank routes), the earliest positions
+first; the others are dropped: their weight is zero, so the token keeps the residual (and whatever
+the model adds outside this layer, such as shared experts) and its other choices. Per sequence,
+not per batch, so that what is dropped does not depend on how sequences are spread over ranks,
+accumulation steps or pipeline microbatches. Per rank each expert's buffer holds B x cap rows for B
+sequences, about `capacity_factor x tokens x k / E`. The tokens travel in a padded (E, B x cap, dim)
+layout whose sizes are Python ints: the expert matmul, and expert parallelism's all-to-alls, need no
+host read of counts (`_capacity_dispatch`).
 
 Load balancing, either or both:
 - an auxiliary loss per layer, DeepSeek-V3's sequence-wise form of the standard one:
@@ -39,6 +51,7 @@ Load balancing, either or both:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -94,12 +107,21 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, use_grouped: bool) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int, use_grouped: bool) -> torch.Tensor:
     """Rows of x (N, in), grouped by expert in order (`counts[e]` rows for expert e), each times its
     expert's weight.T (weight: (E, out, in), the nn.Linear layout) -> (N, out).
 
     `use_grouped`: one `F.grouped_mm` call; otherwise a loop of one matmul per expert (the
-    exact fallback: the same products, one group at a time)."""
+    exact fallback: the same products, one group at a time).
+
+    `counts` a Python int: every expert has that many rows (the dropping mode's padded layout,
+    `MoE.capacity_factor`). The group sizes are then known without reading a tensor: the offsets
+    are made on the device, and the fallback is one batched matmul instead of the loop."""
+    if isinstance(counts, int):
+        if use_grouped:
+            offsets = torch.arange(1, weight.shape[0] + 1, device=x.device, dtype=torch.int32) * counts
+            return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return torch.bmm(x.view(weight.shape[0], counts, -1), weight.transpose(-2, -1)).flatten(0, 1)
     if use_grouped:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
@@ -115,14 +137,14 @@ class ExpertKernels(NamedTuple):
     these operands, `matmul(x, weight, counts, use_grouped)` runs one grouped matmul either way."""
 
     supported: Callable[..., bool]
-    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | int, bool], torch.Tensor]
 
 
 DEVICE_KERNELS = ExpertKernels(grouped_mm_supported, grouped_mm)
 
 
 @torch.compiler.disable
-def _run_experts(experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _run_experts(experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
     """The experts run eagerly, also inside a compiled block: the sizes of their groups are data
     (and so are those of expert parallelism's all-to-alls, which wrap this module's call)."""
     return experts(tokens, counts)
@@ -150,8 +172,9 @@ class GroupedExperts(nn.Module):
         trunc_normal(self.w2, init_std)
         trunc_normal(self.w3, init_std)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
+        """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim); or
+        `counts` a Python int, the rows of every expert (the dropping mode's padded layout)."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if torch.is_autocast_enabled(x.device.type):
             # The grouped matmul has no autocast rule: cast its operands as autocast casts any matmul.
@@ -241,15 +264,24 @@ class AuxLossGrad(torch.autograd.Function):
         return grad, torch.ones((), dtype=torch.float32, device=grad.device)
 
 
+class StepStats(NamedTuple):
+    """What `MoE.take_step_stats` hands the trainer: this rank's share of the step."""
+
+    tokens_per_expert: torch.Tensor  # (E,) routed (token, choice) pairs per expert, dropped ones included
+    aux_loss: torch.Tensor  # () the auxiliary loss
+    dropped_tokens: torch.Tensor  # () (token, choice) pairs the dropping mode dropped (0 when dropless)
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
                  aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0, score_func: str = "softmax",
-                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0):
+                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0, capacity_factor: float = 0.0):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {num_experts}")
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.bias_update_rate = aux_loss_coef, bias_update_rate
+        self.capacity_factor = capacity_factor  # 0: dropless (module docstring)
         self.router = TokenChoiceRouter(dim, num_experts, top_k, norm_topk_prob, score_func, n_group, topk_group,
                                         route_scale)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
@@ -259,6 +291,7 @@ class MoE(nn.Module):
         # bias update and the metrics; reset by `take_step_stats`.
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("dropped_tokens", torch.zeros(()), persistent=False)
         # Parallelism and training seams (module docstring); these defaults are one device.
         self.sum_over_sequence_group: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.sequence_group_size = 1
@@ -275,6 +308,7 @@ class MoE(nn.Module):
         self.expert_bias = torch.zeros(self.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.num_experts, device=device)
         self.aux_loss = torch.zeros((), device=device)
+        self.dropped_tokens = torch.zeros((), device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
@@ -282,17 +316,21 @@ class MoE(nn.Module):
         # The bias is zero unless balancing moved it or a converted checkpoint brought one (DeepSeek-V3's
         # e_score_correction_bias); a zero bias chooses exactly as none would.
         probs, experts, weights = self.router(tokens, self.expert_bias)
-        flat_experts = experts.flatten()  # (T*k,), token t's choices at t*k ... t*k+k-1
-        counts = self.count_tokens(flat_experts, self.num_experts)
-        # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.
-        order = torch.argsort(flat_experts, stable=True)
-        routed = tokens[order // self.top_k]
-        out = _run_experts(self.experts, routed, counts)
-        # Unsort, then add each token's k outputs, in a fixed order: deterministic on every device,
-        # unlike a scatter-add.
-        unsorted = torch.empty_like(out)
-        unsorted[order] = out
-        combined = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        dropped = None
+        if self.capacity_factor > 0:
+            combined, counts, dropped = self._capacity_dispatch(tokens, experts, weights, bsz)
+        else:
+            flat_experts = experts.flatten()  # (T*k,), token t's choices at t*k ... t*k+k-1
+            counts = self.count_tokens(flat_experts, self.num_experts)
+            # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.
+            order = torch.argsort(flat_experts, stable=True)
+            routed = tokens[order // self.top_k]
+            out = _run_experts(self.experts, routed, counts)
+            # Unsort, then add each token's k outputs, in a fixed order: deterministic on every device,
+            # unlike a scatter-add.
+            unsorted = torch.empty_like(out)
+            unsorted[order] = out
+            combined = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         # Statistics count each forward once: not again when activation checkpointing re-runs it
         # in backward, nor in forwards a runtime flags off (a pipeline's shape-probing pass).
         # The same ops run either way (adding zero when not counting): op-level activation
@@ -300,12 +338,57 @@ class MoE(nn.Module):
         counting = float(self.count_step_stats and not _in_backward())
         with torch.no_grad():
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype) * counting
+            if dropped is not None:
+                self.dropped_tokens += dropped.to(self.dropped_tokens.dtype) * counting
         if self.aux_loss_coef > 0 and self.training:
             aux = self._sequence_balance_loss(probs.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
             with torch.no_grad():  # (a where, not a product: a flagged-off forward may see garbage, even NaN)
                 self.aux_loss += torch.where(torch.tensor(counting > 0), aux.detach(), 0.0)
             combined = AuxLossGrad.apply(combined, aux)
         return combined.view(bsz, seqlen, dim)
+
+    def capacity(self, seqlen_local: int) -> int:
+        """(token, choice) pairs each expert takes from each sequence of `seqlen_local` tokens in the
+        dropping mode: ceil(capacity_factor x S x k / E), at most S (a token picks an expert once)."""
+        return min(math.ceil(self.capacity_factor * seqlen_local * self.top_k / self.num_experts), seqlen_local)
+
+    def _capacity_dispatch(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                           bsz: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The dropping mode's experts (module docstring): tokens (B*S, dim), chosen experts and
+        weights (B*S, k) -> combined outputs (B*S, dim), routed pairs per expert (E,) and the number
+        dropped (). Every shape is fixed by B, S, k, E and the capacity; nothing is read to the host."""
+        n_experts, k, dim = self.num_experts, self.top_k, tokens.shape[-1]
+        seqlen = tokens.shape[0] // bsz
+        cap = self.capacity(seqlen)
+        n_pairs = tokens.shape[0] * k
+        device = tokens.device
+        # Group the (token, choice) pairs by (expert, sequence): a stable sort keeps each group in
+        # position order, and the groups in the order of the padded buffer (expert-major).
+        sequence = torch.arange(n_pairs, device=device) // (seqlen * k)
+        group = experts.flatten() * bsz + sequence  # pairs in token order: (b, s, choice)
+        order = torch.argsort(group, stable=True)
+        groups = torch.arange(n_experts * bsz, device=device)
+        sorted_group = group[order]
+        starts = torch.searchsorted(sorted_group, groups)
+        sizes = torch.searchsorted(sorted_group, groups, right=True) - starts  # (E*B,)
+        # Each pair's place in its group (0 = the earliest position); beyond cap it is dropped.
+        place = torch.empty_like(order)
+        place[order] = torch.arange(n_pairs, device=device) - starts[sorted_group]
+        kept = place < cap
+        # The buffer: slot c of group g holds the group's c-th pair, or zeros where the group has fewer.
+        slots = torch.arange(cap, device=device)
+        source = (starts.unsqueeze(1) + slots).clamp(max=n_pairs - 1)  # (E*B, cap) index into the sorted pairs
+        filled = (slots < sizes.unsqueeze(1)).flatten().unsqueeze(-1)
+        routed = torch.where(filled, tokens[order[source.flatten()] // k], 0)
+        out = _run_experts(self.experts, routed, bsz * cap)  # (E * B * cap, dim)
+        # Each pair reads its slot back (a dropped pair any slot: its weight is zero), and each
+        # token adds its k outputs in a fixed order, as dropless does.
+        slot = torch.where(kept, group * cap + place, 0)
+        picked = out[slot].view(-1, k, dim)
+        kept_weights = weights * kept.view_as(weights)
+        combined = (picked * kept_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        counts = sizes.view(n_experts, bsz).sum(dim=1)
+        return combined, counts, n_pairs - kept.sum()
 
     def _sequence_balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This rank's share of coef x mean over the step's sequences of sum_e f_e P_e (module
@@ -322,11 +405,12 @@ class MoE(nn.Module):
         sequences = self.sequences_per_step or bsz
         return self.aux_loss_coef * self.aux_loss_rank_weight * per_sequence.sum() / sequences
 
-    def take_step_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens per expert, auxiliary loss) accumulated since the last call, then reset."""
-        stats = (self.tokens_per_expert.clone(), self.aux_loss.clone())
+    def take_step_stats(self) -> StepStats:
+        """(tokens per expert, auxiliary loss, dropped pairs) accumulated since the last call, then reset."""
+        stats = StepStats(self.tokens_per_expert.clone(), self.aux_loss.clone(), self.dropped_tokens.clone())
         self.tokens_per_expert.zero_()
         self.aux_loss.zero_()
+        self.dropped_tokens.zero_()
         return stats
 
     @torch.no_grad()

@@ -179,11 +179,11 @@ def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: Parall
         return None
     params = {id(p): p for _, m in modules for p in m.parameters(recurse=False)}.values()
     placements = Counter(repr(pl) for p in params if (pl := _tp_placement(p)) is not None)
-    # Sequence parallelism leaves its mark on the norms: their weights become DTensors replicated over
-    # tp (norms without weights cannot show it).
-    # (Per-head q/k norms are replicated over tp in any case: they see a slice of the heads.)
-    norms_replicated = any(type(m).__name__.endswith("Norm") and isinstance(_tp_placement(p), Replicate)
-                           and name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm")
+    # Sequence parallelism leaves its mark on the blocks' norms: their weights become DTensors
+    # replicated over tp (norms without weights cannot show it). Other norms may be replicated over
+    # tp in any case (Qwen3's per-head q/k norms, DeepSeek-V3's latent and MTP norms).
+    norms_replicated = any(name.rsplit(".", 1)[-1] in ("attention_norm", "ffn_norm")
+                           and isinstance(_tp_placement(p), Replicate)
                            for name, m in modules for p in m.parameters(recurse=False))
     return {"mesh": _mesh(parallel_dims.tp_mesh), "parameters": sum(placements.values()),
             "placements": dict(sorted(placements.items())), "sequence_parallel": norms_replicated,
@@ -245,7 +245,8 @@ def _moe(modules: list[tuple[str, nn.Module]]) -> dict | None:
     return {"layers": len(layers), "experts": first.num_experts, "top_k": first.top_k,
             "ep_mesh": {"ep": ep} if ep > 1 else None, "experts_per_rank": first.num_experts // ep,
             "expert_fsdp_mesh": fsdp_dims or None, "fsdp_unit_meshes": units,
-            "aux_loss_coef": first.aux_loss_coef, "bias_update_rate": first.bias_update_rate}
+            "aux_loss_coef": first.aux_loss_coef, "bias_update_rate": first.bias_update_rate,
+            "capacity_factor": first.capacity_factor}
 
 
 def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:

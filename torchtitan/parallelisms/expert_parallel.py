@@ -13,11 +13,17 @@ slice (sequence-parallel layout) and routes them itself, so MoE parameters are d
 tp as well as dp x cp: their FSDP units (`moe_fsdp_units`) shard over meshes that include tp and
 divide gradients by the data-parallel size alone. Expert weights are not split by TP.
 
+In the dropping mode (`moe.capacity_factor`) the layer hands over a padded layout, every expert
+the same Python-int number of rows: each rank then sends E / ep x rows to every rank, equal splits
+known without exchanging counts, and the received rows are regrouped by a fixed reshape
+(`_dispatch_static`). Nothing is read to the host.
+
 The dry run, whose fake tensors hold no counts to exchange, replaces the exchange of counts
 (`exchange_counts`, kept on the experts module) with an even spread (torchtitan/estimation).
 
 `configure_moe` sets the layer's seams: the per-sequence count sum over cp x tp ranks, and the
-number of sequences per step, which keep the load-balancing loss the same under every layout.
+number of sequences per step, which keep the load-balancing loss the same under every layout; and
+the dropping mode's capacity factor.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.runtime.torch_compat import collectives as torch_compat_collectives
 
 logger = logging.getLogger(__name__)
@@ -46,16 +54,19 @@ logger = logging.getLogger(__name__)
 
 class _Dispatch:
     """What the combine needs from the dispatch of one forward (kept on the experts module
-    between its pre- and post-forward hooks)."""
+    between its pre- and post-forward hooks). `order` None: the dropping mode's padded layout,
+    `rows` per expert and source rank."""
 
-    def __init__(self, send_splits: list[int], recv_splits: list[int], order: torch.Tensor):
-        self.send_splits, self.recv_splits, self.order = send_splits, recv_splits, order
+    def __init__(self, send_splits: list[int], recv_splits: list[int], order: torch.Tensor | None, rows: int = 0):
+        self.send_splits, self.recv_splits, self.order, self.rows = send_splits, recv_splits, order, rows
 
 
-def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor | int]:
     """Sends each token (sorted by global expert) to the rank owning its expert; returns the
     tokens this rank's experts compute, sorted by local expert, and their counts."""
     tokens, counts = inputs
+    if isinstance(counts, int):
+        return _dispatch_static(module, tokens, counts, mesh)
     ep = mesh.size()
     group = mesh.get_group()
     local_experts = counts.numel() // ep
@@ -70,6 +81,23 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
     order = torch.argsort(by_expert, stable=True)
     module._ep_dispatch = _Dispatch(send_splits, recv_splits, order)
     return received[order], recv_counts.sum(dim=0)
+
+
+def _dispatch_static(module: nn.Module, tokens: torch.Tensor, rows: int, mesh: DeviceMesh) -> tuple[torch.Tensor, int]:
+    """The dropping mode's dispatch: `tokens` (E * rows, dim), `rows` per global expert. Every
+    rank sends the same number of rows to every rank (the same batch and capacity everywhere), so
+    the splits are Python ints and no counts are exchanged. Returns (E_local * ep * rows, dim):
+    per local expert, the rows of every source rank in rank order."""
+    ep = mesh.size()
+    dim = tokens.shape[-1]
+    local_experts = tokens.shape[0] // (rows * ep)
+    splits = [local_experts * rows] * ep
+    received = torch_compat_collectives.all_to_all_single_autograd(tokens, splits, splits, mesh.get_group())
+    received = torch_compat_collectives.wait(received)
+    module._ep_dispatch = _Dispatch(splits, splits, None, rows)
+    # Arrived as (source rank, local expert, row); the experts want (local expert, source rank, row).
+    by_expert = received.view(ep, local_experts, rows, dim).transpose(0, 1).reshape(-1, dim)
+    return by_expert, ep * rows
 
 
 def exchange_counts(send_counts: torch.Tensor, tokens: torch.Tensor,
@@ -87,8 +115,12 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
     """Returns each computed token to the rank (and position) it came from."""
     d: _Dispatch = module._ep_dispatch
     module._ep_dispatch = None
-    unsorted = torch.empty_like(output)
-    unsorted[d.order] = output
+    if d.order is None:  # the padded layout: back to (destination rank, local expert, row)
+        ep, dim = len(d.send_splits), output.shape[-1]
+        unsorted = output.view(-1, ep, d.rows, dim).transpose(0, 1).reshape(-1, dim)
+    else:
+        unsorted = torch.empty_like(output)
+        unsorted[d.order] = output
     back = torch_compat_collectives.all_to_all_single_autograd(unsorted, d.send_splits, d.recv_splits, mesh.get_group())
     return torch_compat_collectives.wait(back)
 
@@ -140,6 +172,44 @@ def moe_fsdp_units(layers: Sequence[nn.Module], parallel_dims: ParallelDims) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# What an MoE model needs of the layout
+
+
+def check_moe_layout(num_experts: int, parallel_dims: ParallelDims, plan: PipelinePlan | None,
+                     job_config: JobConfig, flavor: str) -> None:
+    """The layout rules of any model with MoE layers, for its family's ValidateFn (one line each).
+    (A dense flavor with ep > 1 is refused by preflight's `experts` rule, for every family.)"""
+    ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
+    if ep > 1 and num_experts % ep:
+        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {num_experts} experts of {flavor}")
+    if ep > 1 or tp > 1:
+        # The MoE layers then have FSDP units of their own inside each block.
+        ac = job_config.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            raise ConfigError("activation_checkpoint.selective_ac_option 'op' cannot checkpoint MoE layers that expert or "
+                              "tensor parallelism shards on their own (their FSDP gathers run inside the checkpointed "
+                              "region and differ in the recompute); use activation_checkpoint.mode full, or selective "
+                              "with a block interval")
+    if tp == 1:
+        return
+    if plan is not None and plan.split_backward:
+        raise ConfigError(f"experimental.pipeline_parallel_schedule {plan.schedule} computes weight gradients in a "
+                          "second backward pass, which cannot reach the MoE layers' parameters under "
+                          "training.tensor_parallel_degree > 1 (PyTorch 2.13); use a schedule without zero bubble "
+                          "(1F1B, Interleaved1F1B, ...)")
+    if parallel_dims.ddp_enabled:
+        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} shards its MoE layers over the tp "
+                          "ranks with FSDP, which DDP replicas (training.data_parallel_replicate_degree "
+                          f"{parallel_dims.dp_replicate} with training.data_parallel_shard_degree 1) cannot hold; "
+                          "shard instead (training.data_parallel_shard_degree > 1)")
+    local = job_config.training.seq_len // cp
+    if local % tp:
+        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
+                          f"the sequence: training.seq_len {job_config.training.seq_len} / "
+                          f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Seams
 
 
@@ -159,6 +229,7 @@ def configure_moe(layers: Sequence[nn.Module], parallel_dims: ParallelDims, job_
         layer.aux_loss_rank_weight = parallel_dims.cp
         layer.sequences_per_step = training.batch_size * training.gradient_accumulation_steps
         layer.experts.use_grouped_mm = None if job_config.moe.grouped_mm else False
+        layer.capacity_factor = job_config.moe.capacity_factor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,36 +254,48 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
     """A TrainSpec AfterStepFn for MoE models: sums the step's routed-token counts and auxiliary
     losses over the pipeline stage's ranks (one all-reduce for every layer), moves the experts'
     routing biases (auxiliary-loss-free balancing), and on logging steps reports, per layer, the
-    most and the mean tokens per expert and, summed over layers, the auxiliary loss (a
-    StepReport-shaped (values, summary) pair; gathered over pipeline stages)."""
+    most and the mean tokens per expert, the (token, choice) pairs the dropping mode dropped (when
+    on) and, summed over layers, the auxiliary loss (a StepReport-shaped (values, summary) pair;
+    gathered over pipeline stages)."""
     layers = sorted(((_layer_index(name), m) for part in model_parts for name, m in part.named_modules()
                      if hasattr(m, "take_step_stats")), key=lambda item: item[0])
     if not layers and not parallel_dims.pp_enabled:
         return None
     stats = [m.take_step_stats() for _, m in layers]
-    per_layer = torch.stack([torch.cat([counts, aux.view(1)]) for counts, aux in stats]) if stats else None
+    # One row per layer: the expert counts, then the auxiliary loss, then the dropped pairs.
+    per_layer = torch.stack([torch.cat([counts, aux.view(1), dropped.view(1)]) for counts, aux, dropped in stats]
+                            ) if stats else None
     stage = parallel_dims.stage_mesh
     if per_layer is not None and stage is not None:
         per_layer = torch_compat_collectives.all_reduce(per_layer, "sum", stage)
         per_layer = torch_compat_collectives.wait(per_layer)
     for (_, layer), row in zip(layers, per_layer if per_layer is not None else []):
-        layer.update_expert_bias(row[:-1])
+        layer.update_expert_bias(row[:-2])
     if not log:
         return None
     # Each rank's auxiliary loss is its share of a mean over the dp x cp ranks (tp ranks hold disjoint parts).
     n_dp = parallel_dims.moe_gradient_divide_factor
-    mine = {i: (row[:-1].max().item(), row[:-1].mean().item(), row[-1].item() / n_dp)
-            for (i, _), row in zip(layers, per_layer if per_layer is not None else [])}
+    # (max, mean, aux, dropped or None when dropless, routed pairs) per layer
+    mine = {i: (row[:-2].max().item(), row[:-2].mean().item(), row[-2].item() / n_dp,
+                row[-1].item() if layer.capacity_factor > 0 else None, row[:-2].sum().item())
+            for (i, layer), row in zip(layers, per_layer if per_layer is not None else [])}
     if parallel_dims.pp_enabled:
         gathered: list[dict] = [None] * parallel_dims.pp
         torch.distributed.all_gather_object(gathered, mine, group=parallel_dims.pp_mesh.get_group())
         mine = {i: v for d in gathered for i, v in d.items()}
     if not mine:
         return None
-    values = {"moe_aux_loss": sum(aux for _, _, aux in mine.values())}
-    for i, (most, mean, _) in sorted(mine.items()):
+    values = {"moe_aux_loss": sum(aux for _, _, aux, _, _ in mine.values())}
+    for i, (most, mean, _, dropped, _) in sorted(mine.items()):
         values[f"moe_max_tokens_per_expert/{_layer_label(i)}"] = most
         values[f"moe_mean_tokens_per_expert/{_layer_label(i)}"] = mean
+        if dropped is not None:
+            values[f"moe_dropped_tokens/{_layer_label(i)}"] = dropped
     worst = max(mine, key=lambda i: mine[i][0] / max(mine[i][1], 1e-9))
     ratio = mine[worst][0] / max(mine[worst][1], 1e-9)
-    return values, f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} ({_layer_label(worst)})"
+    summary = f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} ({_layer_label(worst)})"
+    capacity = [(dropped, routed) for _, _, _, dropped, routed in mine.values() if dropped is not None]
+    if capacity:
+        share = sum(d for d, _ in capacity) / max(sum(r for _, r in capacity), 1.0)
+        summary += f"  dropped: {100 * share:.2f}%"
+    return values, summary

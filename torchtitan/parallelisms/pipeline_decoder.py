@@ -124,8 +124,9 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
     tied = None
     if tied_embeddings or embedding_on_last_stage:
         if tied_embeddings and embedding_on_last_stage:
-            raise ConfigError("a model whose last pipeline stage embeds tokens cannot also tie its output projection "
-                              "to the embedding (one weight shared by three modules)")
+            # A family's pipelining function asked for both: a bug in its code, not a user's setting.
+            raise ValueError("a model whose last pipeline stage embeds tokens cannot also tie its output projection "
+                             "to the embedding (one weight shared by three modules)")
         # The embedding (first stage) and the output projection, or the embedding's copy (last
         # stage), share one matrix.
         by_stage = dict(zip(stage_ids, modules))

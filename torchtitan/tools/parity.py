@@ -120,6 +120,8 @@ FLOAT8_TOLERANCE = 1e-3
 # Qwen3 runs its smallest flavors: what they prove (experts, q/k norms, the layouts) does not need more.
 QWEN3_MOE = "--model.name qwen3 --model.flavor tiny_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
 QWEN3_DENSE = "--model.name qwen3 --model.flavor tiny"
+# The dropping mode at a factor that drops a few percent of tiny_moe's token choices per step.
+QWEN3_MOE_CAPACITY = f"{QWEN3_MOE} --moe.capacity_factor 1.0"
 # DeepSeek-V3's `tiny`: latent attention, a dense and an MoE block (shared experts, group-limited
 # sigmoid routing), multi-token prediction (depth 1), auxiliary loss and bias both on.
 DEEPSEEK_V3 = ("--model.name deepseek_v3 --model.flavor tiny --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001")
@@ -187,6 +189,10 @@ SUITES: dict[str, list[Layout]] = {
           {"moe.ep_mesh": {"ep": 2}, "pipeline.stages": 2}, shared=QWEN3_MOE),
         L("moe_ep2_cp2", 4, "--training.expert_parallel_degree 2 --experimental.context_parallel_degree 2",
           {"moe.ep_mesh": {"ep": 2}, "cp.mesh": {"cp": 2}}, shared=QWEN3_MOE),
+        # The dropping mode: capacity per sequence, so 2 sequences per rank and micro-step (EP 2,
+        # accumulation 2) drop what one process's 8 sequences at once drop.
+        L("moe_capacity_ep2_accum2", 2, "--training.expert_parallel_degree 2 --training.gradient_accumulation_steps 2",
+          {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0}, shared=QWEN3_MOE_CAPACITY),
         L("qwen3_fsdp2_tp2", 4, "--training.tensor_parallel_degree 2",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_DENSE),
         L("qwen3_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=QWEN3_DENSE),
@@ -205,7 +211,16 @@ SUITES: dict[str, list[Layout]] = {
         L("dsv3_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_split_points layers.3",
           {"moe.ep_mesh": {"ep": 2}, "pipeline.stages": 2}, shared=DEEPSEEK_V3_DEBUG),
+        # Tensor parallelism without sequence or loss parallelism: the replicated MLA compressions
+        # and MTP's per-token parts see whole sequences, the MTP loss whole logits.
+        L("dsv3_tp2_no_sp", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel "
+          "--training.disable_loss_parallel", {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": False}, shared=DEEPSEEK_V3),
         L("dsv3_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=DEEPSEEK_V3_NO_MTP),
+        # The dropping mode under a pipeline (MTP's MoE block on the last stage drops tokens too).
+        L("dsv3_capacity_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
+          "--experimental.pipeline_parallel_split_points layers.3",
+          {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0, "pipeline.stages": 2},
+          shared=f"{DEEPSEEK_V3_DEBUG} --moe.capacity_factor 1.0"),
         L("dsv3_fsdp2_no_mtp", 2, "--training.data_parallel_shard_degree 2", {"fsdp.mesh": {"dp_shard_cp": 2}},
           shared=DEEPSEEK_V3_NO_MTP),
     ],

@@ -10,6 +10,7 @@ from torchtitan.datasets.text_dataset import build_text_dataloader, build_valida
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.deepseek_v3.after_step import deepseek_v3_after_step
 from torchtitan.models.deepseek_v3.flavors import deepseek_v3_configs
+from torchtitan.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from torchtitan.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.parallelize_deepseek_v3 import parallelize_deepseek_v3, validate_deepseek_v3
 from torchtitan.models.deepseek_v3.pipeline_deepseek_v3 import pipeline_deepseek_v3
@@ -34,6 +35,7 @@ register_train_spec(
         build_validation_dataloader_fn=build_validation_dataloader,
         loss_fn=cross_entropy_loss,
         validate_fn=validate_deepseek_v3,
+        hf_adapter=DeepSeekV3HFAdapter(),
         after_step_fn=deepseek_v3_after_step,
     )
 )

@@ -1,8 +1,8 @@
 """DeepSeek-V3 flavors: the published shapes (Hugging Face config.json of each release) plus small
 debug models for CPU runs.
 
-- `16B`: DeepSeek-V2-Lite's shape (Moonlight-16B-A3B has the same blocks with V3's sigmoid
-  routing and a 163,840-token vocabulary): 15.7B parameters, 2.4B activated per token.
+- `16B`: Moonlight-16B-A3B (Moonshot AI's DeepSeek-V3-architecture model: DeepSeek-V2-Lite's blocks
+  with V3's sigmoid routing and a 163,840-token vocabulary): 16.0B parameters, 2.9B activated.
 - `671B`: DeepSeek-V3 (and R1): 671B parameters, 37B activated, plus one MTP module (14B with the
   copies of the embedding and output projection DeepSeek's files store; here they are shared).
 """
@@ -24,9 +24,10 @@ _TINY = dict(_DEBUG, dim=128, n_heads=16, hidden_dim=512, q_lora_rank=32, kv_lor
 deepseek_v3_configs = {
     "debugmodel": DeepSeekV3ModelArgs(n_layers=4, n_dense_layers=2, mtp_depth=1, **_DEBUG),
     "tiny": DeepSeekV3ModelArgs(n_layers=2, n_dense_layers=1, mtp_depth=1, **_TINY),
-    "16B": DeepSeekV3ModelArgs(dim=2048, n_layers=27, n_dense_layers=1, n_heads=16, hidden_dim=10944,
-                               vocab_size=102400, q_lora_rank=0, kv_lora_rank=512, num_experts=64,
-                               n_shared_experts=2, top_k=6, moe_hidden_dim=1408, norm_topk_prob=False),
+    "16B": DeepSeekV3ModelArgs(dim=2048, n_layers=27, n_dense_layers=1, n_heads=16, hidden_dim=11264,
+                               vocab_size=163840, q_lora_rank=0, kv_lora_rank=512, num_experts=64,
+                               n_shared_experts=2, top_k=6, moe_hidden_dim=1408, score_func="sigmoid",
+                               route_scale=2.446, norm_topk_prob=True, rope_theta=50000.0, norm_eps=1e-5),
     "671B": DeepSeekV3ModelArgs(dim=7168, n_layers=61, n_dense_layers=3, n_heads=128, hidden_dim=18432,
                                 vocab_size=129280, q_lora_rank=1536, kv_lora_rank=512, num_experts=256,
                                 n_shared_experts=1, top_k=8, moe_hidden_dim=2048, mtp_depth=1,

@@ -69,6 +69,12 @@ class YarnScaling:
     mscale_all_dim: float = 1.0
 
 
+# The latents' RMSNorms (q_norm, kv_norm) keep this epsilon whatever norm_eps says, as DeepSeek's
+# reference and transformers' DeepseekV3Attention do (norm_eps is config.json's rms_norm_eps, for the
+# blocks' norms).
+LATENT_NORM_EPS = 1e-6
+
+
 def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -163,13 +169,13 @@ class Attention(nn.Module):
         if args.q_lora_rank:
             self.wq = None
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = build_norm("rmsnorm", args.q_lora_rank, args.norm_eps)
+            self.q_norm = build_norm("rmsnorm", args.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, qk_out, bias=False)
         else:
             self.wq = nn.Linear(args.dim, qk_out, bias=False)
             self.wq_a = self.q_norm = self.wq_b = None
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = build_norm("rmsnorm", args.kv_lora_rank, args.norm_eps)
+        self.kv_norm = build_norm("rmsnorm", args.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         # The kernels scale scores by 1/sqrt(q's head dim); queries are pre-multiplied so that the

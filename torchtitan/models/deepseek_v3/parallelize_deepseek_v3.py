@@ -35,7 +35,13 @@ from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.pipeline_deepseek_v3 import stage_starts_for
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
-from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, configure_moe, moe_fsdp_units, moe_tp_plan
+from torchtitan.parallelisms.expert_parallel import (
+    apply_expert_parallel,
+    check_moe_layout,
+    configure_moe,
+    moe_fsdp_units,
+    moe_tp_plan,
+)
 from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
@@ -55,7 +61,7 @@ def validate_deepseek_v3(args: DeepSeekV3ModelArgs, parallel_dims: ParallelDims,
     flavor = f"model {job_config.model.name} {job_config.model.flavor}"
     if plan is not None:
         stage_starts_for(args, job_config, plan)  # raises when the stages cannot be cut
-    ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
+    tp, cp = parallel_dims.tp, parallel_dims.cp
     if args.mtp_depth and cp > 1:
         raise ConfigError(f"multi-token prediction (model.mtp_depth {args.mtp_depth}) needs the tokens ahead of each "
                           f"position, which context parallelism ({cp}) spreads over other ranks; set model.mtp_depth 0 "
@@ -66,32 +72,9 @@ def validate_deepseek_v3(args: DeepSeekV3ModelArgs, parallel_dims: ParallelDims,
     if job_config.float8.enable_float8_linear and tp > 1:
         raise ConfigError(f"float8.enable_float8_linear with training.tensor_parallel_degree {tp}: {flavor} has no "
                           "float8 tensor-parallel plan yet; use float8 without TP, or TP in bf16")
-    if ep > 1 and args.num_experts % ep:
-        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {args.num_experts} experts of {flavor}")
-    if ep > 1 or tp > 1:
-        ac = job_config.activation_checkpoint
-        if ac.mode == "selective" and ac.selective_ac_option == "op":
-            raise ConfigError("activation_checkpoint.selective_ac_option 'op' cannot checkpoint MoE layers that expert or "
-                              "tensor parallelism shards on their own (their FSDP gathers run inside the checkpointed "
-                              "region and differ in the recompute); use activation_checkpoint.mode full, or selective "
-                              "with a block interval")
-    if tp > 1 and plan is not None and plan.split_backward:
-        raise ConfigError(f"experimental.pipeline_parallel_schedule {plan.schedule} computes weight gradients in a "
-                          "second backward pass, which cannot reach the MoE layers' parameters under "
-                          "training.tensor_parallel_degree > 1 (PyTorch 2.13); use a schedule without zero bubble "
-                          "(1F1B, Interleaved1F1B, ...)")
+    check_moe_layout(args.num_experts, parallel_dims, plan, job_config, flavor)
     if tp == 1:
         return
-    if parallel_dims.ddp_enabled:
-        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} shards its MoE layers over the tp "
-                          "ranks with FSDP, which DDP replicas (training.data_parallel_replicate_degree "
-                          f"{parallel_dims.dp_replicate} with training.data_parallel_shard_degree 1) cannot hold; "
-                          "shard instead (training.data_parallel_shard_degree > 1)")
-    local = job_config.training.seq_len // cp
-    if local % tp:
-        raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
-                          f"the sequence: training.seq_len {job_config.training.seq_len} / "
-                          f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
     sizes = (("n_heads", args.n_heads), ("dense feed-forward hidden size", args.hidden_dim),
              ("shared experts' hidden size", args.moe_hidden_dim * args.n_shared_experts))
     check_tp_shapes(tp, flavor, sizes, args.vocab_size + args.vocab_padding)

@@ -15,13 +15,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.errors import ConfigError
 from torchtitan.models.qwen3.model import Qwen3ModelArgs
 from torchtitan.models.qwen3.pipeline_qwen3 import stage_starts_for
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.decoder_tp_plan import apply_decoder_tp, decoder_block_plan
-from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, configure_moe, moe_fsdp_units, moe_tp_plan
+from torchtitan.parallelisms.expert_parallel import (
+    apply_expert_parallel,
+    check_moe_layout,
+    configure_moe,
+    moe_fsdp_units,
+    moe_tp_plan,
+)
 from torchtitan.parallelisms.float8 import apply_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
@@ -41,34 +46,9 @@ def validate_qwen3(args: Qwen3ModelArgs, parallel_dims: ParallelDims, plan: Pipe
     flavor = f"model {job_config.model.name} {job_config.model.flavor}"
     if plan is not None:
         stage_starts_for(args, job_config, plan)  # raises when the stages cannot be cut
-    ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
-    # A dense flavor with ep > 1 is refused by preflight's `experts` rule, for every model family.
-    if ep > 1 and args.is_moe and args.num_experts % ep:
-        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {args.num_experts} experts of {flavor}")
-    if args.is_moe and (ep > 1 or tp > 1):
-        # The MoE layers then have FSDP units of their own inside each block (expert_parallel.py).
-        ac = job_config.activation_checkpoint
-        if ac.mode == "selective" and ac.selective_ac_option == "op":
-            raise ConfigError("activation_checkpoint.selective_ac_option 'op' cannot checkpoint MoE layers that expert or "
-                              "tensor parallelism shards on their own (their FSDP gathers run inside the checkpointed "
-                              "region and differ in the recompute); use activation_checkpoint.mode full, or selective "
-                              "with a block interval")
-    if args.is_moe and tp > 1 and plan is not None and plan.split_backward:
-        raise ConfigError(f"experimental.pipeline_parallel_schedule {plan.schedule} computes weight gradients in a "
-                          "second backward pass, which cannot reach the MoE layers' parameters under "
-                          "training.tensor_parallel_degree > 1 (PyTorch 2.13); use a schedule without zero bubble "
-                          "(1F1B, Interleaved1F1B, ...)")
-    if args.is_moe and tp > 1:
-        if parallel_dims.ddp_enabled:
-            raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} shards its MoE layers over the tp "
-                              "ranks with FSDP, which DDP replicas (training.data_parallel_replicate_degree "
-                              f"{parallel_dims.dp_replicate} with training.data_parallel_shard_degree 1) cannot hold; "
-                              "shard instead (training.data_parallel_shard_degree > 1)")
-        local = job_config.training.seq_len // cp
-        if local % tp:
-            raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
-                              f"the sequence: training.seq_len {job_config.training.seq_len} / "
-                              f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
+    if args.is_moe:
+        check_moe_layout(args.num_experts, parallel_dims, plan, job_config, flavor)
+    tp = parallel_dims.tp
     if tp == 1:
         return
     sizes = (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads))
