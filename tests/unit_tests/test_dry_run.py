@@ -224,3 +224,11 @@ def test_dropless_imbalance_grows_the_busiest_ranks_buffers():
     even, busy = (dry_run(parse_args(ep4), expert_load=load).ranks[0].memory for load in (1.0, 2.0))
     assert busy.experts["dispatch buffers"] > 1.3 * even.experts["dispatch buffers"]
     assert busy.peak > even.peak and busy.experts["expert parameters"] == even.experts["expert parameters"]
+
+
+def test_the_dropping_mode_has_the_same_buffers_whatever_the_load():
+    """moe.capacity_factor: the buffers are padded to the capacity (fixed shapes), so the busiest
+    rank's load, a dropless notion, changes nothing; the dry run runs the mode's own code."""
+    capped = [*MOE[:-4], "--job.dry_run_world_size", "4", "--moe.capacity_factor", "1.25"]
+    even, busy = (dry_run(parse_args(capped), expert_load=load).ranks[0].memory for load in (1.0, 2.0))
+    assert 0 < even.experts["dispatch buffers"] == busy.experts["dispatch buffers"] and even.peak == busy.peak
