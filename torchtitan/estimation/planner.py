@@ -74,6 +74,9 @@ GiB = 2**30
 # The rough memory figure (screened_bytes) lands within -20 % to +5 % of the dry run's in its
 # calibration (docs/memory.md); layouts up to this factor over the device's memory are dry-run.
 SCREEN_MARGIN = 1.05
+# Refusals printed before the rest are counted only (an MoE plan meets the same few rules often:
+# the dropping mode under TP, DDP replicas under TP).
+MAX_REFUSALS_SHOWN = 5
 # Dropless routing under EP: the busiest rank's load over the even share the plan budgets for
 # (module docstring); the dropping mode's capacity factors it compares with dropless.
 EXPERT_IMBALANCE = 1.5
@@ -448,7 +451,7 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
     budget = hw.device_memory_gib * GiB
     log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices; dry-running the fastest whose "
         "rough memory figure is under the device's")
-    fitting, dry_runs = [], 0
+    fitting, dry_runs, refused = [], 0, 0
     for choice in choices:
         if len(fitting) == top or dry_runs == max_dry_runs:
             break
@@ -467,7 +470,9 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
             choice.estimate = dry_run(job_config, expert_load=load)
         except UserError as e:
             choice.refused = str(e)
-            log(f"  refused: {choice.layout.text()}: {e}")
+            refused += 1
+            if refused <= MAX_REFUSALS_SHOWN:
+                log(f"  refused: {choice.layout.text()}: {e}")
             continue
         peak = choice.peak_bytes / GiB
         log(f"  dry run: {choice.layout.text()}: {peak:.1f} GiB at the peak "
@@ -475,6 +480,8 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
             f"{choice.timing.tokens_per_second / ngpu:,.0f} tokens/s per device")
         if choice.estimate.fits:
             fitting.append(choice)
+    if refused > MAX_REFUSALS_SHOWN:
+        log(f"  ... and {refused - MAX_REFUSALS_SHOWN} more layouts the config checks refused")
     return fitting
 
 
