@@ -383,7 +383,7 @@ def screened_bytes(model: Model, layout: Layout, seq_len: int, imbalance: float 
     expert_load), and one such layer's buffers more as its transient; under PP with FSDP a
     stage's local experts cost STAGE_EXPERT_BYTES each.
     It leaves out the recomputation's transients and most other temporaries: 0 to 20 % under the
-    dry run's figure in the calibration runs (MoE: 9 to 12 % under), up to 5 % over for small
+    dry run's figure in the calibration runs (MoE: 5 to 11 % under), up to 5 % over for small
     models under PP."""
     shard = layout.dp_shard * layout.cp
     # (Experts are sharded over shard x tp ranks in every layout, as the rest over tp x shard.)
