@@ -4,10 +4,12 @@
   python scripts/plan_layout.py --model llama3 --flavor 70B --ngpu 256 --device-memory 80
 
 Enumerates layouts (tensor parallel within a node, pipeline stages, FSDP or HSDP, context parallel
-for long sequences, activation checkpointing, gradient accumulation), ranks them by an analytic
-step-time model (torchtitan/estimation/planner.py states every assumption), confirms with the dry
-run (fake tensors, this process, no GPU) that the fastest fit in the device's memory, and prints
-them as ready-to-paste options with their memory and predicted tokens/s. docs/memory.md explains.
+for long sequences, activation checkpointing, gradient accumulation; for mixture-of-experts models
+expert parallelism and dropless vs capacity-factor routing), ranks them by an analytic step-time
+model (torchtitan/estimation/planner.py states every assumption), confirms with the dry run (fake
+tensors, this process, no GPU) that the fastest fit in the device's memory, and prints them as
+ready-to-paste options with their memory by category and predicted tokens/s. docs/memory.md and
+docs/moe.md explain.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's torchtitan, from any folder
 
 from torchtitan.errors import UserError
-from torchtitan.estimation.planner import GiB, Hardware, Model, as_record, plan  # noqa: E402
+from torchtitan.estimation.planner import (  # noqa: E402
+    EXPERT_IMBALANCE,
+    GiB,
+    Hardware,
+    Model,
+    as_record,
+    capacity_option_available,
+    plan,
+)
+from torchtitan.estimation.tracker import CATEGORIES  # noqa: E402
 from torchtitan.observability.logging import init_logger  # noqa: E402
 
 MAX_NGPU = 1 << 20  # beyond any cluster; keeps a mistyped count from enumerating for hours
@@ -52,6 +63,14 @@ def _number(kind: type, low: float, high: float = math.inf, low_inclusive: bool 
 
 
 positive_int = _number(int, 0)
+
+
+def _capacity_factors(text: str) -> tuple[float, ...]:
+    """`1.25` or `1.0,1.25`; `none` (or empty) compares no dropping mode with dropless."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    parse = _number(float, 0)
+    return tuple(parse(part) for part in text.split(","))
 gib = _number(float, 0)  # 80, 80GiB or 141 GiB
 
 
@@ -77,6 +96,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="", help="tokenizer file (default: the flavor's vocabulary size, no file)")
     p.add_argument("--top", type=positive_int, default=3, help="layouts to print")
     p.add_argument("--max-dry-runs", type=positive_int, default=8, help="dry runs to spend at most")
+    p.add_argument("--capacity-factors", type=_capacity_factors, default=None,
+                   help="MoE models: moe.capacity_factor values compared with dropless routing, comma-separated "
+                        "(default 1.25; none: dropless only); needs a build with moe.capacity_factor")
+    p.add_argument("--expert-imbalance", type=_number(float, 1, low_inclusive=True), default=EXPERT_IMBALANCE,
+                   help="MoE models, dropless routing under expert parallelism: the busiest rank's tokens over the "
+                        "even share, budgeted in memory and time (>= 1; a run logs `experts max/mean`)")
     p.add_argument("--json", action="store_true", help="also print the choices as one JSON line")
     return p
 
@@ -87,6 +112,18 @@ def job_options(ns: argparse.Namespace) -> list[str]:
     options = ["--job.config_file", ns.config] if ns.config else []
     options += ["--model.name", ns.model, "--model.flavor", ns.flavor, "--training.seq_len", str(ns.seq_len)]
     return options + (["--model.tokenizer_path", ns.tokenizer] if ns.tokenizer else [])
+
+
+def memory_lines(choice) -> list[str]:
+    """The most loaded simulated rank's memory at its peak, by category (and the experts' share)."""
+    rank = choice.estimate.largest
+    m = rank.memory
+    lines = [f"rank {rank.rank} at its peak, GiB: " + ", ".join(f"{c} {m.at_peak[c] / GiB:.2f}" for c in CATEGORIES)]
+    if m.experts:
+        e = {k: v / GiB for k, v in m.experts.items()}
+        lines.append(f"of which experts: parameters {e['expert parameters']:.2f}, optimizer {e['expert optimizer']:.2f}; "
+                     f"one MoE layer's dispatch buffers {e['dispatch buffers']:.2f}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                  "--training.mixed_precision_param", "auto"]
         base += ["--model.tokenizer_path", ns.tokenizer] if ns.tokenizer else ["--job.dry_run_vocab_size",
                                                                                str(model.vocab_size)]
-        choices = plan(model, ns.ngpu, hw, ns.seq_len, ns.global_batch or ns.ngpu, base, ns.top, ns.max_dry_runs)
+        if ns.capacity_factors and not capacity_option_available():
+            raise UserError("--capacity-factors needs a build with moe.capacity_factor (the dropping mode); this one "
+                            "routes dropless only: leave the option out")
+        choices = plan(model, ns.ngpu, hw, ns.seq_len, ns.global_batch or ns.ngpu, base, ns.top, ns.max_dry_runs,
+                       capacity_factors=ns.capacity_factors, imbalance=ns.expert_imbalance)
     except UserError as e:
         print(e.line, file=sys.stderr)
         return 2
@@ -126,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         t = c.timing
         print(f"\n{i}. {c.layout.text()}: {c.peak_bytes / GiB:.3g} GiB at the peak; predicted "
               f"{t.tokens_per_second / ns.ngpu:,.0f} tokens/s per device (step {t.step:.3g}s: compute {t.compute:.3g}, "
-              f"TP {t.tp:.3g}, CP {t.cp:.3g}, FSDP {t.fsdp:.3g}, bubble {t.bubble:.3g})")
+              f"TP {t.tp:.3g}, CP {t.cp:.3g}, FSDP {t.fsdp:.3g}, bubble {t.bubble:.3g}"
+              + (f", EP {t.ep:.3g}" if model.is_moe else "") + ")")
+        for line in memory_lines(c):
+            print("   " + line)
         print("   " + " ".join(job_options(ns) + c.layout.overrides()))
     if ns.json:
         print(json.dumps([{**as_record(c), "options": job_options(ns) + c.layout.overrides()} for c in choices]))

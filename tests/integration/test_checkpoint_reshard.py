@@ -1,9 +1,11 @@
 """A checkpoint written under one parallel layout continues under another with the losses of a
 run that never changed layout (within 1e-4), the data position included: FSDP 4 -> TP 2 x FSDP 2
--> PP 2 x FSDP 2, TP 2 x FSDP 2 -> one process, and FSDP 4 -> ZeRO-1 HSDP 2 x 2 -> ZeRO-1 DDP 4. Every run keeps the global batch (8 rows);
+-> PP 2 x FSDP 2, TP 2 x FSDP 2 -> one process, PP 2 -> FSDP 2, and FSDP 4 -> ZeRO-1 HSDP 2 x 2 -> ZeRO-1 DDP 4.
+Every run keeps the global batch (8 rows; training.batch_size is per data-parallel rank);
 the data-parallel degree changes from 4 to 2 to 1, and the resumed runs read the data in the
 checkpoint's 4 shards (training.dataset_shards stays at its default, -1)."""
 
+import json
 import shutil
 
 import pytest
@@ -17,6 +19,7 @@ LAYOUTS = {  # name: (processes, per-rank batch, overrides)
     "tp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2"]),
     "pp2_fsdp2": (4, 4, ["--training.data_parallel_shard_degree", "2", "--experimental.pipeline_parallel_degree", "2"]),
     "pp2": (2, 8, ["--experimental.pipeline_parallel_degree", "2"]),
+    "fsdp2": (2, 4, ["--training.data_parallel_shard_degree", "2"]),
     "single": (1, 8, []),
     # ZeRO-1: optimizer state split over the replicas (2 and then 4 owners per parameter set).
     "zero1_hsdp2x2": (4, 2, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree",
@@ -99,6 +102,19 @@ def test_tied_embeddings_saved_by_two_pipeline_stages_load_into_one_weight(tmp_p
     run(pipeline, "pp2", tied)
     single, _ = resume(tmp_path, "tied_single", "single", pipeline, 4, tied)
     assert_continues(pipeline, single, 5)
+
+
+def test_pipeline_checkpoint_continues_on_two_data_parallel_ranks_with_half_the_per_rank_batch(tmp_path):
+    """PP 2 reads both data shards on its one data-parallel rank, 8 rows a step; FSDP 2 reads
+    one shard per rank, so 4 rows each keep the global batch, and the checkpoint records it."""
+    shards = ["--training.dataset_shards", "2"]
+    pipeline = tmp_path / "pp2_shards2"
+    run(pipeline, "pp2", shards)
+    manifest = json.loads((pipeline / "checkpoint" / "step-4" / "manifest.json").read_text())
+    assert manifest["global_batch"] == {"sequences": 8, "seq_len": int(TINY_RUN[TINY_RUN.index("--training.seq_len") + 1])}
+    fsdp, setup = resume(tmp_path, "fsdp2_shards2", "fsdp2", pipeline, 4, shards)
+    assert setup["data_shards"] == 2 and setup["mesh"] == {"dp_shard": 2}
+    assert_continues(pipeline, fsdp, 5)
 
 
 def test_deepseek_mtp_embedding_copy_saved_by_the_last_stage_loads_into_one_weight(tmp_path):

@@ -121,6 +121,26 @@ def test_a_data_position_that_the_data_parallel_ranks_cannot_split_is_refused():
         resume.data_shards(-1, 2)
 
 
+def test_another_global_batch_is_one_warning_naming_the_batch_size_that_continues_the_run():
+    """batch_size is per data-parallel rank: a PP 2 run's checkpoint (4 sequences on one
+    data-parallel rank) resumed by two FSDP ranks with the same options trains on 8."""
+    manifest = Manifest(step=2, contents=["model", "dataloader"], model={"name": "llama3", "flavor": "tiny"},
+                        data_shards=2, global_batch={"sequences": 4, "seq_len": 128})
+    resume = ResumePoint("ckpt/step-2", weights_only=False, manifest=manifest)
+    training = parse_args(["--training.batch_size", "4", "--training.seq_len", "128"]).training
+    assert resume.batch_change(training, 1) is None
+    assert resume.batch_change(training, 2) == (
+        "ckpt/step-2 was trained with a global batch of 4 x 128 tokens, this run's is 8 x 128 (training.batch_size 4 on each "
+        "of 2 data-parallel ranks, gradient_accumulation_steps 1): it trains on other batches, so its losses do not continue the "
+        "saved run's; to continue it, set training.batch_size 2")
+    assert resume.batch_change(dataclasses.replace(training, batch_size=2), 2) is None
+    assert resume.batch_change(dataclasses.replace(training, seq_len=64), 1).endswith("set training.seq_len 128")
+    assert resume.batch_change(training, 3).endswith("gradient_accumulation_steps of 4")
+    # A checkpoint written before the batch was recorded, and weights only: nothing to compare.
+    assert ResumePoint("old", False, dataclasses.replace(manifest, global_batch=None)).batch_change(training, 2) is None
+    assert ResumePoint("w", True, manifest).batch_change(training, 2) is None
+
+
 def test_rank0s_refusal_reaches_every_rank(one_rank):
     def refuse():
         raise CheckpointError("checkpoint.load_step 7: there is no step-7")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from torchtitan.config.manager import parse_args
 from torchtitan.errors import ConfigError, UserError
-from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_simulate
+from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_simulate, report_lines
 from torchtitan.estimation.pipeline_replay import _compute_actions
 from torchtitan.estimation.tracker import CATEGORIES
 from torchtitan.models import get_train_spec, register_train_spec, registered_names
@@ -194,3 +194,41 @@ def test_document_masking_is_simulated_on_both_targets():
     plain, masked = (dry_run(parse_args([*DEBUG, *cuda, *extra])) for extra in ([], ["--training.document_mask"]))
     assert masked.ranks[0].memory.peak - plain.ranks[0].memory.peak == 8 * 128 * 4  # the int32 document ids alone
     assert any("document masking is simulated as causal attention" in note for note in masked.notes)
+
+
+MOE = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--model.flavor", "tiny_moe",
+       "--training.seq_len", "128", "--job.dry_run", "--job.dry_run_device", "cuda", "--training.expert_parallel_degree", "4",
+       "--job.dry_run_world_size", "8", "--experimental.pipeline_parallel_degree", "2"]
+
+
+def test_an_moe_rank_under_ep_and_pp_reports_the_experts_share():
+    """EP 4 x PP 2 of 8 ranks: the first and the last pipeline rank, each with its experts'
+    parameters and optimizer state (a quarter of each layer's experts, FSDP-sharded over none
+    else: 2 x 4 ranks hold the stage) and one MoE layer's dispatch buffers."""
+    result = dry_run(parse_args(MOE))
+    assert [r.rank for r in result.ranks] == [0, 4] and [r.stages for r in result.ranks] == [(0,), (1,)]
+    tiny = get_train_spec("qwen3").config["tiny_moe"]
+    one_layer = 3 * tiny.num_experts * tiny.dim * tiny.moe_hidden_dim * 4  # fp32, each stage holds one MoE layer
+    for r in result.ranks:
+        experts = r.memory.experts
+        assert experts["expert parameters"] == one_layer // 4
+        assert experts["expert optimizer"] == pytest.approx(2 * one_layer // 4, abs=64)  # two moments, step counts
+        assert 0 < experts["dispatch buffers"] < r.memory.peak
+    lines = report_lines(result, "x")
+    assert sum("experts: parameters" in line for line in lines) == 2
+
+
+def test_dropless_imbalance_grows_the_busiest_ranks_buffers():
+    """expert_load: the simulated rank receives that many times its even share under EP."""
+    ep4 = [*MOE[:-4], "--job.dry_run_world_size", "4"]
+    even, busy = (dry_run(parse_args(ep4), expert_load=load).ranks[0].memory for load in (1.0, 2.0))
+    assert busy.experts["dispatch buffers"] > 1.3 * even.experts["dispatch buffers"]
+    assert busy.peak > even.peak and busy.experts["expert parameters"] == even.experts["expert parameters"]
+
+
+def test_the_dropping_mode_has_the_same_buffers_whatever_the_load():
+    """moe.capacity_factor: the buffers are padded to the capacity (fixed shapes), so the busiest
+    rank's load, a dropless notion, changes nothing; the dry run runs the mode's own code."""
+    capped = [*MOE[:-4], "--job.dry_run_world_size", "4", "--moe.capacity_factor", "1.25"]
+    even, busy = (dry_run(parse_args(capped), expert_load=load).ranks[0].memory for load in (1.0, 2.0))
+    assert 0 < even.experts["dispatch buffers"] == busy.experts["dispatch buffers"] and even.peak == busy.peak

@@ -5,6 +5,7 @@ integration/test_memory_estimate.py)."""
 
 import pytest
 
+from scripts import plan_layout
 from scripts.plan_layout import main
 
 TINY = ["--flavor", "tiny", "--ngpu", "2", "--seq-len", "64"]
@@ -62,3 +63,22 @@ def test_a_config_every_layout_refuses(capsys, tmp_path):
     refusals = [row for row in out.splitlines() if row.startswith("  refused: ")]
     assert len(refusals) > 1 and all("training.warmup_steps 9 is longer than the run" in row for row in refusals)
     assert line.startswith("error: none of the layouts dry-run")
+
+
+def test_capacity_factors_need_a_build_with_the_dropping_mode(capsys, monkeypatch):
+    monkeypatch.setattr(plan_layout, "capacity_option_available", lambda: False)
+    line, _ = _refused(capsys, ["--model", "qwen3", "--flavor", "tiny_moe", "--ngpu", "2", "--capacity-factors", "1.25"])
+    assert line == ("error: --capacity-factors needs a build with moe.capacity_factor (the dropping mode); this one "
+                    "routes dropless only: leave the option out")
+
+
+def test_an_moe_plan_pastes_expert_parallelism_and_shows_the_experts_memory(capsys):
+    """One dry run of a tiny MoE on 4 devices: the pick names its ep, its settings paste it, and
+    its memory is printed by category with the experts' share."""
+    code = plan_layout.main(["--model", "qwen3", "--flavor", "tiny_moe", "--ngpu", "4", "--seq-len", "64", "--top", "1",
+                             "--max-dry-runs", "1", "--device-memory", "80"])
+    out = capsys.readouterr().out
+    pick = out.split("\n1. ")[1].splitlines()
+    assert code == 0 and ", ep " in pick[0]
+    assert pick[1].strip().startswith("rank ") and "activations" in pick[1] and "of which experts" in pick[2]
+    assert "--training.expert_parallel_degree" in pick[3]

@@ -50,6 +50,8 @@ class Manifest:
     tied: dict[str, str] | None = None  # parameter -> the one whose weight it shares; None: not recorded
     layout: dict[str, int] = field(default_factory=dict)  # parallel degrees and world size of the writer
     data_shards: int | None = None  # data shards whose positions the checkpoint keeps
+    # {"sequences": of one optimizer step over all data-parallel ranks, "seq_len": ...}; None: not recorded
+    global_batch: dict[str, int] | None = None
     tokens_seen: int = 0
     dtype: str | None = None  # weights-only exports: the dtype the weights were cast to
     # The run's tokenizer: {"path": a bundled: name or an absolute path, "sha256": of the file}, so

@@ -35,7 +35,7 @@ from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, first_error
 from torchtitan.checkpoint.fit import FitCheck, ModelRecord, build_on_meta, checkpoint_record, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, Manifest
 from torchtitan.checkpoint.model_args import args_record
-from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0
+from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0, global_batch
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from torchtitan.checkpoint.states import DataState, ModelState, PartialState, RNGState, TrainState, flatten
 from torchtitan.config.job_config import JobConfig
@@ -97,6 +97,7 @@ class CheckpointManager:
         self.layout = _layout(parallel_dims)
         self.parallel_dims = parallel_dims
         self.data_shards = data_shards  # the shard count the data position refers to (DataShards.count)
+        self.global_batch = global_batch(job_config.training, parallel_dims.data_parallel_coordinates()[1])
         self.train_state = train_state
         self.model = ModelState(model_parts)
         self.states: dict[str, Stateful] = {
@@ -157,6 +158,9 @@ class CheckpointManager:
         if "rng" in states and not self._rng_restorable(resume, metadata):
             logger.info("random generator states not restored: they belong to the ranks of another layout")
             del states["rng"]
+        batch_change = resume.batch_change(self.job_config.training, self.parallel_dims.data_parallel_coordinates()[1])
+        if batch_change and self.rank == 0:
+            logger.warning(batch_change)
         skip = self._check_fits(resume, metadata, states, top_level)
         start = time.perf_counter()
         reader, planner = SafeFileSystemReader(resume.path), SafeLoadPlanner()
@@ -312,6 +316,7 @@ class CheckpointManager:
             step=step, contents=list(states), model={"name": record.name, "flavor": record.flavor},
             model_args=record.args, tied=record.tied,
             layout=self.layout, data_shards=self.data_shards if "dataloader" in states else None,
+            global_batch=self.global_batch if "dataloader" in states else None,
             tokens_seen=self.train_state.tokens_seen, dtype=str(dtype).removeprefix("torch.") if dtype else None,
             tokenizer=self._tokenizer_record,
         )

@@ -59,6 +59,35 @@ class ResumePoint:
             )
         return saved
 
+    def batch_change(self, training: Any, dp_degree: int) -> str | None:
+        """One warning line when this run's global batch differs from the one the checkpoint was
+        trained with, else None. `training.batch_size` is per data-parallel rank, so the same
+        options under another data-parallel degree read other batches: the run trains on, but
+        its losses do not continue the saved run's. Not refused, as a new batch size on resume
+        is a legitimate choice (a batch ramp-up)."""
+        saved = None if self.weights_only or self.manifest is None else self.manifest.global_batch
+        now = global_batch(training, dp_degree)
+        if saved is None or saved == now:
+            return None
+        per_step = dp_degree * training.gradient_accumulation_steps
+        fixes = [f"training.seq_len {saved['seq_len']}"] if saved["seq_len"] != now["seq_len"] else []
+        if saved["sequences"] != now["sequences"]:
+            fixes.append(f"training.batch_size {saved['sequences'] // per_step}" if saved["sequences"] % per_step == 0
+                         else f"a data-parallel degree x training.batch_size x gradient_accumulation_steps of "
+                              f"{saved['sequences']}")
+        return (f"{self.path} was trained with a global batch of {saved['sequences']} x {saved['seq_len']} tokens, this "
+                f"run's is {now['sequences']} x {now['seq_len']} (training.batch_size {training.batch_size} on each "
+                f"of {dp_degree} data-parallel ranks, gradient_accumulation_steps {training.gradient_accumulation_steps}): it "
+                f"trains on other batches, so its losses do not continue the saved run's; to continue it, set "
+                f"{' and '.join(fixes)}")
+
+
+def global_batch(training: Any, dp_degree: int) -> dict[str, int]:
+    """The sequences of one optimizer step over all data-parallel ranks, and their length
+    (training.batch_size is per data-parallel rank and micro-step)."""
+    return {"sequences": training.batch_size * dp_degree * training.gradient_accumulation_steps,
+            "seq_len": training.seq_len}
+
 
 def decide_on_rank0(fn: Callable[[], Any]) -> Any:
     """Runs `fn` on rank 0 only and hands its result (or its CheckpointError) to every rank, so

@@ -198,11 +198,11 @@ def ranks_to_simulate(parallel_dims: ParallelDims, requested: int) -> list[int]:
 
 
 def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str, fake: bool = True,
-                  tokenizer: Any = None) -> RankEstimate:
+                  tokenizer: Any = None, expert_load: float = 1.0) -> RankEstimate:
     """Builds rank `rank` of a world of `world_size` and runs a step under the memory tracker
     after the optimizer state exists (fake: made directly; real: by a whole first step).
     With `fake`, alone in this process (fake process group, fake tensors); without, as a rank of a
-    real job (the process group must already exist)."""
+    real job (the process group must already exist). `expert_load`: dry_run's."""
     start = time.perf_counter()
     parallel_dims, plan, spec, tokenizer, model_args, model = preflight(job_config, world_size, target,
                                                                         check_memory=False, tokenizer=tokenizer)
@@ -230,7 +230,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                 pipeline.tied.sync_values()
             if fake:
                 # Where the model's shapes depend on values (MoE routing), the fake tensors' stand-ins.
-                on_fake_tensors([*model_parts, *([first_stage] if replayed else [])])
+                on_fake_tensors([*model_parts, *([first_stage] if replayed else [])], expert_load)
             if fake and target == "cuda":
                 _as_on_cuda(model_parts)
             optimizers = spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
@@ -245,8 +245,9 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                 tokens = shard_batch(batches[0], parallel_dims.cp_mesh)[0].tensor_split(pipeline.microbatches)[0]
                 replay = PipelineReplay(pipeline, parallel_dims.pp_mesh.get_local_rank(), first_stage, tokens)
                 del first_stage
-                pipeline.forward_backward = lambda inputs, labels, device, **kwargs: replay.step(inputs, labels,
-                                                                                                 **kwargs)
+                # Positional-only, as the Pipeline's: a model's own `labels` (MTP) travel in kwargs.
+                pipeline.forward_backward = lambda inputs, labels, device, /, **kwargs: replay.step(inputs, labels,
+                                                                                                    **kwargs)
             params = [p for part in model_parts for p in part.parameters()]
 
             def step() -> None:
@@ -319,8 +320,11 @@ def _fake_mode():
         torch.nn.init.trunc_normal_ = truncated
 
 
-def dry_run(job_config: JobConfig) -> DryRunResult:
-    """Every rank the dry run stands for, simulated in this process (see the module docstring)."""
+def dry_run(job_config: JobConfig, expert_load: float = 1.0) -> DryRunResult:
+    """Every rank the dry run stands for, simulated in this process (see the module docstring).
+    `expert_load`: for dropless MoE routing under expert parallelism, the simulated rank receives
+    this many times its even share of tokens (1: perfectly balanced routing; the planner budgets
+    for imbalance with more; shapes_only.py)."""
     job = job_config.job
     world_size = job.dry_run_world_size or int(os.environ.get(WORLD_SIZE_ENV, "0")) or process_group.world_size()
     target = target_device_type(job_config)
@@ -348,7 +352,8 @@ def dry_run(job_config: JobConfig) -> DryRunResult:
     level = log.level
     try:
         for rank in ranks_to_simulate(parallel_dims, job.dry_run_rank):
-            estimate = simulate_rank(simulated, world, rank % world, target, tokenizer=tokenizer)
+            estimate = simulate_rank(simulated, world, rank % world, target, tokenizer=tokenizer,
+                                     expert_load=expert_load)
             estimate.rank = rank
             if buckets:
                 estimate.memory.add("gradients", buckets)
@@ -461,6 +466,13 @@ def report_lines(result: DryRunResult, parallel_dims_text: str) -> list[str]:
         row = (f"{r.rank:>6} {','.join(map(str, r.stages)) or '-':>7} "
                + " ".join(f"{m.at_peak[c] / GiB:>12.3f}" for c in CATEGORIES) + f" {m.peak / GiB:>10.3f}")
         lines.append(row + (f" {m.host / GiB:>9.3f}" if offload else "") + f" {r.seconds:>8.1f}")
+    for r in result.ranks:
+        if r.memory.experts:
+            e = {k: v / GiB for k, v in r.memory.experts.items()}
+            lines.append(f"{r.rank:>6} experts: parameters {e['expert parameters']:.3f} and optimizer state "
+                         f"{e['expert optimizer']:.3f} GiB of the columns above; one MoE layer's forward adds up to "
+                         f"{e['dispatch buffers']:.3f} GiB of dispatch buffers (tokens sorted for their experts, "
+                         "all-to-all buffers, expert intermediates)")
     big = result.largest
     verdict = ("" if result.device_memory is None else
                f" of {result.device_memory / GiB:.1f} GiB per device: "
@@ -475,7 +487,9 @@ def layout_text(job_config: JobConfig, world_size: int, target: str) -> str:
     dims = parallel_dims_from_config(job_config, world_size)
     mesh = " x ".join(f"{name} {getattr(dims, name)}" for name in MESH_DIM_ORDER if getattr(dims, name) > 1) or "1 rank"
     model = job_config.model
-    return f"{model.name} {model.flavor} ({mesh}{f', ep {dims.ep}' if dims.ep > 1 else ''})"
+    capacity = getattr(job_config.moe, "capacity_factor", 0)  # the dropping mode, where this build has it
+    return (f"{model.name} {model.flavor} ({mesh}{f', ep {dims.ep}' if dims.ep > 1 else ''}"
+            f"{f', capacity factor {capacity:g}' if capacity else ''})")
 
 
 class DoesNotFit(UserError):

@@ -88,10 +88,11 @@ class PipelineReplay:
             if kind in _BACKWARDS:
                 self.last_backward[stage] = index
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, /, **kwargs: torch.Tensor) -> torch.Tensor:
         """Replays this rank's actions for one batch; returns the summed microbatch losses (on the
-        last stage; zero elsewhere), scaled as the schedule's. `kwargs` (document_ids) reach every
-        stage's forward, cut into microbatches as the schedule cuts them."""
+        last stage; zero elsewhere), scaled as the schedule's. `kwargs` (document_ids; labels for a
+        model that takes them, such as multi-token prediction) reach every stage's forward, cut
+        into microbatches as the schedule cuts them."""
         p = self.pipeline
         tokens, targets = inputs.tensor_split(p.microbatches), labels.tensor_split(p.microbatches)
         extras = [{k: v.tensor_split(p.microbatches)[mb] for k, v in kwargs.items()} for mb in range(p.microbatches)]

@@ -7,10 +7,17 @@ experts and ranks, so the estimate of an MoE layer is that of perfectly balanced
 grouped expert matmul always grouped, as the GPUs' kernel it stands for (the loop would need the
 groups' sizes as values). The MoE dropping mode (`moe.capacity_factor`) needs none of them: its
 sizes are Python ints, so it runs on fake tensors as it runs on real ones.
+
+`expert_load` (the planner's, for dropless routing under expert parallelism): the simulated rank
+is the busiest of its expert-parallel group and receives `expert_load` times its even share of
+the group's tokens (it still sends its own tokens evenly). Without expert parallelism a rank
+computes all of its own (token, choice) pairs whatever the routing, so the load changes nothing
+there.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -32,15 +39,18 @@ def balanced_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch
     return balanced_counts(flat_experts.numel(), num_experts, flat_experts.device)
 
 
-def balanced_exchange(send_counts: torch.Tensor, tokens: torch.Tensor,
-                      group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int], list[int]]:
+def balanced_exchange(send_counts: torch.Tensor, tokens: torch.Tensor, group: dist.ProcessGroup,
+                      load: float = 1.0) -> tuple[torch.Tensor, list[int], list[int]]:
     """Expert parallelism's `exchange_counts` on fake tensors: every rank is taken to send every
-    other an even share, nothing is exchanged."""
+    other an even share, nothing is exchanged; this rank receives `load` times its share (module
+    docstring)."""
     ep, local_experts = send_counts.shape
     n = tokens.shape[0]
-    recv_counts = balanced_counts(n, ep * local_experts, tokens.device).view(ep, local_experts)
-    splits = [n // ep + (r < n % ep) for r in range(ep)]
-    return recv_counts, splits, splits
+    received = round(n * load)
+    counts = [received // (ep * local_experts) + (i < received % (ep * local_experts)) for i in range(ep * local_experts)]
+    recv = [sum(counts[r * local_experts:(r + 1) * local_experts]) for r in range(ep)]
+    send = [n // ep + (r < n % ep) for r in range(ep)]
+    return torch.tensor(counts, device=tokens.device).view(ep, local_experts), send, recv
 
 
 class _GroupedMatmulShapes(torch.autograd.Function):
@@ -73,9 +83,11 @@ def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tens
 FAKE_KERNELS = ExpertKernels(_grouped_mm_available, _grouped_mm_shapes)
 
 
-def on_fake_tensors(modules: Iterable[nn.Module]) -> None:
+def on_fake_tensors(modules: Iterable[nn.Module], expert_load: float = 1.0) -> None:
     """Puts the stand-ins into the seams of `modules` and their submodules, where the defaults are
-    still in place (a seam another component filled keeps its own)."""
+    still in place (a seam another component filled keeps its own). `expert_load`: see the module
+    docstring."""
+    exchange = balanced_exchange if expert_load == 1.0 else functools.partial(balanced_exchange, load=expert_load)
     for root in modules:
         for module in root.modules():
             if getattr(module, "count_tokens", None) is expert_token_counts:
@@ -85,4 +97,4 @@ def on_fake_tensors(modules: Iterable[nn.Module]) -> None:
             if isinstance(kernels, ExpertKernels) and kernels == DEVICE_KERNELS:
                 module.kernels = FAKE_KERNELS
             if getattr(module, "exchange_counts", None) is exchange_counts:
-                module.exchange_counts = balanced_exchange
+                module.exchange_counts = exchange

@@ -16,6 +16,14 @@ This module folds their categories into five that a user plans with:
     temporaries     short-lived tensors: gradients of activations, communication buffers
 
 and reports them at the moment of the step's peak, plus each category's own maximum.
+
+For mixture-of-experts models it also reports the experts' share (`StepMemory.experts`): the
+bytes of the routed experts' parameter shards and of their optimizer state on this rank (a part of
+the categories above), and the dispatch buffers: the most one MoE layer's forward adds to the
+activations and temporaries above what it started from (tokens copied for their experts, the
+all-to-all's send and receive buffers, the experts' intermediates), from the tracker's own
+snapshots before and at the peak of each module's forward. The backward's gradients of these
+buffers are of the same shapes.
 """
 
 from __future__ import annotations
@@ -24,12 +32,15 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from torchtitan.runtime.torch_compat.trackers import FSDPMemTracker, FSDPPartsTracker, MemTracker, PartsTracker
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+EXPERT_PARTS = ("expert parameters", "expert optimizer", "dispatch buffers")
 # PyTorch's reference types (their values, shared by both trackers) -> our categories.
 _CATEGORY_OF = {
     "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters", "Buffer": "parameters",
@@ -52,6 +63,9 @@ class StepMemory:
     category_max: dict[str, int]  # category -> the most it held at any moment (not at once)
     host: int = 0  # with CPU offload: what lives in host memory at the peak (not in `peak`)
     raw: dict[str, int] = field(default_factory=dict)  # PyTorch's own reference types at the peak
+    # MoE models: experts' parameters and optimizer state on the rank, one layer's dispatch buffers
+    # (EXPERT_PARTS; module docstring); empty for dense models.
+    experts: dict[str, int] = field(default_factory=dict)
 
     def add(self, category: str, nbytes: int) -> None:
         """Memory the tracker cannot see but the rank holds all along (e.g. DDP's buckets)."""
@@ -61,7 +75,7 @@ class StepMemory:
 
     def as_record(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak, "at_peak": self.at_peak, "category_max": self.category_max,
-                "host_bytes": self.host, "tracker": self.raw}
+                "host_bytes": self.host, "tracker": self.raw, "experts": self.experts}
 
 
 class StepTracker:
@@ -70,6 +84,8 @@ class StepTracker:
 
     def __init__(self, model_parts: list[nn.Module], optimizers: list[Any], offload: bool = False):
         self.offload = offload
+        self.optimizers = optimizers
+        self.moe_layers = [m for part in model_parts for m in part.modules() if is_moe_layer(m)]
         # FSDP's tracker needs every part to be an FSDP root. Where only some submodules are sharded
         # (MoE experts over their own mesh in a layout without FSDP), the plain tracker still sees
         # every allocation; their gathered parameters then count as temporaries.
@@ -106,7 +122,27 @@ class StepTracker:
         category_max = dict.fromkeys(CATEGORIES, 0)
         for name, nbytes in self._category_maxima().items():
             category_max[_CATEGORY_OF.get(name, "temporaries")] += nbytes
-        return StepMemory(sum(at_peak.values()), at_peak, category_max, host, raw)
+        experts = self._experts() if self.moe_layers else {}
+        return StepMemory(sum(at_peak.values()), at_peak, category_max, host, raw, experts)
+
+    def _experts(self) -> dict[str, int]:
+        """The experts' share and one MoE layer's dispatch buffers (module docstring)."""
+        params = {p for layer in self.moe_layers for p in layer.experts.parameters()}
+        state = [t for opt in self.optimizers for p in params for t in opt.state.get(p, {}).values()
+                 if isinstance(t, torch.Tensor)]
+        dispatch = 0
+        for layer in self.moe_layers:
+            # FSDP's tracker follows FSDP units only: under expert parallelism the experts are one.
+            stats = self.tracker.memory_tracking.get(layer) or self.tracker.memory_tracking.get(layer.experts)
+            if stats is None:
+                continue
+            by_state = {getattr(k, "value", k): v for k, v in stats.snapshots.items()}
+            pre = by_state.get("Pre-Forward") or by_state.get("Before Pre-Forward", [])  # MemTracker's, FSDP's
+            for before, peak in zip(pre, by_state.get("Peak-Forward") or by_state.get("Peak Forward", [])):
+                for device, snapshot in peak.items():
+                    dispatch = max(dispatch, _buffers(snapshot) - _buffers(before.get(device, {})))
+        return {"expert parameters": sum(map(_local_bytes, params)), "expert optimizer": sum(map(_local_bytes, state)),
+                "dispatch buffers": dispatch}
 
     def _category_maxima(self) -> dict[str, int]:
         """Each reference type's largest value over the step, from the tracker's per-module
@@ -121,3 +157,20 @@ class StepTracker:
                             if name != "Total":
                                 maxima[name] = max(maxima.get(name, 0), nbytes)
         return maxima
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    """A mixture-of-experts layer (torchtitan/models/moe.py's MoE, or a family's own with the same
+    parts): it has `num_experts` and an `experts` submodule."""
+    return hasattr(module, "num_experts") and isinstance(getattr(module, "experts", None), nn.Module)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _buffers(snapshot: dict[Any, int]) -> int:
+    """Bytes of activations and temporaries in one of the tracker's per-device snapshots."""
+    return sum(nbytes for kind, nbytes in snapshot.items()
+               if _CATEGORY_OF.get(getattr(kind, "value", kind)) in ("activations", "temporaries"))

@@ -130,36 +130,35 @@ def apply_compile(model: nn.Module) -> None:
 # Tensor parallelism
 
 
-class ReplicatedOnTP(ParallelStyle):
+def replicate_on_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """A module computed whole on every tp rank from a replicated input: its parameters become
-    replicated DTensors (so gradient clipping and checkpoints see them as the other TP weights), its
-    input and output stay plain tensors."""
+    replicated DTensors (so gradient clipping and checkpoints see them as the other TP weights, and
+    their gradients, identical on every tp rank, stay so), its input and output plain tensors."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def inputs(mod, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+    def inputs(mod, args, mesh):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
 
-        return distribute_module(module, device_mesh, input_fn=inputs,
-                                 output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out)
+    distribute_module(module, tp_mesh, input_fn=inputs,
+                      output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out)
 
 
-def mla_plan(attention: nn.Module) -> dict[str, ParallelStyle]:
-    """Multi-head latent attention's plan, by names relative to the block (module docstring)."""
-    plan: dict[str, ParallelStyle] = {"attention.wkv_a": ReplicatedOnTP(), "attention.kv_norm": ReplicatedOnTP(),
-                                      "attention.wkv_b": ColwiseParallel()}
-    if attention.wq is not None:
-        plan["attention.wq"] = ColwiseParallel()
-    else:
-        plan.update({"attention.wq_a": ReplicatedOnTP(), "attention.q_norm": ReplicatedOnTP(),
-                     "attention.wq_b": ColwiseParallel()})
-    return plan
+def replicated_parts(block: nn.Module) -> list[str]:
+    """Latent attention's compressions and their norms: small, shared by every head, kept whole."""
+    names = ["attention.wkv_a", "attention.kv_norm"]
+    if block.attention.wq is None:
+        names += ["attention.wq_a", "attention.q_norm"]
+    return names
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The block's plan beside `replicated_parts`: the per-head projections split by heads (column-wise),
+    `wo` row-wise, the dense or shared feed-forward as a dense one, the routed experts on their rank's
+    slice of the sequence."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan = mla_plan(block.attention)
-    plan["attention.wo"] = RowwiseParallel(output_layouts=seq)
+    per_head = "attention.wq" if block.attention.wq is not None else "attention.wq_b"
+    plan: dict[str, ParallelStyle] = {per_head: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(),
+                                      "attention.wo": RowwiseParallel(output_layouts=seq)}
     ffn = "feed_forward" if block.feed_forward is not None else "shared_experts"
     if getattr(block, ffn) is not None:
         plan.update({f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel(),
@@ -180,14 +179,18 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     apply_root_tp(model, tp_mesh, loss_parallel, sequence_parallel)
-    for block in model.layers.values():
+    mtp = list(getattr(model, "mtp", None) or ())
+    for block in [*model.layers.values(), *(m.block for m in mtp)]:
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
-    # MTP modules: per-token parts on the sequence slice (or whole, without sequence parallelism).
-    per_token = SequenceParallel(use_local_output=True) if sequence_parallel else ReplicatedOnTP()
-    for module in getattr(model, "mtp", None) or ():
-        parallelize_module(module.block, tp_mesh, block_plan(module.block, sequence_parallel))
-        parallelize_module(module, tp_mesh, {"enorm": per_token, "hnorm": per_token, "eh_proj": per_token,
-                                             "norm": per_token})
+        for name in replicated_parts(block):
+            replicate_on_tp(block.get_submodule(name), tp_mesh)
+    # MTP modules' per-token parts: on the sequence slice, or whole without sequence parallelism.
+    for module in mtp:
+        for part in (module.enorm, module.hnorm, module.eh_proj, module.norm):
+            if sequence_parallel:
+                parallelize_module(part, tp_mesh, SequenceParallel(use_local_output=True))
+            else:
+                replicate_on_tp(part, tp_mesh)
     logger.info(f"applied tensor parallelism over mesh {{'tp': {tp_mesh.size()}}} (sequence parallel "
                 f"{'on' if sequence_parallel else 'off'}, loss parallel {'on' if loss_parallel else 'off'}; "
                 "multi-head latent attention split by heads)")

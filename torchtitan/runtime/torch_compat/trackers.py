@@ -3,10 +3,11 @@ tensors) extended to a pipeline rank's several model parts and optimizers."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
@@ -28,9 +29,12 @@ PRIVATE_NAMES = (
                 ("self", "fsdp_mod", "orig_fsdp_state_pre_fw"),
                 checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._instrument_optimizer", ("self",), checked=CPU_AND_PRESENT_IN_2_11),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker._FSDPModState"),
+    PrivateName(f"{_TOOLS}.fsdp2_mem_tracker._FSDPModMemStats.local_peak", instance=True),
 )
 
 __all__ = ["FSDPMemTracker", "FSDPPartsTracker", "MemTracker", "PartsTracker"]
+_TOTAL = "Total"  # the trackers' key of a snapshot's sum
 
 
 # PyTorch measures a step's memory by category only with these trackers, in a private package; the
@@ -57,6 +61,9 @@ class FSDPPartsTracker(FSDPMemTracker):
         inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
 
         def again(*args: Any, **kwargs: Any) -> Any:
+            stats = self.memory_tracking.get(fsdp_mod)
+            if stats is not None and not self._mod_tracker.is_bw:
+                self._new_forward_peak(stats)
             repeated = (id(fsdp_mod) in self._roots and fsdp_mod in self.memory_tracking
                         and not self._mod_tracker.is_bw)
             if repeated:
@@ -68,6 +75,16 @@ class FSDPPartsTracker(FSDPMemTracker):
                     self._mod_tracker.parents.discard(self._MICROBATCH)
 
         return again
+
+    def _new_forward_peak(self, stats: Any) -> None:
+        """A further forward of a tracked FSDP module (a microbatch's, an accumulation step's) starts
+        its own forward peak and the snapshot before it, as its first forward does (PyTorch's tracker
+        keeps one forward peak per FSDP module, from the first call on): each forward's peak then
+        pairs with the memory it started from, as MemTracker's do."""
+        snapshot = self.get_tracker_snapshot()
+        stats.local_peak = {device: per_device[_TOTAL] for device, per_device in snapshot.items()}
+        stats.snapshots.setdefault(_FSDPModState.PEAK_FW, []).append(snapshot)
+        stats.snapshots.setdefault(_FSDPModState.BEF_PRE_FW, []).append(copy.deepcopy(snapshot))
 
     def _instrument_optimizer(self) -> None:
         handles = []
