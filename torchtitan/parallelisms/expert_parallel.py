@@ -245,8 +245,9 @@ def _layer_index(name: str) -> int:
     return int(parts[parts.index("layers") + 1])
 
 
-def _layer_label(index: int) -> str:
-    return f"layer{index}" if index >= 0 else f"mtp{-1 - index}"
+def _layer_label(index: int, sep: str = "") -> str:
+    """`layer3` / `mtp0` in metric names; with `sep` " ", `layer 3` / `mtp 0` on the console."""
+    return f"layer{sep}{index}" if index >= 0 else f"mtp{sep}{-1 - index}"
 
 
 def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
@@ -293,7 +294,7 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
             values[f"moe_dropped_tokens/{_layer_label(i)}"] = dropped
     worst = max(mine, key=lambda i: mine[i][0] / max(mine[i][1], 1e-9))
     ratio = mine[worst][0] / max(mine[worst][1], 1e-9)
-    summary = f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} ({_layer_label(worst)})"
+    summary = f"aux: {values['moe_aux_loss']:.4f}  experts max/mean: {ratio:.2f} ({_layer_label(worst, sep=' ')})"
     capacity = [(dropped, routed) for _, _, _, dropped, routed in mine.values() if dropped is not None]
     if capacity:
         share = sum(d for d, _ in capacity) / max(sum(r for _, r in capacity), 1.0)
