@@ -506,3 +506,51 @@ def test_convert_script_dequantizes_fp8_folders(transformers, tmp_path, capsys):
     name = "model.layers.1.self_attn.q_b_proj.weight"
     expected = hf_format.dequantize_fp8(quantized[name], quantized[name + "_scale_inv"]).float()
     assert torch.equal(loaded.state_dict()[name], expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed folders and configs: one line each
+
+
+def _one_line(call, expected: str) -> None:
+    with pytest.raises(CheckpointError) as e:
+        call()
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_malformed_tensors_are_refused_in_one_line():
+    hf = hf_folder.to_hf(_random_state(ARGS), ARGS, ADAPTER)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    odd = {**hf, name: torch.zeros(5, 64)}  # expert 2 unlike expert 0
+    _one_line(lambda: hf_folder.hf_to_ours(odd, ARGS, ADAPTER, "hf"), f"{name} has shape [5, 64], expert 0's")
+    fused = {k: v for k, v in hf.items() if ".mlp.experts." not in k or not k.startswith("model.layers.1.")}
+    fused |= {"model.layers.1.mlp.experts.gate_up_proj": torch.zeros(7, 64, 64),
+              "model.layers.1.mlp.experts.down_proj": torch.zeros(8, 64, 32)}
+    _one_line(lambda: hf_folder.hf_to_ours(fused, ARGS, ADAPTER, "hf"),
+              "has shape [7, 64, 64], not one matrix for each of config.json's 8 experts")
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    _one_line(lambda: hf_format._dequantized({scale: torch.ones(1, 1)}),
+              f"{scale} has no model.layers.0.self_attn.o_proj.weight beside it")
+
+
+def test_malformed_configs_are_refused_in_one_line():
+    _one_line(lambda: ADAPTER.model_args_from_hf_config(["not", "an", "object"]), "config.json does not hold a JSON object")
+    _one_line(lambda: ADAPTER.model_args_from_hf_config({**CFG, "qk_rope_head_dim": 7}), "qk_rope_head_dim 7 is odd")
+    _one_line(lambda: ADAPTER.model_args_from_hf_config({**CFG, "rope_scaling": "yarn"}),
+              "rope_scaling 'yarn' is not a JSON object")
+    scaling = {**CFG["rope_parameters"], "type": "yarn", "rope_type": "default"}
+    _one_line(lambda: ADAPTER.model_args_from_hf_config({**CFG, "rope_parameters": scaling}),
+              "rope_parameters type 'yarn' and rope_type 'default' disagree")
+    negative = {**CFG["rope_parameters"], "beta_fast": -3}
+    _one_line(lambda: ADAPTER.model_args_from_hf_config({**CFG, "rope_parameters": negative, "rope_scaling": None}),
+              "beta_fast -3 is not a non-negative number")
+    _one_line(lambda: ADAPTER.hf_config(dataclasses.replace(ARGS, norm_type="layernorm")),
+              "norm_type 'layernorm' has no DeepseekV3ForCausalLM equivalent")
+
+
+def test_shapes_that_fit_no_model_are_refused_in_one_line():
+    shapes = {k: tuple(v.shape) for k, v in _random_state(ARGS).items()}
+    broken = {**shapes, "layers.0.attention.wo.weight": (64, 47)}  # 47 value columns: no head count fits
+    _one_line(lambda: ADAPTER.args_with_shapes(ARGS, broken, None, None), "fit no head layout")
+    _one_line(lambda: ADAPTER.args_with_shapes(dataclasses.replace(ARGS, num_experts=0), shapes, None, None),
+              "the weights hold 8 experts per block, which the routing of")

@@ -54,3 +54,50 @@ def test_a_conversion_of_a_flavors_config_json_is_recorded_as_that_flavor(name, 
     manifest = _converted_manifest({}, name, args, "/models/x")
     assert manifest.model == {"name": name, "flavor": flavor} and manifest.converted_from == "/models/x"
     assert checkpoint_args(spec.config, "hf", manifest.model_args) == args
+
+
+# ---------------------------------------------------------------------------------------------
+# Records that tell less than a registered flavor would
+
+
+@dataclasses.dataclass
+class _NoDefaults:
+    dim: int
+    n_layers: int
+
+
+@dataclasses.dataclass
+class _ForwardReference:
+    dim: int = 8
+    scaling: "NotImportedHere | None" = None  # noqa: F821 - a name only a type checker would import
+
+
+def test_args_without_defaults_take_every_field_from_the_record():
+    # A converted folder's record over a family whose args have no defaults: the record fills them all.
+    assert checkpoint_args({"x": _NoDefaults(1, 2)}, "hf", {"dim": 3, "n_layers": 4}) == _NoDefaults(3, 4)
+
+
+def test_an_annotation_that_cannot_be_resolved_still_reads_plain_fields():
+    assert args_from_record(_ForwardReference(), {"dim": 16}) == _ForwardReference(dim=16)
+
+
+def test_a_record_of_an_unbuildable_model_has_unknown_tied_weights():
+    from torchtitan.checkpoint.fit import checkpoint_record
+    from torchtitan.checkpoint.folders import Manifest
+
+    def lookup(name, flavor):
+        raise KeyError(name)  # not registered in this process
+
+    record = checkpoint_record(Manifest(step=0, contents=["model"], model={"name": "gone", "flavor": "x"}), lookup)
+    assert record.name == "gone" and record.tied is None
+
+
+def test_converting_a_checkpoint_of_an_unregistered_model_asks_for_the_head_count():
+    from scripts.convert_checkpoint import _registry_args
+    from torchtitan.checkpoint.folders import Manifest
+    from torchtitan.errors import CheckpointError
+
+    manifest = Manifest(step=0, contents=["model"], model={"name": "gpt9", "flavor": "x"})
+    with pytest.raises(CheckpointError, match="is not a registered flavor, so its head count is unknown; pass --n-heads"):
+        _registry_args(manifest, None)
+    assert _registry_args(manifest, 8) is None
