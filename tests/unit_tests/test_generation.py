@@ -15,8 +15,8 @@ from torchtitan.inference.generation import (
     reference_logits,
     sample,
 )
-from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs
+from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 
 MODELS = {
