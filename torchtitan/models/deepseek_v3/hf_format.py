@@ -41,6 +41,7 @@ import torch
 from torchtitan.errors import CheckpointError
 from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs, YarnScaling
 from torchtitan.models.hf_adapter import positive_int, positive_number, rope_rows_from_hf, rope_rows_to_hf
+from torchtitan.models.hf_experts import stacked_experts_from_hf
 
 ARCHITECTURE, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
 
@@ -299,52 +300,9 @@ def from_hf_tensors(fqn: str, parts: dict[str, torch.Tensor], args: DeepSeekV3Mo
     layer, suffix = _layer_and_suffix(fqn, args)
     suffix = suffix.removeprefix("block.") if fqn.startswith("mtp.") else suffix
     if suffix in _EXPERT_NAMES:
-        return _experts_from_hf(fqn, suffix, parts, args)
+        return stacked_experts_from_hf(fqn, suffix, parts, args.num_experts)
     (w,) = parts.values()  # every other HF name is one of ours
     return _rope_rows(suffix, w, args, rope_rows_from_hf) if isinstance(args, RotateHalfArgs) else w
-
-
-def _experts_from_hf(fqn: str, suffix: str, parts: dict[str, torch.Tensor], args: DeepSeekV3ModelArgs) -> torch.Tensor:
-    """Stacked experts (experts, out, in) from one tensor per expert, or from transformers' fused one."""
-    per_expert: dict[int, tuple[str, torch.Tensor]] = {}
-    fused: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in parts.items():
-        expert = _HF_EXPERT.match(_HF_BLOCK.match(name).group(2))
-        if expert:
-            per_expert[int(expert.group(1))] = (name, tensor)
-        else:
-            fused.append((name, tensor))
-    n = args.num_experts
-    if fused and per_expert:
-        raise CheckpointError(f"{fused[0][0]} and {next(iter(per_expert.values()))[0]} both hold {fqn}; keep one "
-                              "layout of the experts")
-    if fused:
-        name, tensor = fused[0]
-        if tensor.dim() != 3 or tensor.shape[0] != n:
-            raise CheckpointError(f"{name} has shape {list(tensor.shape)}, not one matrix for each of config.json's "
-                                  f"{n} experts")
-        if suffix == "moe.experts.w2":
-            return tensor
-        half = tensor.shape[1] // 2  # gate rows, then up rows (transformers chunks them in this order)
-        return tensor[:, :half] if suffix == "moe.experts.w1" else tensor[:, half:]
-    some_name = next(iter(per_expert.values()))[0]
-    beyond = sorted(j for j in per_expert if j >= n)
-    if beyond:
-        raise CheckpointError(f"{per_expert[beyond[0]][0]} is beyond config.json's {n} experts")
-    missing = [j for j in range(n) if j not in per_expert]
-    if missing:
-        name = re.sub(r"experts\.\d+\.", f"experts.{missing[0]}.", some_name)
-        raise CheckpointError(f"{name} is missing (config.json has {n} experts)")
-    first = per_expert[0][1].shape
-    for j in range(n):
-        name, tensor = per_expert[j]
-        if tensor.shape != first:
-            raise CheckpointError(f"{name} has shape {list(tensor.shape)}, expert 0's {list(first)}")
-    return torch.stack([per_expert[j][1] for j in range(n)])
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json
 
 
 def hf_config(args: DeepSeekV3ModelArgs, torch_dtype: str = "bfloat16", **extra: Any) -> dict[str, Any]:
