@@ -44,6 +44,7 @@ from torchtitan.observability.metrics import MetricsLogger
 from torchtitan.observability.progress import Progress
 from torchtitan.observability.setup_record import SetupRecord
 from torchtitan.observability.watchdog import collective_timeout, watch_this_rank
+from torchtitan.parallelisms.fault_tolerance import data_coordinates, join_replica_groups, replica_dump_folder
 from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime import device_setup, process_group
@@ -68,6 +69,8 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     """This rank's part of the job: the build sequence, then the Trainer's run (trainer/loop.py)."""
     started = time.perf_counter()
     training = job_config.training
+    if job_config.fault_tolerance.enable:  # each replica group writes its own outputs
+        job_config.job.dump_folder = replica_dump_folder(job_config)
     # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, process_group.world_size())
     if job_config.memory_estimation.enabled:
@@ -94,7 +97,8 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         del model
         optimizers = train_spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
         lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
-        train_state = TrainState()
+        train_state = TrainState(data_consumed=[0] * job_config.fault_tolerance.group_size
+                                 if job_config.fault_tolerance.enable else [])
         checkpoint = CheckpointManager(job_config, parallel_dims, model_parts, optimizers, lr_schedulers, dataloader,
                                        train_state, shards.count)
         if job_config.checkpoint.create_seed_checkpoint:
@@ -102,7 +106,9 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
             logger.info("seed checkpoint written; exiting")
             return
         checkpoint.load(resume)
-        trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device)
+        trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device,
+                               join_replica_groups(job_config, model_parts, optimizers, lr_schedulers, train_state,
+                                                   dataloader, device))
         setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
         metrics = MetricsLogger(job_config, device, flops_per_token, process_group.rank(), compute_dtype(training, device_type),
                                 resumed_step=train_state.step)
@@ -119,7 +125,7 @@ def build_dataloader(job_config: JobConfig, train_spec: TrainSpec, tokenizer: An
     share; tp/cp/pp peers read the same. A resumed run reads the data in as many shards as its
     checkpoint's data position refers to."""
     training = job_config.training
-    dp_rank, dp_degree = parallel_dims.data_parallel_coordinates()
+    dp_rank, dp_degree = data_coordinates(job_config, *parallel_dims.data_parallel_coordinates())
     if attempt():
         logger.warning(f"restart {attempt()} of this job (torchrun, MAX_RESTARTS): "
                        + (f"resuming from {resume.path}" if resume is not None else "starting from step 0 again, as "

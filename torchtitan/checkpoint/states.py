@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,13 +15,21 @@ from torch.distributed.checkpoint.stateful import Stateful
 class TrainState(Stateful):
     step: int = 0
     tokens_seen: int = 0  # global, all data-parallel ranks together
+    # fault_tolerance: batches each replica group's data shard gave to committed steps (its ledger;
+    # empty otherwise, and then not in the checkpoint).
+    data_consumed: list[int] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
+        state = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
+        if self.data_consumed:
+            state["data_consumed"] = torch.tensor(self.data_consumed, dtype=torch.int64)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
+        if "data_consumed" in state_dict:
+            self.data_consumed[:] = [int(c) for c in state_dict["data_consumed"]]
 
 
 class ModelState(Stateful):

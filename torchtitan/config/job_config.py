@@ -310,6 +310,31 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = opt(False, "Train as one of fault_tolerance.group_size replica groups joined by torchft (an optional "
+                              "extra): each group is its own launch with its own layout inside; gradients are averaged "
+                              "across the live groups, a failed group leaves the others stepping and a group that comes "
+                              "back recovers live from a peer (docs/fault_tolerance.md).")
+    replica_id: int = opt(0, "This replica group's index, 0 .. fault_tolerance.group_size - 1; it reads the data shards "
+                             "of that index and writes its outputs to <job.dump_folder>/replica_<id>.")
+    group_size: int = opt(0, "The number of replica groups of the job (each launched with the same options but "
+                             "fault_tolerance.replica_id).")
+    min_replica_size: int = opt(1, "The fewest groups a step is committed with; with fewer the survivors wait.")
+    lighthouse: str = opt("", "host:port of the torchft lighthouse the groups meet at; empty: $TORCHFT_LIGHTHOUSE "
+                              "(run_llama_train.sh with FT_LIGHTHOUSE=start starts one).")
+    semi_sync_method: str = opt("none", "none: average gradients every step (fault-tolerant HSDP); local_sgd: groups "
+                                        "step alone and average parameters every sync_steps; diloco: the same with "
+                                        "an outer Nesterov optimizer on the averaged drift (for slow links).",
+                                choices=["none", "local_sgd", "diloco"])
+    sync_steps: int = opt(20, "Steps between the groups' syncs in the semi-synchronous modes.")
+    outer_lr: float = opt(0.7, "DiLoCo's outer learning rate.")
+    outer_momentum: float = opt(0.9, "DiLoCo's outer Nesterov momentum.")
+    timeout_seconds: int = opt(60, "How long a cross-group collective, a commit or a recovery may take before the "
+                                   "step is given up (and retried with the groups still alive).")
+    quorum_timeout_seconds: int = opt(60, "How long a group waits for a quorum of at least min_replica_size groups.")
+
+
+@dataclass
 class Validation:
     enabled: bool = opt(False, "Measure the loss on held-out data every validation.freq steps and at the last step "
                                "(loss and perplexity on the console, TensorBoard and metrics.jsonl; docs/validation.md).")
@@ -353,6 +378,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     validation: Validation = field(default_factory=Validation)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
 

@@ -97,6 +97,8 @@ RULES: tuple[Rule, ...] = (
     Rule("early_step", "options", ("optimizer.early_step_in_backward", "optimizer.zero1", "training.max_norm",
                                    "training.gradient_accumulation_steps", *_PP),
          "torchtitan.trainer.optimizer_options:check_options"),
+    Rule("fault_tolerance", "options", ("fault_tolerance.*", "optimizer.early_step_in_backward", "moe.bias_update_rate"),
+         "torchtitan.config.sections:check_fault_tolerance"),
     Rule("not_yet", "options", ("experimental.enable_compiled_autograd",), "torchtitan.config.sections:check_not_yet"),
     # shapes: (config) -> PipelinePlan | None
     Rule("pipeline_plan", "shapes", ("experimental.pipeline_parallel_*", "training.batch_size",

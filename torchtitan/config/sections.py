@@ -229,3 +229,53 @@ def check_not_yet(config: JobConfig) -> None:
         section, key = dotted.split(".")
         if getattr(getattr(config, section), key):
             raise ConfigError(f"{dotted} is not implemented yet in this version; leave it at its default")
+
+
+def check_fault_tolerance(config: JobConfig) -> None:
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return
+    if (missing := torchft_missing()) is not None:
+        raise ConfigError(missing)
+    _at_least_one({"fault_tolerance.group_size": ft.group_size, "fault_tolerance.min_replica_size": ft.min_replica_size,
+                   "fault_tolerance.sync_steps": ft.sync_steps, "fault_tolerance.timeout_seconds": ft.timeout_seconds,
+                   "fault_tolerance.quorum_timeout_seconds": ft.quorum_timeout_seconds})
+    if not 0 <= ft.replica_id < ft.group_size:
+        raise ConfigError(f"fault_tolerance.replica_id must be a group index 0..{ft.group_size - 1} "
+                          f"(fault_tolerance.group_size {ft.group_size}), got {ft.replica_id}")
+    if ft.min_replica_size > ft.group_size:
+        raise ConfigError(f"fault_tolerance.min_replica_size {ft.min_replica_size} is more than the "
+                          f"{ft.group_size} replica groups (fault_tolerance.group_size): no step could be committed")
+    if ft.group_size > 16:
+        raise ConfigError(f"fault_tolerance.group_size {ft.group_size}: at most 16 replica groups are supported "
+                          "(the configuration check that rides on the gradient average is exact up to 16)")
+    address = lighthouse_address(config)
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("fault_tolerance needs the lighthouse's host:port in fault_tolerance.lighthouse or "
+                          f"$TORCHFT_LIGHTHOUSE, got {address!r} (run_llama_train.sh with FT_LIGHTHOUSE=start starts one)")
+    if not 0 < ft.outer_lr or not 0 <= ft.outer_momentum < 1:
+        raise ConfigError(f"fault_tolerance.outer_lr must be > 0 and outer_momentum in [0, 1), got {ft.outer_lr} and "
+                          f"{ft.outer_momentum}")
+    if config.optimizer.early_step_in_backward:
+        raise ConfigError("fault_tolerance does not combine with optimizer.early_step_in_backward: a step is applied "
+                          "only once the groups have averaged its gradients and agreed to commit it")
+    if config.moe.bias_update_rate > 0:
+        raise ConfigError("fault_tolerance does not combine with moe.bias_update_rate > 0 yet: each group would steer "
+                          "its routing biases by its own tokens, and the groups' models would drift apart")
+
+
+def torchft_missing() -> str | None:
+    """Why fault tolerance cannot run here (torchft not installed), or None."""
+    if importlib.util.find_spec("torchft") is None:
+        return ("fault_tolerance.enable needs torchft, an optional extra: pip install 'torchtitan[ft]' "
+                "(or pip install torchft)")
+    return None
+
+
+def lighthouse_address(config: JobConfig) -> str:
+    """host:port of the lighthouse: fault_tolerance.lighthouse, else $TORCHFT_LIGHTHOUSE."""
+    import os
+
+    address = config.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    return address.removeprefix("http://")

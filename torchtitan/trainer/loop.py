@@ -52,6 +52,7 @@ class TrainedModel:
     optimizers: Any  # OptimizersContainer (optimizer.py)
     lr_schedulers: Any  # LRSchedulersContainer
     device: torch.device
+    replica_groups: Any = None  # fault_tolerance: this rank's ReplicaGroups (parallelisms/fault_tolerance.py)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Trainer:
         self.train_spec, self.parallel_dims, self.device = model.train_spec, model.parallel_dims, model.device
         self.model_parts, self.pipeline = model.parts, model.pipeline
         self.optimizers, self.lr_schedulers = model.optimizers, model.lr_schedulers
+        self.replica_groups = model.replica_groups
         self.dataloader, self.train_state, self.eos_id = dataloader, train_state, eos_id
         self.checkpoint, self.metrics, self.progress = records.checkpoint, records.metrics, records.progress
         self.validator, self.setup = records.validator, records.setup
@@ -142,6 +144,8 @@ class Trainer:
             raise
         finally:
             self.metrics.close()
+            if self.replica_groups is not None:
+                self.replica_groups.close()
 
     def train_what_is_left(self) -> str:
         """Validates a resumed step that missed its validation, then trains up to training.steps,
@@ -184,10 +188,12 @@ class Trainer:
     def train_step(self) -> bool:
         """One step, each of its phases marked and timed from outside its numerics; False when the
         data ran out before it (the last step trained is then ended as the run's last)."""
-        mark = self.instruments
+        mark, groups = self.instruments, self.replica_groups
+        if groups is not None:
+            groups.start_step()  # the replica groups' quorum, found during forward
         with mark.phase("data loading", self.train_state.step + 1):
             with mark.own_time(loading_data=True):
-                micro_batches = self.next_batch()
+                micro_batches = groups.draw(self.next_batch) if groups is not None else self.next_batch()
             ran_out = self.data_ran_out(micro_batches)
         if ran_out:
             self.end_step(self.newest, last=True, ran_out=True)
@@ -196,11 +202,19 @@ class Trainer:
         step = self.begin_step()
         with mark.phase("forward/backward"):
             loss = self.forward_backward(micro_batches)
+        if groups is not None:
+            with mark.phase("averaging across replica groups"):
+                groups.average_gradients(self.params)
         with mark.phase("gradient norm"):
             grad_norm = self.gradient_norm()
             nonfinite = self.nonfinite(loss, grad_norm)  # waits for the step's kernels
         with mark.phase("agreeing to go on"):
             stop_signal = self.agree_to_continue(step, loss, grad_norm, nonfinite)
+            if groups is not None:
+                if not groups.commit():  # too few groups, or one failed: the step is tried again
+                    self.train_state.step -= 1
+                    return True
+                step = self.train_state.step  # a group that recovered this step took the peers' count
         with mark.phase("optimizer step"):
             with mark.own_time():
                 self.optimizer_step()
@@ -343,8 +357,12 @@ class Trainer:
         tokens = window.tokens / pd.non_data_parallel_size
         steps = result.step - window.first_step + 1
         stragglers = collectives.slowest_and_median(window.own_seconds / steps)
+        values, summary = result.report or ({}, "")
+        if self.replica_groups is not None:  # the groups that took part in this step
+            values, summary = {**values, "replicas": self.replica_groups.participating()}, (
+                f"{summary}  replicas: {self.replica_groups.participating()}/{self.replica_groups.groups}".strip())
         self.metrics.log(StepMetrics(result.step, loss_value, result.grad_norm.item(), result.lr, tokens, elapsed,
-                                     window.data_seconds, bubble, *(result.report or ()), own_seconds=stragglers,
+                                     window.data_seconds, bubble, values, summary, own_seconds=stragglers,
                                      steps=steps, total_steps=self.training.steps, progress=self.progress.text(result.step),
                                      source_tokens=source_tokens(self.dataloader.dataset, pd, result.loss.device)))
         window.restart(result.step + 1)
@@ -399,5 +417,7 @@ class Trainer:
             self.validate(step)
 
     def summarize(self, ended: str) -> None:
+        if self.replica_groups is not None:
+            self.replica_groups.log_summary()
         log_summary(self.job_config, self.metrics, self.progress, self.train_state.step,
                     self.train_state.tokens_seen - self.tokens_before, ended)

@@ -1,0 +1,458 @@
+"""Training that survives a failed replica group (fault_tolerance.*, docs/fault_tolerance.md).
+
+The job is several replica groups, each its own torchrun job with the usual FSDP/TP/PP layout
+inside. torchft joins them: a lighthouse decides each step's quorum of live groups, a
+reconfigurable process group links rank r of every group, and torchft's Manager commits a step
+only when the group's ranks agree and enough groups took part. A group that dies leaves the
+others stepping with fewer replicas in the average; a group that comes back is sent the live
+model, optimizer, schedule and step from a peer (torchft's checkpoint transport) instead of
+reading a checkpoint.
+
+What crosses the groups each step is one flat fp32 buffer per rank: this rank's local gradient
+shards (or, in the semi-synchronous modes, its parameter shards' drift since the last sync)
+followed by a few bookkeeping slots that ride along for free:
+
+- one slot per group, 1 where that group took part: every group learns who contributed, which
+  keeps each group's data position exact (the ledger below);
+- a fingerprint of the configuration the groups must share, checked on every sync, so groups
+  launched with different options stop with one line instead of averaging unrelated models.
+
+The ledger counts, per group, the batches the committed steps consumed from that group's data
+shard. A group that restarts learns its own count from the peer's ledger and takes its data
+position from its position file (written before each batch is used, with the position before
+and after it), so its shard is neither read twice nor skipped. A step that is not committed
+keeps its batch and trains it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.sections import lighthouse_address
+from torchtitan.errors import ConfigError, UserError
+
+logger = logging.getLogger("torchtitan")
+
+# Options that may differ between groups: each group's own identity and outputs.
+PER_GROUP_OPTIONS = {("fault_tolerance", "replica_id"), ("job", "dump_folder"), ("job", "description"),
+                     ("job", "print_args"), ("metrics", "enable_tensorboard"), ("metrics", "log_freq"),
+                     ("comm", "trace_buf_size")}
+_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash: exact in fp32 sums up to 16 groups
+_BUFFER_BYTES = 256 * 2**20  # gradients cross the groups in buckets of at most this many bytes
+
+
+def config_fingerprint(config: JobConfig) -> int:
+    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS)."""
+    shared = {section: {k: v for k, v in values.items() if (section, k) not in PER_GROUP_OPTIONS}
+              for section, values in config.to_dict().items()}
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & (2**30 - 1)
+
+
+def _fingerprint_slots(fingerprint: int) -> list[float]:
+    chunks = [(fingerprint >> (10 * i)) & 1023 for i in range(_FINGERPRINT_CHUNKS)]
+    return [float(c) for c in chunks] + [float(c * c) for c in chunks]
+
+
+@dataclass
+class Ledger:
+    """Batches each group's data shard gave to committed steps (one entry per group), and what this
+    group's runs did: steps committed, attempts not committed, recoveries from a peer."""
+
+    consumed: list[int]
+    committed: int = 0
+    retried: int = 0
+    healed: int = 0
+    participants: list[int] = field(default_factory=list)  # per committed step of this run (for metrics)
+
+
+class ReplicaGroups:
+    """This rank's side of the fault-tolerant job: the torchft Manager, the cross-group average,
+    the commit, the ledger and the live state a recovering group is sent.
+
+    The trainer calls, per step: `start_step()` before the step's batch is drawn, `draw(next)` for
+    the batch, then after backward `average_gradients(params)` (synchronous mode), then `commit()`,
+    whose answer says whether to apply the step. Semi-synchronous modes call `sync_parameters`
+    every fault_tolerance.sync_steps steps instead (semi_sync.py)."""
+
+    def __init__(self, config: JobConfig, group_rank: int, group_size: int, device: torch.device,
+                 model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any, train_state: Any,
+                 data_state: Any):
+        # torchft's Rust side logs every quorum and commit at INFO; its warnings and errors still show.
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("torchft.manager").addFilter(_NotOnThisDevice())
+        # torchft reads the peer's state from a read-only buffer and never writes to it.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        ft = config.fault_tolerance
+        self.config, self.ft, self.device = config, ft, device
+        self.replica_id, self.groups = ft.replica_id, ft.group_size
+        self.group_rank = group_rank
+        # The ledger's counts are the train state's list itself, so that checkpoints hold them.
+        self.ledger = Ledger(consumed=train_state.data_consumed)
+        self._train_state = train_state
+        self.fingerprint = config_fingerprint(config)
+        # The parameters as the optimizer holds them (FSDP's shards), named now: during forward FSDP
+        # swaps unsharded tensors into the modules, and torchft reads the state in its own thread.
+        named = _named_tensors(model_parts)
+        self._state_fn = lambda: live_state(named, optimizers, lr_schedulers, train_state)
+        self._load_fn = lambda state: load_live_state(state, named, optimizers, lr_schedulers, train_state)
+        self._data_state = data_state
+        self._position_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}.pt")
+        self._previous_positions = self._read_positions()  # from before a restart: used at a recovery
+        self._drawn = self.ledger.consumed[self.replica_id]  # batches taken from the shard: consumed, or one more
+        self._held: Any = None  # the batch of an attempt that was not committed, trained again
+        self._healed_now = False
+        self._participation: list[float] | None = None
+        self._store = self._group_store(group_size)
+        address = lighthouse_address(config)
+        timeout = timedelta(seconds=ft.timeout_seconds)
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
+                rank=group_rank, world_size=group_size, store_addr=self._store[0], store_port=self._store[1],
+                lighthouse_addr=f"http://{address}", replica_id=f"torchtitan_ft_{self.replica_id}",
+                hostname=_advertised_host(), init_sync=False)
+        except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError with a gRPC message
+            raise UserError(f"fault_tolerance: could not reach the lighthouse at {address} within "
+                            f"{ft.timeout_seconds} s ({str(e).splitlines()[0][:200]}); start one with "
+                            f"`torchft_lighthouse --min_replicas {ft.min_replica_size}` or FT_LIGHTHOUSE=start "
+                            "(docs/fault_tolerance.md)") from None
+        self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
+
+    # ------------------------------------------------------------------------------------------
+    # Start-up
+
+    def _group_store(self, group_size: int) -> tuple[str, int]:
+        """The group's own TCP store, where torchft's manager server announces itself: torchrun's
+        (MASTER_ADDR/MASTER_PORT), or one this single process opens."""
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if group_size > 1:
+            raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
+        self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        return "localhost", self._own_store.port
+
+    def resume_at(self, step: int) -> None:
+        """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self._drawn = self.ledger.consumed[self.replica_id]
+
+    # ------------------------------------------------------------------------------------------
+    # One step
+
+    def start_step(self) -> None:
+        """Asks the lighthouse for this step's quorum; answered in the background during forward."""
+        self._healed_now = False
+        self.manager.start_quorum()
+
+    def draw(self, next_batch: Callable[[], Any]) -> Any:
+        """The step's batch: the one an attempt that was not committed left, else the next one, its
+        position before and after recorded first (so a restart knows both)."""
+        if self._held is not None:
+            return self._held
+        before = self._data_state.state_dict()
+        batch = next_batch()
+        self._drawn += 1
+        self._write_positions(before, self._data_state.state_dict())
+        self._held = batch
+        return batch
+
+    def average_gradients(self, params: list[nn.Parameter]) -> None:
+        """Averages this rank's local gradient shards with rank `group_rank` of every group in the
+        quorum (a group that is recovering contributes zeros and is not counted)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        self._participation = self._allreduce([_local(g) for g in grads])
+
+    def average_parameters_drift(self, drifts: list[torch.Tensor]) -> None:
+        """The semi-synchronous modes' sync: averages the drifts (local tensors), in place."""
+        self._participation = self._allreduce(drifts)
+
+    def commit(self) -> bool:
+        """Whether the step is applied: this group's ranks agree and enough groups took part. Updates
+        the ledger; after a recovery this step, moves the data position to the ledger's."""
+        committed = self.manager.should_commit()
+        participation = self._participation or [0.0] * self.groups
+        self._participation = None
+        if committed:
+            # The manager's count: the peers' after a recovery this step.
+            self._train_state.step = self.manager.current_step()
+            self.ledger.committed += 1
+            self.ledger.participants.append(int(sum(participation)))
+            for g, took_part in enumerate(participation):
+                self.ledger.consumed[g] += int(took_part)
+            if participation[self.replica_id]:
+                self._held = None
+        else:
+            self.ledger.retried += 1
+        if self._healed_now:
+            self._move_data_to_ledger()
+        return committed
+
+    def participating(self) -> int:
+        """The groups that took part in the newest committed step."""
+        return self.ledger.participants[-1] if self.ledger.participants else 0
+
+    def log_summary(self) -> None:
+        ledger = self.ledger
+        fewer = sum(1 for n in ledger.participants if n < self.groups)
+        logger.info(f"fault tolerance: {ledger.committed} steps committed by replica group {self.replica_id}, "
+                    f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
+                    f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
+                    f"{ledger.consumed}")
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------------------------------------
+    # The cross-group all-reduce
+
+    def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
+        """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
+        took part, after checking they share this configuration."""
+        tail = [0.0] * self.groups + _fingerprint_slots(self.fingerprint)
+        tail[self.replica_id] = 1.0
+        buckets, current, size = [], [], 0
+        for t in tensors:
+            if current and size + t.numel() * 4 > _BUFFER_BYTES:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(t)
+            size += t.numel() * 4
+        buckets.append(current)
+        works, flats = [], []
+        for i, bucket in enumerate(buckets):
+            parts = [t.reshape(-1).to(torch.float32) for t in bucket]
+            if i == len(buckets) - 1:
+                parts.append(torch.tensor(tail, dtype=torch.float32, device=self.device))
+            flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+            flats.append(flat)
+            works.append(self.manager.allreduce(flat))
+        for work in works:
+            work.wait()
+        n = self.manager.num_participants()
+        if self.manager.errored() is not None:
+            return [0.0] * self.groups  # the step will not be committed; nothing to check
+        for bucket, flat in zip(buckets, flats):
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        summed = (flats[-1][-len(tail):].double() * n).round().tolist()
+        participation = summed[:self.groups]
+        took_part = sum(participation)
+        if took_part and not self._same_config(summed[self.groups:], took_part):
+            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
+                              "every option but fault_tolerance.replica_id and the group's own outputs "
+                              "(job.dump_folder, metrics) must match (compare their config files and command lines)")
+        return participation
+
+    def _same_config(self, sums: list[float], count: float) -> bool:
+        # Equal sums of c and of c^2 over the groups mean every group's chunk equals this group's.
+        mine = _fingerprint_slots(self.fingerprint)
+        return all(abs(s - count * m) < 0.5 for s, m in zip(sums, mine))
+
+    # ------------------------------------------------------------------------------------------
+    # Live recovery
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a recovering peer is sent: this rank's shards as plain tensors (the peer's rank has
+        the same layout) and the step's counters. Called by torchft in the quorum thread."""
+        state = self._state_fn()
+        state["ledger"] = {"consumed": list(self.ledger.consumed)}
+        state["fingerprint"] = self.fingerprint
+        return state
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        """Called by torchft in should_commit when this group was behind: takes the peer's state."""
+        if state.get("fingerprint") != self.fingerprint:
+            raise ConfigError("fault_tolerance: the replica group this one recovers from was started with "
+                              "another configuration; every option but fault_tolerance.replica_id and the "
+                              "group's outputs must match")
+        started = time.perf_counter()
+        self._load_fn(state)
+        self.ledger.consumed[:] = [int(c) for c in state["ledger"]["consumed"]]
+        self.ledger.healed += 1
+        self._healed_now = True
+        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at step "
+                       f"{self.manager.current_step()} ({time.perf_counter() - started:.2f} s to apply)")
+
+    # ------------------------------------------------------------------------------------------
+    # The data position
+
+    def _write_positions(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        os.makedirs(os.path.dirname(self._position_file), exist_ok=True)
+        partial = self._position_file + ".partial"
+        torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
+        os.replace(partial, self._position_file)
+
+    def _read_positions(self) -> dict[str, Any] | None:
+        try:
+            return torch.load(self._position_file, weights_only=True)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file is reported, not fatal
+            logger.warning(f"fault tolerance: ignoring the unreadable data position file {self._position_file} ({e})")
+            return None
+
+    def _move_data_to_ledger(self) -> None:
+        """After a recovery: continue this group's shard after the batches the ledger says the
+        committed steps took from it. The position comes from this group's newest position file,
+        this process's or the one before a restart: a count names the same position in either,
+        as both count batches of the same shard."""
+        want = self.ledger.consumed[self.replica_id]
+        record = self._read_positions()
+        for candidate in (record, self._previous_positions):
+            if candidate is None:
+                continue
+            if candidate["drawn"] == want:
+                self._data_state.load_state_dict(candidate["after"])
+                break
+            if candidate["drawn"] == want + 1:
+                self._data_state.load_state_dict(candidate["before"])
+                break
+        else:
+            have = record["drawn"] if record is not None else None
+            logger.warning(f"fault tolerance: replica group {self.replica_id} has no data position for batch {want} "
+                           f"of its shard (position file: {have}); it continues from its checkpoint's position, "
+                           "so some of its batches are read again or skipped")
+        self._held = None
+        self._drawn = want
+        self._previous_positions = None
+
+
+class _NotOnThisDevice(logging.Filter):
+    """Drops torchft's per-reconfiguration note that NCCL's flight recorder cannot be reset, which
+    holds for every run without NCCL."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _advertised_host() -> str:
+    """The name the lighthouse gives peers to reach this group's manager server and state."""
+    return os.environ.get("TORCHFT_HOSTNAME") or os.environ.get("LOCAL_ADDR") or socket.gethostname()
+
+
+# ----------------------------------------------------------------------------------------------
+# The state a recovering group is sent: this rank's shards as plain tensors. Rank r of every group
+# has the same layout, so names and local shapes match without resharding.
+
+def _named_tensors(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    named = {}
+    for i, part in enumerate(model_parts):
+        for name, t in [*part.named_parameters(), *part.named_buffers()]:
+            named[f"{i}.{name}"] = t
+    return named
+
+
+def live_state(named: dict[str, torch.Tensor], optimizers: Any, lr_schedulers: Any, train_state: Any) -> dict[str, Any]:
+    """References, not copies: torchft serves them before this rank's next optimizer step."""
+    model = {name: _local(t).detach() for name, t in named.items()}
+    optim = []
+    for optimizer in optimizers.optimizers:
+        sd = optimizer.state_dict()
+        state = {idx: {k: _local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+                 for idx, entries in sd["state"].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        optim.append({"state": state, "param_groups": groups})
+    return {"model": model, "optimizer": optim, "lr_scheduler": lr_schedulers.state_dict(),
+            "train_state": {"step": train_state.step, "tokens_seen": train_state.tokens_seen}}
+
+
+@torch.no_grad()
+def load_live_state(state: dict[str, Any], own: dict[str, torch.Tensor], optimizers: Any, lr_schedulers: Any,
+                    train_state: Any) -> None:
+    """Takes a peer's live_state into this rank's model (`own`: its named parameter shards and
+    buffers), optimizer, schedule and counters. The step in progress becomes the peer's next one."""
+    if set(own) != set(state["model"]):
+        raise ConfigError("fault_tolerance: the peer's model has other parameters than this group's; the groups "
+                          "must train the same model with the same layout")
+    for name, t in own.items():
+        local, received = _local(t), state["model"][name]
+        if local.shape != received.shape:
+            raise ConfigError(f"fault_tolerance: the peer's {name} shard has shape {tuple(received.shape)}, this "
+                              f"rank's {tuple(local.shape)}; the groups must use the same layout and rank count")
+        local.copy_(received)
+    for optimizer, received in zip(optimizers.optimizers, state["optimizer"], strict=True):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for idx, entries in received["state"].items():
+            p = params[int(idx)]
+            current = optimizer.state.setdefault(p, {})
+            for key, value in entries.items():
+                if not isinstance(value, torch.Tensor):
+                    current[key] = value
+                elif key in current and isinstance(current[key], torch.Tensor):
+                    _local(current[key]).copy_(value)
+                elif isinstance(p, DTensor) and value.shape == p.to_local().shape and value.dim() > 0:
+                    current[key] = DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False,
+                                                      shape=p.shape, stride=p.stride())
+                else:
+                    current[key] = value.clone()
+        for group, received_group in zip(optimizer.param_groups, received["param_groups"], strict=True):
+            group.update(received_group)
+    lr_schedulers.load_state_dict(state["lr_scheduler"])
+    # The step count is the manager's (ReplicaGroups.commit): the peer's train_state.step may already
+    # count the step it has begun when torchft reads this in its quorum thread.
+    train_state.tokens_seen = int(state["train_state"]["tokens_seen"])
+
+
+# ----------------------------------------------------------------------------------------------
+# What train.py calls
+
+def replica_dump_folder(config: JobConfig) -> str:
+    """<job.dump_folder>/replica_<id>: each group's logs, metrics, checkpoints and data positions."""
+    return os.path.join(config.job.dump_folder, f"replica_{config.fault_tolerance.replica_id}")
+
+
+def data_coordinates(config: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """The data-parallel coordinates the data is sharded by: with fault tolerance every group's ranks
+    read their own shards, as the data-parallel ranks of one HSDP job with the groups as replicas
+    would (group g's rank r reads shard g x dp + r of group_size x dp)."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return dp_rank, dp_degree
+    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
+
+
+def join_replica_groups(config: JobConfig, model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any,
+                        train_state: Any, dataloader: Any, device: torch.device) -> ReplicaGroups | None:
+    """This rank's ReplicaGroups (None without fault_tolerance), after the checkpoint load."""
+    if not config.fault_tolerance.enable:
+        return None
+    from torchtitan.checkpoint.states import DataState
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    groups = ReplicaGroups(config, rank, world, device, model_parts, optimizers, lr_schedulers, train_state,
+                           DataState(dataloader))
+    groups.resume_at(train_state.step)
+    logger.info(f"fault tolerance: replica group {config.fault_tolerance.replica_id} of "
+                f"{config.fault_tolerance.group_size}, lighthouse {lighthouse_address(config)}, at least "
+                f"{config.fault_tolerance.min_replica_size} per step")
+    return groups
