@@ -407,7 +407,8 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(values, s.step)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": s.step, **values}) + "\n")
+            # The wall time (Unix seconds) the row was written: gaps between steps, across processes.
+            self.jsonl.write(json.dumps({"step": s.step, "time": round(time.time(), 3), **values}) + "\n")
             self.jsonl.flush()
         return values
 

@@ -148,11 +148,26 @@ class ReplicaGroups:
         """The group's own TCP store, where torchft's manager server announces itself: torchrun's
         (MASTER_ADDR/MASTER_PORT), or one this single process opens."""
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and dist.is_initialized():
+                self._forget_previous_manager(*address)
+            return address
         if group_size > 1:
             raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
         self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         return "localhost", self._own_store.port
+
+    def _forget_previous_manager(self, host: str, port: int) -> None:
+        """After a torchrun restart: torchrun's store outlives the ranks and still holds the address
+        the killed rank 0's manager server announced. Rank 0 deletes it before any rank looks, so
+        the other ranks wait for the new one instead of dialling a dead server until timeout_seconds."""
+        from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+        if self.group_rank == 0:
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+            for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+                store.delete_key(key)
+        dist.barrier()
 
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
