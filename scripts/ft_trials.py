@@ -14,7 +14,9 @@ rank of it is killed with SIGKILL; torchrun restarts the group's ranks, they res
 group's checkpoint and, being behind, are sent the live state by a peer. Afterwards, from each
 group's metrics.jsonl (a wall time per step) and log:
 
-- survivors' longest pause: the largest gap between consecutive logged steps from the kill on;
+- survivors' longest pause: the largest gap between consecutive logged steps from the kill until
+  the killed group logs a step again (failure detection), and after that (the rejoin: a quorum
+  change and the state sent to the recovering group);
 - went back: a survivor's step count that did not rise (a step logged twice or lower);
 - retried: the survivors' "attempts not committed" (a step tried again with the same batch);
 - recovery: seconds from the kill to the killed group's first step logged after it;
@@ -56,7 +58,8 @@ class Trial:
     victim_group: int
     victim_rank: int
     kill_step: int  # the victim group's newest logged step when it was killed
-    pause_s: float | None  # survivors' longest gap between logged steps from the kill on
+    pause_s: float | None  # survivors' longest gap between logged steps, from the kill to the killed group's return
+    rejoin_pause_s: float | None  # survivors' longest gap after the killed group's first step back
     step_seconds: float | None  # survivors' median gap, for scale
     went_back: int  # survivors' logged steps that did not rise
     retried: int  # survivors' attempts not committed
@@ -212,13 +215,17 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix.rstrip("."): tree}
 
 
+def kill_steps(steps: int) -> tuple[int, int]:
+    """The kill step's range: late enough that every group steps, early enough that the survivors
+    still train when the killed group is back (a restart takes seconds, the survivors go faster alone)."""
+    return 3, max(3, steps // 3)
+
+
 def run_trial(folder: Path, rng: random.Random, groups: int, ranks: int, port: int, steps: int, interval: int,
-              flavor: str, seq_len: int, timeout: float, hosts=None) -> Trial:
+              flavor: str, seq_len: int, timeout: float, hosts=None, kill_range: tuple[int, int] | None = None) -> Trial:
     shutil.rmtree(folder, ignore_errors=True)
     victim, victim_rank = rng.randrange(groups), rng.randrange(ranks)
-    # Late enough that every group steps, early enough that the survivors still train when the
-    # killed group is back (a restart takes seconds, the survivors go faster alone).
-    wanted = rng.randint(3, max(3, steps // 3))
+    wanted = rng.randint(*(kill_range or kill_steps(steps)))
     start = time.monotonic()
     cluster = Cluster(folder, groups, ranks, port, steps, interval, flavor, seq_len, hosts)
     kill_time, kill_step = None, 0
@@ -230,6 +237,8 @@ def run_trial(folder: Path, rng: random.Random, groups: int, ranks: int, port: i
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     kill_time, kill_step = time.time(), logged[victim][-1]["step"]
+                    (folder / "kill.json").write_text(json.dumps({"time": kill_time, "step": kill_step, "group": victim,
+                                                                  "rank": victim_rank}))
                     break
             time.sleep(0.05)
         codes = cluster.wait(start + timeout)
@@ -249,14 +258,16 @@ def measure(folder: Path, groups: int, victim: int, victim_rank: int, kill_step:
         for m in SUMMARY.finditer(logs[g]):
             fewer += int(m[3])
             retried += int(m[4])
-    pause = median = recovery = None
+    pause = rejoin_pause = median = recovery = None
     if kill_time is not None:
-        gaps = [b["time"] - a["time"] for g in survivors for a, b in zip(rows[g], rows[g][1:]) if b["time"] > kill_time]
-        pause = max(gaps, default=None)
-        everyday = sorted(b["time"] - a["time"] for g in survivors for a, b in zip(rows[g], rows[g][1:]))
-        median = everyday[len(everyday) // 2] if everyday else None
         after = [r["time"] for r in rows[victim] if r["time"] > kill_time]
+        back = after[0] if after else float("inf")
         recovery = after[0] - kill_time if after else None
+        gaps = [(b["time"] - a["time"], b["time"]) for g in survivors for a, b in zip(rows[g], rows[g][1:])]
+        pause = max((gap for gap, t in gaps if kill_time < t <= back), default=None)
+        rejoin_pause = max((gap for gap, t in gaps if t > back), default=None)
+        everyday = sorted(gap for gap, _ in gaps)
+        median = everyday[len(everyday) // 2] if everyday else None
     checkpoints = [final_checkpoint(folder, g) for g in range(groups)]
     final_steps = [int(c.name[5:]) if c else 0 for c in checkpoints]
     detail = "" if kill_time is not None else "nothing was killed (the groups ended or timed out first)"
@@ -269,20 +280,20 @@ def measure(folder: Path, groups: int, victim: int, victim_rank: int, kill_step:
         detail = detail or f"final checkpoints at steps {final_steps}"
     if any(codes) and not detail:
         detail = f"exit codes {codes}: " + logs[codes.index(next(c for c in codes if c))].strip()[-300:]
-    return Trial(victim, victim_rank, kill_step, pause, median, went_back, retried, fewer, RECOVERED in logs[victim],
+    return Trial(victim, victim_rank, kill_step, pause, rejoin_pause, median, went_back, retried, fewer, RECOVERED in logs[victim],
                  recovery, final_steps, equal, codes, seconds, detail)
 
 
-HEADER = ("| trial | killed (group/rank) | kill step | survivors' longest pause s (median step s) | went back | "
-          "retried | steps with fewer groups | recovered live | recovery s | final step | parameters equal |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+HEADER = ("| trial | killed (group/rank) | kill step | survivors' longest pause s: after the kill / at the rejoin "
+          "(median step s) | went back | retried | steps with fewer groups | recovered live | recovery s | final step "
+          "| parameters equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def format_row(index: int, t: Trial) -> str:
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
-    row = (f"| {index} | {t.victim_group}/{t.victim_rank} | {t.kill_step} | {num(t.pause_s)} ({num(t.step_seconds)}) | "
+    row = (f"| {index} | {t.victim_group}/{t.victim_rank} | {t.kill_step} | {num(t.pause_s)} / {num(t.rejoin_pause_s)} ({num(t.step_seconds)}) | "
            f"{t.went_back} | {t.retried} | {t.fewer_groups} | {'yes' if t.recovered_live else 'no'} | "
            f"{num(t.recovery_s)} | {'/'.join(map(str, t.final_steps))} | {'yes' if t.params_equal else 'no'} |")
     return row + (f" {t.detail}" if t.detail else "")
