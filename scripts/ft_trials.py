@@ -285,8 +285,8 @@ def measure(folder: Path, groups: int, victim: int, victim_rank: int, kill_step:
 
 
 HEADER = ("| trial | killed (group/rank) | kill step | survivors' longest pause s: after the kill / at the rejoin "
-          "(median step s) | went back | retried | steps with fewer groups | recovered live | recovery s | final step "
-          "| parameters equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(median step s) | went back | retried | steps with fewer groups (survivors summed) | recovered live | "
+          "recovery s | final step | parameters equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def format_row(index: int, t: Trial) -> str:

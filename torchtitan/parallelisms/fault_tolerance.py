@@ -146,16 +146,19 @@ class ReplicaGroups:
 
     def _group_store(self, group_size: int) -> tuple[str, int]:
         """The group's own TCP store, where torchft's manager server announces itself: torchrun's
-        (MASTER_ADDR/MASTER_PORT), or one this single process opens."""
+        (MASTER_ADDR/MASTER_PORT), or one this single process opens. The lighthouse also hands its
+        address to the other groups, whose cross-group process group meets there: a loopback name
+        (torchrun --standalone says localhost) becomes this host's advertised one, which the store,
+        listening on every interface, answers at too."""
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and dist.is_initialized():
-                self._forget_previous_manager(*address)
-            return address
+                self._forget_previous_manager(host, port)
+            return _reachable(host), port
         if group_size > 1:
             raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
         self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        return "localhost", self._own_store.port
+        return _reachable("localhost"), self._own_store.port
 
     def _forget_previous_manager(self, host: str, port: int) -> None:
         """After a torchrun restart: torchrun's store outlives the ranks and still holds the address
@@ -367,6 +370,11 @@ class _NotOnThisDevice(logging.Filter):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _reachable(host: str) -> str:
+    loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+    return _advertised_host() if loopback else host
 
 
 def _advertised_host() -> str:
