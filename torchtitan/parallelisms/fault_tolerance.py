@@ -129,6 +129,7 @@ class ReplicaGroups:
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                checkpoint_transport=_advertised_transport(timeout),
                 min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
                 rank=group_rank, world_size=group_size, store_addr=self._store[0], store_port=self._store[1],
@@ -370,6 +371,18 @@ class _NotOnThisDevice(logging.Filter):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _advertised_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP transport for the live state (the Manager's default), serving at the advertised
+    name: torchft names it by socket.gethostname(), which peers on other hosts may not reach."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return super().address().replace(f"//{socket.gethostname()}:", f"//{_advertised_host()}:", 1)
+
+    return Transport(timeout=timeout, num_chunks=0)
 
 
 def _reachable(host: str) -> str:
