@@ -124,6 +124,10 @@ if [[ "${FT_LIGHTHOUSE:-}" != "start" ]]; then exec "${launch[@]}"; fi
 
 # FT_LIGHTHOUSE=start: the lighthouse outlives this group's ranks (MAX_RESTARTS restarts included) and
 # ends with this script. Its log goes to a file; its last line is shown if it does not come up.
+# Something already listening there (another group's lighthouse?) would pass for this one.
+if (exec 3<>"/dev/tcp/127.0.0.1/$FT_LIGHTHOUSE_PORT") 2>/dev/null; then
+  fail "FT_LIGHTHOUSE=start: port $FT_LIGHTHOUSE_PORT is taken; choose another FT_LIGHTHOUSE_PORT, or join the lighthouse there with FT_LIGHTHOUSE=$(hostname):$FT_LIGHTHOUSE_PORT"
+fi
 lighthouse_log=$(mktemp "${TMPDIR:-/tmp}/torchft_lighthouse.XXXXXX")
 # shellcheck disable=SC2086  # FT_LIGHTHOUSE_ARGS is a list of options
 RUST_LOG="${RUST_LOG:-warn}" "$lighthouse_bin" --min_replicas "$FT_MIN_REPLICAS" --bind "[::]:$FT_LIGHTHOUSE_PORT" \
