@@ -94,6 +94,7 @@ def test_launcher_refuses_a_lighthouse_port_in_use(tmp_path):
     assert code == 2 and f"port {port} is taken" in one_error(out) and f"FT_LIGHTHOUSE={socket.gethostname()}:" in out
 
 
+@pytest.mark.budget("a launch that imports torch, then waits fault_tolerance.timeout_seconds (10-20 s on 2 cores)")
 def test_unreachable_lighthouse_ends_within_the_timeout(tmp_path):
     """Nothing listens at the lighthouse's address: the group ends once fault_tolerance.timeout_seconds
     has passed, not later (the start-up before it takes ~10 s here)."""
