@@ -6,6 +6,7 @@ themselves are tests/unit_tests/test_fault_tolerance_config.py."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -130,4 +131,27 @@ def test_groups_with_different_options_both_stop_with_one_line(tmp_path):
         assert code == 2, out[-3000:]
         assert "the replica groups were started with different configurations" in one_error(out)
     assert f"torchft lighthouse on {socket.gethostname()}:{port}" in results[1][1]
+    assert not listening(port), "the started lighthouse outlived its launcher"
+
+
+@pytest.mark.budget("one launch that trains 2 steps before the signal (~20 s on 2 cores)")
+def test_sigterm_reaches_the_ranks_and_the_started_lighthouse_ends(tmp_path):
+    """With FT_LIGHTHOUSE=start torchrun is the launcher's child, not exec'd: a SIGTERM to the
+    launcher still stops the ranks after a step (exit 143, one `stopped:` line), then the lighthouse."""
+    port = free_port()
+    process = launch(["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "1000",
+                      "--metrics.log_freq", "1", "--fault_tolerance.enable", "--fault_tolerance.group_size", "1",
+                      "--job.dump_folder", str(tmp_path)], FT_LIGHTHOUSE="start", FT_LIGHTHOUSE_PORT=str(port))
+    try:
+        metrics = tmp_path / "replica_0" / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert listening(port)
+        process.send_signal(signal.SIGTERM)
+        code, out = finish(process, timeout=60)
+    finally:
+        process.kill()
+    stopped = [line for line in out.splitlines() if line.startswith("stopped:")]
+    assert code == 143 and len(stopped) == 1 and "SIGTERM received; stopped after step" in stopped[0], out[-3000:]
     assert not listening(port), "the started lighthouse outlived its launcher"
