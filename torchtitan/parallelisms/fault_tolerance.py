@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.sections import lighthouse_address
-from torchtitan.errors import ConfigError, UserError
+from torchtitan.errors import ConfigError, Hang, UserError
 
 logger = logging.getLogger("torchtitan")
 
@@ -123,6 +124,7 @@ class ReplicaGroups:
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
         self._healed_now = False
         self._participation: list[float] | None = None
+        self._last_commit, self._last_warning = time.monotonic(), -math.inf
         self._store = self._group_store(group_size)
         address = lighthouse_address(config)
         timeout = timedelta(seconds=ft.timeout_seconds)
@@ -192,6 +194,7 @@ class ReplicaGroups:
     def commit(self) -> bool:
         """Whether the step is applied: this group's ranks agree and enough groups took part. Updates
         the ledger; after a recovery this step, moves the data position to the ledger's."""
+        self._wait_quorum()
         committed = self.manager.should_commit()
         participation = self._participation or [0.0] * self.groups
         self._participation = None
@@ -206,9 +209,38 @@ class ReplicaGroups:
                 self._held = None
         else:
             self.ledger.retried += 1
+            self._not_committed()
+        if committed:
+            self._last_commit = time.monotonic()
         if self._healed_now:
             self._move_data_to_ledger()
         return committed
+
+    def _not_committed(self) -> None:
+        """A step that was not committed is tried again with the same batch; a group left without
+        enough peers for longer than the quorum timeout ends as a hang would, naming why."""
+        now = time.monotonic()
+        n, needed = self.manager.num_participants(), self.ft.min_replica_size
+        waited = now - self._last_commit
+        if n < needed and waited > self.ft.quorum_timeout_seconds:
+            raise Hang(f"fault tolerance: no step committed for {waited:.0f} s: {n} replica group(s) in the quorum, "
+                       f"fault_tolerance.min_replica_size is {needed} (fault_tolerance.quorum_timeout_seconds "
+                       f"{self.ft.quorum_timeout_seconds})")
+        if now - self._last_warning > 10:
+            self._last_warning = now
+            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else "a group failed mid-step"
+            logger.warning(f"fault tolerance: step {self.manager.current_step() + 1} not committed ({why}); "
+                           "trying it again with the same batch")
+        if n < needed:
+            time.sleep(0.5)  # the lighthouse needs time to see peers come back; do not spin on the same batch
+
+    def _wait_quorum(self) -> None:
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:  # noqa: BLE001 - torchft raises the lighthouse's timeout as RuntimeError
+            raise Hang(f"fault tolerance: no quorum of at least {self.ft.min_replica_size} replica groups within "
+                       f"{self.ft.quorum_timeout_seconds} s (fault_tolerance.quorum_timeout_seconds; lighthouse "
+                       f"{lighthouse_address(self.config)}): {str(e).splitlines()[0][:200]}") from None
 
     def participating(self) -> int:
         """The groups that took part in the newest committed step."""
@@ -231,6 +263,7 @@ class ReplicaGroups:
     def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
         """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
         took part, after checking they share this configuration."""
+        self._wait_quorum()
         tail = [0.0] * self.groups + _fingerprint_slots(self.fingerprint)
         tail[self.replica_id] = 1.0
         buckets, current, size = [], [], 0
