@@ -53,14 +53,16 @@ logger = logging.getLogger("torchtitan")
 PER_GROUP_OPTIONS = {("fault_tolerance", "replica_id"), ("job", "dump_folder"), ("job", "description"),
                      ("job", "print_args"), ("metrics", "enable_tensorboard"), ("metrics", "log_freq"),
                      ("comm", "trace_buf_size")}
-_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash: exact in fp32 sums up to 16 groups
+_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash (and their squares), summed exactly
 _BUFFER_BYTES = 256 * 2**20  # gradients cross the groups in buckets of at most this many bytes
 
 
-def config_fingerprint(config: JobConfig) -> int:
-    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS)."""
+def config_fingerprint(config: JobConfig, group_size: int) -> int:
+    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS) and of the
+    group's rank count (rank r of every group must hold the same shards)."""
     shared = {section: {k: v for k, v in values.items() if (section, k) not in PER_GROUP_OPTIONS}
               for section, values in config.to_dict().items()}
+    shared["ranks per group"] = group_size
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:4], "big") & (2**30 - 1)
 
@@ -111,7 +113,7 @@ class ReplicaGroups:
         # The ledger's counts are the train state's list itself, so that checkpoints hold them.
         self.ledger = Ledger(consumed=train_state.data_consumed)
         self._train_state = train_state
-        self.fingerprint = config_fingerprint(config)
+        self.fingerprint = config_fingerprint(config, group_size)
         # The parameters as the optimizer holds them (FSDP's shards), named now: during forward FSDP
         # swaps unsharded tensors into the modules, and torchft reads the state in its own thread.
         named = _named_tensors(model_parts)
@@ -262,10 +264,27 @@ class ReplicaGroups:
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
         """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
-        took part, after checking they share this configuration."""
+        took part. First a few bookkeeping numbers travel alone: who takes part, and the groups'
+        configuration fingerprints, checked before buffers whose sizes depend on the layout."""
         self._wait_quorum()
-        tail = [0.0] * self.groups + _fingerprint_slots(self.fingerprint)
+        tail = torch.zeros(self.groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64, device=self.device)
         tail[self.replica_id] = 1.0
+        tail[self.groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        self.manager.allreduce(tail).wait()
+        if self.manager.errored() is not None:
+            return [0.0] * self.groups  # the step will not be committed; nothing to check
+        summed = (tail * self.manager.num_participants()).round().tolist()
+        participation = summed[:self.groups]
+        if max(participation) > 1:
+            twice = [g for g, n in enumerate(participation) if n > 1]
+            raise ConfigError(f"fault_tolerance: replica id(s) {twice} are used by more than one running group; give "
+                              "each group its own fault_tolerance.replica_id")
+        took_part = sum(participation)
+        if took_part and not self._same_config(summed[self.groups:], took_part):
+            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
+                              "every option but fault_tolerance.replica_id and the group's own outputs "
+                              "(job.dump_folder, metrics) must match, and so must the ranks per group (NGPU x "
+                              "NNODES); compare their config files, command lines and launches")
         buckets, current, size = [], [], 0
         for t in tensors:
             if current and size + t.numel() * 4 > _BUFFER_BYTES:
@@ -273,32 +292,17 @@ class ReplicaGroups:
                 current, size = [], 0
             current.append(t)
             size += t.numel() * 4
-        buckets.append(current)
-        works, flats = [], []
-        for i, bucket in enumerate(buckets):
-            parts = [t.reshape(-1).to(torch.float32) for t in bucket]
-            if i == len(buckets) - 1:
-                parts.append(torch.tensor(tail, dtype=torch.float32, device=self.device))
-            flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-            flats.append(flat)
-            works.append(self.manager.allreduce(flat))
+        flats = [torch.cat([t.reshape(-1).to(torch.float32) for t in bucket]) for bucket in buckets + [current] if bucket]
+        works = [self.manager.allreduce(flat) for flat in flats]
         for work in works:
             work.wait()
-        n = self.manager.num_participants()
         if self.manager.errored() is not None:
-            return [0.0] * self.groups  # the step will not be committed; nothing to check
-        for bucket, flat in zip(buckets, flats):
+            return [0.0] * self.groups
+        for bucket, flat in zip([b for b in buckets + [current] if b], flats):
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-        summed = (flats[-1][-len(tail):].double() * n).round().tolist()
-        participation = summed[:self.groups]
-        took_part = sum(participation)
-        if took_part and not self._same_config(summed[self.groups:], took_part):
-            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
-                              "every option but fault_tolerance.replica_id and the group's own outputs "
-                              "(job.dump_folder, metrics) must match (compare their config files and command lines)")
         return participation
 
     def _same_config(self, sums: list[float], count: float) -> bool:
