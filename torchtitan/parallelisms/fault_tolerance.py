@@ -149,14 +149,19 @@ class ReplicaGroups:
     # Start-up
 
     def _group_store(self, group_size: int) -> tuple[str, int]:
-        """The group's own TCP store, where torchft's manager server announces itself: torchrun's
-        (MASTER_ADDR/MASTER_PORT), or one this single process opens."""
+        """The group's own TCP store, where torchft's manager server announces itself and where the
+        groups' cross-group process group meets when this group leads the quorum: torchrun's
+        (MASTER_ADDR/MASTER_PORT), or one this single process opens. Named by an address the other
+        groups reach: a loopback MASTER_ADDR (torchrun --standalone) is replaced by this host's."""
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            host = os.environ["MASTER_ADDR"]
+            if host in ("localhost", "127.0.0.1", "::1"):
+                host = _advertised_host()
+            return host, int(os.environ["MASTER_PORT"])
         if group_size > 1:
             raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
-        self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        return "localhost", self._own_store.port
+        self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        return _advertised_host(), self._own_store.port
 
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
