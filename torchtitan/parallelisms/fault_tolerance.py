@@ -81,6 +81,7 @@ class Ledger:
     committed: int = 0
     retried: int = 0
     healed: int = 0
+    data_gaps: int = 0  # recoveries that found no data position for the ledger's count (see the log)
     participants: list[int] = field(default_factory=list)  # per committed step of this run (for metrics)
 
 
@@ -98,9 +99,6 @@ class ReplicaGroups:
                  data_state: Any):
         # torchft's Rust side logs every quorum and commit at INFO; its warnings and errors still show.
         os.environ.setdefault("RUST_LOG", "warn")
-        from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo
-
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
         logging.getLogger("torchft.manager").addFilter(_NotOnThisDevice())
@@ -127,15 +125,28 @@ class ReplicaGroups:
         self._healed_now = False
         self._participation: list[float] | None = None
         self._last_commit, self._last_warning = time.monotonic(), -math.inf
-        self._store = self._group_store(group_size)
-        address = lighthouse_address(config)
+        self.manager = self._connect(group_rank, group_size)
+        self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
+
+    # ------------------------------------------------------------------------------------------
+    # Start-up
+
+    def _connect(self, group_rank: int, group_size: int) -> Any:
+        """torchft's Manager for this rank: the group's rank 0 runs its manager server, which
+        announces the group to the lighthouse."""
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        ft = self.ft
+        store = self._group_store(group_size)
+        address = lighthouse_address(self.config)
         timeout = timedelta(seconds=ft.timeout_seconds)
         try:
-            self.manager = Manager(
+            return Manager(
                 pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
                 min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
-                rank=group_rank, world_size=group_size, store_addr=self._store[0], store_port=self._store[1],
+                rank=group_rank, world_size=group_size, store_addr=store[0], store_port=store[1],
                 lighthouse_addr=f"http://{address}", replica_id=f"torchtitan_ft_{self.replica_id}",
                 hostname=_advertised_host(), init_sync=False)
         except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError with a gRPC message
@@ -143,10 +154,6 @@ class ReplicaGroups:
                             f"{ft.timeout_seconds} s ({str(e).splitlines()[0][:200]}); start one with "
                             f"`torchft_lighthouse --min_replicas {ft.min_replica_size}` or FT_LIGHTHOUSE=start "
                             "(docs/fault_tolerance.md)") from None
-        self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
-
-    # ------------------------------------------------------------------------------------------
-    # Start-up
 
     def _group_store(self, group_size: int) -> tuple[str, int]:
         """The group's own TCP store, where torchft's manager server announces itself and where the
@@ -259,7 +266,8 @@ class ReplicaGroups:
         logger.info(f"fault tolerance: {ledger.committed} steps committed by replica group {self.replica_id}, "
                     f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
                     f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
-                    f"{ledger.consumed}")
+                    f"{ledger.consumed}" + (f"; {ledger.data_gaps} recoveries without the data position (batches of this "
+                                            "group's shard read again or skipped)" if ledger.data_gaps else ""))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -376,6 +384,7 @@ class ReplicaGroups:
                 break
         else:
             have = record["drawn"] if record is not None else None
+            self.ledger.data_gaps += 1
             logger.warning(f"fault tolerance: replica group {self.replica_id} has no data position for batch {want} "
                            f"of its shard (position file: {have}); it continues from its checkpoint's position, "
                            "so some of its batches are read again or skipped")
