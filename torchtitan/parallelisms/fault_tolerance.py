@@ -135,15 +135,21 @@ class ReplicaGroups:
         """torchft's Manager for this rank: the group's rank 0 runs its manager server, which
         announces the group to the lighthouse."""
         from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
         from torchft.process_group import ProcessGroupGloo
 
         ft = self.ft
         store = self._group_store(group_size)
         address = lighthouse_address(self.config)
         timeout = timedelta(seconds=ft.timeout_seconds)
+        # The live state travels over the cross-group process group itself, on the interface gloo
+        # uses (GLOO_SOCKET_IFNAME): torchft's default HTTP transport names this host by
+        # socket.gethostname(), which other hosts may not resolve to it.
+        pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
         try:
             return Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                pg=pg, checkpoint_transport=transport, load_state_dict=None, state_dict=None,
                 min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
                 rank=group_rank, world_size=group_size, store_addr=store[0], store_port=store[1],
@@ -156,19 +162,17 @@ class ReplicaGroups:
                             "(docs/fault_tolerance.md)") from None
 
     def _group_store(self, group_size: int) -> tuple[str, int]:
-        """The group's own TCP store, where torchft's manager server announces itself and where the
-        groups' cross-group process group meets when this group leads the quorum: torchrun's
-        (MASTER_ADDR/MASTER_PORT), or one this single process opens. Named by an address the other
-        groups reach: a loopback MASTER_ADDR (torchrun --standalone) is replaced by this host's."""
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            host = os.environ["MASTER_ADDR"]
-            if host in ("localhost", "127.0.0.1", "::1"):
-                host = _advertised_host()
-            return host, int(os.environ["MASTER_PORT"])
+        """A TCP store of this group's own, new for every start: torchft's manager server announces
+        itself there, and the groups' cross-group process group meets in the store of the group
+        that leads the quorum. torchrun's store would outlive a restart of the group (MAX_RESTARTS)
+        and hand the new ranks the dead manager's address. Rank 0 opens it; its address is one the
+        other ranks and groups reach (LOCAL_ADDR / TORCHFT_HOSTNAME on clusters)."""
+        if group_rank_zero := (not dist.is_initialized() or dist.get_rank() == 0):
+            self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        where = [(_advertised_host(), self._own_store.port) if group_rank_zero else None]
         if group_size > 1:
-            raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
-        self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        return _advertised_host(), self._own_store.port
+            dist.broadcast_object_list(where, src=0)
+        return where[0]
 
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
