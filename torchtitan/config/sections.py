@@ -246,9 +246,6 @@ def check_fault_tolerance(config: JobConfig) -> None:
     if ft.min_replica_size > ft.group_size:
         raise ConfigError(f"fault_tolerance.min_replica_size {ft.min_replica_size} is more than the "
                           f"{ft.group_size} replica groups (fault_tolerance.group_size): no step could be committed")
-    if ft.group_size > 16:
-        raise ConfigError(f"fault_tolerance.group_size {ft.group_size}: at most 16 replica groups are supported "
-                          "(the configuration check that rides on the gradient average is exact up to 16)")
     address = lighthouse_address(config)
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

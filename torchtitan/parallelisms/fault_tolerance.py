@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.sections import lighthouse_address
-from torchtitan.errors import ConfigError, UserError
+from torchtitan.errors import ConfigError, Hang, UserError
 
 logger = logging.getLogger("torchtitan")
 
@@ -52,14 +53,16 @@ logger = logging.getLogger("torchtitan")
 PER_GROUP_OPTIONS = {("fault_tolerance", "replica_id"), ("job", "dump_folder"), ("job", "description"),
                      ("job", "print_args"), ("metrics", "enable_tensorboard"), ("metrics", "log_freq"),
                      ("comm", "trace_buf_size")}
-_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash: exact in fp32 sums up to 16 groups
+_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash (and their squares), summed exactly
 _BUFFER_BYTES = 256 * 2**20  # gradients cross the groups in buckets of at most this many bytes
 
 
-def config_fingerprint(config: JobConfig) -> int:
-    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS)."""
+def config_fingerprint(config: JobConfig, group_size: int) -> int:
+    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS) and of the
+    group's rank count (rank r of every group must hold the same shards)."""
     shared = {section: {k: v for k, v in values.items() if (section, k) not in PER_GROUP_OPTIONS}
               for section, values in config.to_dict().items()}
+    shared["ranks per group"] = group_size
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:4], "big") & (2**30 - 1)
 
@@ -78,6 +81,7 @@ class Ledger:
     committed: int = 0
     retried: int = 0
     healed: int = 0
+    data_gaps: int = 0  # recoveries that found no data position for the ledger's count (see the log)
     participants: list[int] = field(default_factory=list)  # per committed step of this run (for metrics)
 
 
@@ -95,9 +99,6 @@ class ReplicaGroups:
                  data_state: Any):
         # torchft's Rust side logs every quorum and commit at INFO; its warnings and errors still show.
         os.environ.setdefault("RUST_LOG", "warn")
-        from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo
-
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
         logging.getLogger("torchft.manager").addFilter(_NotOnThisDevice())
@@ -110,7 +111,7 @@ class ReplicaGroups:
         # The ledger's counts are the train state's list itself, so that checkpoints hold them.
         self.ledger = Ledger(consumed=train_state.data_consumed)
         self._train_state = train_state
-        self.fingerprint = config_fingerprint(config)
+        self.fingerprint = config_fingerprint(config, group_size)
         # The parameters as the optimizer holds them (FSDP's shards), named now: during forward FSDP
         # swaps unsharded tensors into the modules, and torchft reads the state in its own thread.
         named = _named_tensors(model_parts)
@@ -123,15 +124,35 @@ class ReplicaGroups:
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
         self._healed_now = False
         self._participation: list[float] | None = None
-        self._store = self._group_store(group_size)
-        address = lighthouse_address(config)
+        self._last_commit, self._last_warning = time.monotonic(), -math.inf
+        self.manager = self._connect(group_rank, group_size)
+        self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
+
+    # ------------------------------------------------------------------------------------------
+    # Start-up
+
+    def _connect(self, group_rank: int, group_size: int) -> Any:
+        """torchft's Manager for this rank: the group's rank 0 runs its manager server, which
+        announces the group to the lighthouse."""
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo
+
+        ft = self.ft
+        store = self._group_store(group_size)
+        address = lighthouse_address(self.config)
         timeout = timedelta(seconds=ft.timeout_seconds)
+        # The live state travels over the cross-group process group itself, on the interface gloo
+        # uses (GLOO_SOCKET_IFNAME): torchft's default HTTP transport names this host by
+        # socket.gethostname(), which other hosts may not resolve to it.
+        pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
         try:
-            self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            return Manager(
+                pg=pg, checkpoint_transport=transport, load_state_dict=None, state_dict=None,
                 min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
-                rank=group_rank, world_size=group_size, store_addr=self._store[0], store_port=self._store[1],
+                rank=group_rank, world_size=group_size, store_addr=store[0], store_port=store[1],
                 lighthouse_addr=f"http://{address}", replica_id=f"torchtitan_ft_{self.replica_id}",
                 hostname=_advertised_host(), init_sync=False)
         except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError with a gRPC message
@@ -139,20 +160,19 @@ class ReplicaGroups:
                             f"{ft.timeout_seconds} s ({str(e).splitlines()[0][:200]}); start one with "
                             f"`torchft_lighthouse --min_replicas {ft.min_replica_size}` or FT_LIGHTHOUSE=start "
                             "(docs/fault_tolerance.md)") from None
-        self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
-
-    # ------------------------------------------------------------------------------------------
-    # Start-up
 
     def _group_store(self, group_size: int) -> tuple[str, int]:
-        """The group's own TCP store, where torchft's manager server announces itself: torchrun's
-        (MASTER_ADDR/MASTER_PORT), or one this single process opens."""
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        """A TCP store of this group's own, new for every start: torchft's manager server announces
+        itself there, and the groups' cross-group process group meets in the store of the group
+        that leads the quorum. torchrun's store would outlive a restart of the group (MAX_RESTARTS)
+        and hand the new ranks the dead manager's address. Rank 0 opens it; its address is one the
+        other ranks and groups reach (LOCAL_ADDR / TORCHFT_HOSTNAME on clusters)."""
+        if group_rank_zero := (not dist.is_initialized() or dist.get_rank() == 0):
+            self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        where = [(_advertised_host(), self._own_store.port) if group_rank_zero else None]
         if group_size > 1:
-            raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
-        self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        return "localhost", self._own_store.port
+            dist.broadcast_object_list(where, src=0)
+        return where[0]
 
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
@@ -192,6 +212,7 @@ class ReplicaGroups:
     def commit(self) -> bool:
         """Whether the step is applied: this group's ranks agree and enough groups took part. Updates
         the ledger; after a recovery this step, moves the data position to the ledger's."""
+        self._wait_quorum()
         committed = self.manager.should_commit()
         participation = self._participation or [0.0] * self.groups
         self._participation = None
@@ -206,9 +227,38 @@ class ReplicaGroups:
                 self._held = None
         else:
             self.ledger.retried += 1
+            self._not_committed()
+        if committed:
+            self._last_commit = time.monotonic()
         if self._healed_now:
             self._move_data_to_ledger()
         return committed
+
+    def _not_committed(self) -> None:
+        """A step that was not committed is tried again with the same batch; a group left without
+        enough peers for longer than the quorum timeout ends as a hang would, naming why."""
+        now = time.monotonic()
+        n, needed = self.manager.num_participants(), self.ft.min_replica_size
+        waited = now - self._last_commit
+        if n < needed and waited > self.ft.quorum_timeout_seconds:
+            raise Hang(f"fault tolerance: no step committed for {waited:.0f} s: {n} replica group(s) in the quorum, "
+                       f"fault_tolerance.min_replica_size is {needed} (fault_tolerance.quorum_timeout_seconds "
+                       f"{self.ft.quorum_timeout_seconds})")
+        if now - self._last_warning > 10:
+            self._last_warning = now
+            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else "a group failed mid-step"
+            logger.warning(f"fault tolerance: step {self.manager.current_step() + 1} not committed ({why}); "
+                           "trying it again with the same batch")
+        if n < needed:
+            time.sleep(0.5)  # the lighthouse needs time to see peers come back; do not spin on the same batch
+
+    def _wait_quorum(self) -> None:
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:  # noqa: BLE001 - torchft raises the lighthouse's timeout as RuntimeError
+            raise Hang(f"fault tolerance: no quorum of at least {self.ft.min_replica_size} replica groups within "
+                       f"{self.ft.quorum_timeout_seconds} s (fault_tolerance.quorum_timeout_seconds; lighthouse "
+                       f"{lighthouse_address(self.config)}): {str(e).splitlines()[0][:200]}") from None
 
     def participating(self) -> int:
         """The groups that took part in the newest committed step."""
@@ -220,7 +270,8 @@ class ReplicaGroups:
         logger.info(f"fault tolerance: {ledger.committed} steps committed by replica group {self.replica_id}, "
                     f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
                     f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
-                    f"{ledger.consumed}")
+                    f"{ledger.consumed}" + (f"; {ledger.data_gaps} recoveries without the data position (batches of this "
+                                            "group's shard read again or skipped)" if ledger.data_gaps else ""))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -230,9 +281,27 @@ class ReplicaGroups:
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
         """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
-        took part, after checking they share this configuration."""
-        tail = [0.0] * self.groups + _fingerprint_slots(self.fingerprint)
+        took part. First a few bookkeeping numbers travel alone: who takes part, and the groups'
+        configuration fingerprints, checked before buffers whose sizes depend on the layout."""
+        self._wait_quorum()
+        tail = torch.zeros(self.groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64, device=self.device)
         tail[self.replica_id] = 1.0
+        tail[self.groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        self.manager.allreduce(tail).wait()
+        if self.manager.errored() is not None:
+            return [0.0] * self.groups  # the step will not be committed; nothing to check
+        summed = (tail * self.manager.num_participants()).round().tolist()
+        participation = summed[:self.groups]
+        if max(participation) > 1:
+            twice = [g for g, n in enumerate(participation) if n > 1]
+            raise ConfigError(f"fault_tolerance: replica id(s) {twice} are used by more than one running group; give "
+                              "each group its own fault_tolerance.replica_id")
+        took_part = sum(participation)
+        if took_part and not self._same_config(summed[self.groups:], took_part):
+            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
+                              "every option but fault_tolerance.replica_id and the group's own outputs "
+                              "(job.dump_folder, metrics) must match, and so must the ranks per group (NGPU x "
+                              "NNODES); compare their config files, command lines and launches")
         buckets, current, size = [], [], 0
         for t in tensors:
             if current and size + t.numel() * 4 > _BUFFER_BYTES:
@@ -240,32 +309,17 @@ class ReplicaGroups:
                 current, size = [], 0
             current.append(t)
             size += t.numel() * 4
-        buckets.append(current)
-        works, flats = [], []
-        for i, bucket in enumerate(buckets):
-            parts = [t.reshape(-1).to(torch.float32) for t in bucket]
-            if i == len(buckets) - 1:
-                parts.append(torch.tensor(tail, dtype=torch.float32, device=self.device))
-            flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-            flats.append(flat)
-            works.append(self.manager.allreduce(flat))
+        flats = [torch.cat([t.reshape(-1).to(torch.float32) for t in bucket]) for bucket in buckets + [current] if bucket]
+        works = [self.manager.allreduce(flat) for flat in flats]
         for work in works:
             work.wait()
-        n = self.manager.num_participants()
         if self.manager.errored() is not None:
-            return [0.0] * self.groups  # the step will not be committed; nothing to check
-        for bucket, flat in zip(buckets, flats):
+            return [0.0] * self.groups
+        for bucket, flat in zip([b for b in buckets + [current] if b], flats):
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-        summed = (flats[-1][-len(tail):].double() * n).round().tolist()
-        participation = summed[:self.groups]
-        took_part = sum(participation)
-        if took_part and not self._same_config(summed[self.groups:], took_part):
-            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
-                              "every option but fault_tolerance.replica_id and the group's own outputs "
-                              "(job.dump_folder, metrics) must match (compare their config files and command lines)")
         return participation
 
     def _same_config(self, sums: list[float], count: float) -> bool:
@@ -334,6 +388,7 @@ class ReplicaGroups:
                 break
         else:
             have = record["drawn"] if record is not None else None
+            self.ledger.data_gaps += 1
             logger.warning(f"fault tolerance: replica group {self.replica_id} has no data position for batch {want} "
                            f"of its shard (position file: {have}); it continues from its checkpoint's position, "
                            "so some of its batches are read again or skipped")
