@@ -75,12 +75,6 @@ def test_min_replica_size_above_the_groups():
         parse_args(ft("--fault_tolerance.min_replica_size", "3"))
 
 
-def test_at_most_16_groups():
-    parse_args(ft("--fault_tolerance.group_size", "16"))
-    with pytest.raises(ConfigError, match=r"group_size 17: at most 16 replica groups"):
-        parse_args(ft("--fault_tolerance.group_size", "17"))
-
-
 @pytest.mark.parametrize("address", ["", "lighthouse-host", "lighthouse-host:port", ":29510"])
 def test_lighthouse_missing_or_malformed(address):
     args = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
