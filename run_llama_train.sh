@@ -135,7 +135,7 @@ RUST_LOG="${RUST_LOG:-warn}" "$lighthouse_bin" --min_replicas "$FT_MIN_REPLICAS"
 lighthouse_pid=$!
 stop_lighthouse() { kill "$lighthouse_pid" 2>/dev/null || true; wait "$lighthouse_pid" 2>/dev/null || true; rm -f "$lighthouse_log"; }
 trap stop_lighthouse EXIT
-for _ in $(seq 100); do  # up to 10 s: it listens within a second
+for _ in $(seq 300); do  # up to 30 s: it imports torch first, which takes seconds on a loaded host
   if ! kill -0 "$lighthouse_pid" 2>/dev/null; then
     fail "FT_LIGHTHOUSE=start: the torchft lighthouse did not start on port $FT_LIGHTHOUSE_PORT: $(tail -n 1 "$lighthouse_log") (another FT_LIGHTHOUSE_PORT, or join the running one with FT_LIGHTHOUSE=host:port)"
   fi
