@@ -156,8 +156,9 @@ class ReplicaGroups:
                 lighthouse_addr=f"http://{address}", replica_id=f"torchtitan_ft_{self.replica_id}",
                 hostname=_advertised_host(), init_sync=False)
         except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError with a gRPC message
+            why = str(e).splitlines()[0].split(";")[0][:160]
             raise UserError(f"fault_tolerance: could not reach the lighthouse at {address} within "
-                            f"{ft.timeout_seconds} s ({str(e).splitlines()[0][:200]}); start one with "
+                            f"{ft.timeout_seconds} s ({why}); start one with "
                             f"`torchft_lighthouse --min_replicas {ft.min_replica_size}` or FT_LIGHTHOUSE=start "
                             "(docs/fault_tolerance.md)") from None
 
