@@ -176,7 +176,8 @@ class ReplicaGroups:
         self.steps_per_commit, self.step_base = every, base
         self.manager.load_state_dict({"step": 0, "batches_committed": 0})
         self._drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
-        self._sync_point = {"drawn": self._drawn, "position": self._data_state.state_dict()}
+        # Where this start stands, for a recovery at the first sync (the file before a restart was read).
+        self.record_sync_point()
 
     def record_sync_point(self) -> None:
         """After a committed sync: the data position a later sync that is not committed goes back to,
@@ -253,7 +254,8 @@ class ReplicaGroups:
     def log_summary(self) -> None:
         ledger = self.ledger
         fewer = sum(1 for n in ledger.participants if n < self.groups)
-        logger.info(f"fault tolerance: {ledger.committed} steps committed by replica group {self.replica_id}, "
+        unit = "steps" if self.steps_per_commit == 1 else f"syncs of {self.steps_per_commit} steps"
+        logger.info(f"fault tolerance: {ledger.committed} {unit} committed by replica group {self.replica_id}, "
                     f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
                     f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
                     f"{ledger.consumed}")
