@@ -167,3 +167,67 @@ def test_checkpoints_of_a_semi_sync_run_fall_on_syncs():
     parse_args(["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse",
                 "localhost:1", "--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps",
                 "10", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "30"])
+
+
+class _Shard:
+    """A data position: the batches read from a shard so far."""
+
+    def __init__(self):
+        self.read = 0
+
+    def next_batch(self):
+        self.read += 1
+        return [self.read]
+
+    def state_dict(self):
+        return {"read": self.read}
+
+    def load_state_dict(self, state):
+        self.read = state["read"]
+
+
+def _data_side(tmp_path, shard: _Shard, consumed: list[int]):
+    """ReplicaGroups' data bookkeeping alone (no torchft manager): what a process of group 0 starts with."""
+    from torchtitan.parallelisms.fault_tolerance import Ledger, ReplicaGroups
+
+    groups = ReplicaGroups.__new__(ReplicaGroups)
+    groups.replica_id, groups.steps_per_commit, groups.step_base, groups._held = 0, 1, 0, None
+    groups.ledger, groups._train_state = Ledger(consumed=consumed), SimpleNamespace(step=0)
+    groups._data_state, groups.manager = shard, SimpleNamespace(load_state_dict=lambda state: None)
+    groups._position_file = str(tmp_path / "data_rank0.pt")
+    groups._sync_file = str(tmp_path / "data_rank0_sync.pt")
+    groups._previous_positions = groups._read_positions()
+    groups._previous_sync = groups._read_positions(groups._sync_file)
+    return groups
+
+
+def test_a_discarded_sync_reads_its_batches_again(tmp_path):
+    shard = _Shard()
+    groups = _data_side(tmp_path, shard, [0, 0])
+    groups.count_syncs_from(0, 3)
+    for _ in range(3):
+        groups.draw(shard.next_batch)
+    groups.record_sync_point()  # a committed sync after 3 batches
+    assert [groups.draw(shard.next_batch) for _ in range(2)] == [[4], [5]]  # no batch is held between syncs
+    groups.rewind_to_sync_point()
+    assert (shard.read, groups._drawn) == (3, 3)
+    assert groups.draw(shard.next_batch) == [4]
+
+
+def test_a_restarted_group_recovers_its_data_position_from_its_last_sync(tmp_path):
+    shard = _Shard()
+    first = _data_side(tmp_path, shard, [0, 0])
+    first.count_syncs_from(0, 3)
+    for _ in range(3):
+        first.draw(shard.next_batch)
+    first.record_sync_point()
+    for _ in range(2):  # then it dies two batches into the next sync
+        first.draw(shard.next_batch)
+    shard = _Shard()  # the restarted process reads its shard from the start
+    second = _data_side(tmp_path, shard, [0, 0])
+    second.count_syncs_from(0, 3)
+    for _ in range(2):
+        second.draw(shard.next_batch)
+    second.ledger.consumed[:] = [3, 3]  # the peer's ledger: one sync of 3 batches with this group in it
+    second._move_data_to_ledger()
+    assert (shard.read, second._drawn) == (3, 3)  # only the previous life's sync record names batch 3
