@@ -333,8 +333,11 @@ class ReplicaGroups:
         self.ledger.consumed[:] = [int(c) for c in state["ledger"]["consumed"]]
         self.ledger.healed += 1
         self._healed_now = True
-        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at step "
-                       f"{self.manager.current_step()} ({time.perf_counter() - started:.2f} s to apply)")
+        # The semi-synchronous modes' manager counts syncs (count_syncs_from).
+        at = f"step {self.manager.current_step()}" if self.steps_per_commit == 1 else \
+            f"sync {self.manager.current_step()} of its peers' run"
+        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at {at} "
+                       f"({time.perf_counter() - started:.2f} s to apply)")
 
     # ------------------------------------------------------------------------------------------
     # The data position
