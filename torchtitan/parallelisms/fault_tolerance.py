@@ -91,8 +91,10 @@ class ReplicaGroups:
 
     The trainer calls, per step: `start_step()` before the step's batch is drawn, `draw(next)` for
     the batch, then after backward `average_gradients(params)` (synchronous mode), then `commit()`,
-    whose answer says whether to apply the step. Semi-synchronous modes call `sync_parameters`
-    every fault_tolerance.sync_steps steps instead (semi_sync.py)."""
+    whose answer says whether to apply the step. The semi-synchronous modes (semi_sync.py) call
+    `start_step`, `average_parameters_drift` and `commit` once every fault_tolerance.sync_steps steps
+    instead, after `count_syncs_from`: the manager's step then counts syncs, each committing
+    sync_steps batches per participating group."""
 
     def __init__(self, config: JobConfig, group_rank: int, group_size: int, device: torch.device,
                  model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any, train_state: Any,
@@ -119,7 +121,15 @@ class ReplicaGroups:
         self._load_fn = lambda state: load_live_state(state, named, optimizers, lr_schedulers, train_state)
         self._data_state = data_state
         self._position_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}.pt")
-        self._previous_positions = self._read_positions()  # from before a restart: used at a recovery
+        self._sync_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}_sync.pt")
+        # From before a restart, used at a recovery: the newest batch's positions, and the data
+        # position at the newest committed sync (semi-synchronous modes).
+        self._previous_positions = self._read_positions()
+        self._previous_sync = self._read_positions(self._sync_file)
+        # Train steps per committed manager step, and the train step the manager's count starts at:
+        # 1 and 0, except in the semi-synchronous modes (count_syncs_from).
+        self.steps_per_commit, self.step_base = 1, 0
+        self._sync_point: dict[str, Any] | None = None  # the data position a discarded sync goes back to
         self._drawn = self.ledger.consumed[self.replica_id]  # batches taken from the shard: consumed, or one more
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
         self._healed_now = False
@@ -180,6 +190,32 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._drawn = self.ledger.consumed[self.replica_id]
 
+    def count_syncs_from(self, base: int, every: int) -> None:
+        """Semi-synchronous modes: the manager counts syncs (of `every` steps each) from train step
+        `base`, from zero at every start, so a restarted group is behind any group that trained on
+        and recovers from it. Batches are not held: each inner step draws a new one."""
+        self.steps_per_commit, self.step_base = every, base
+        self.manager.load_state_dict({"step": 0, "batches_committed": 0})
+        self._drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
+        # Where this start stands, for a recovery at the first sync (the file before a restart was read).
+        self.record_sync_point()
+
+    def record_sync_point(self) -> None:
+        """After a committed sync: the data position a later sync that is not committed goes back to,
+        also kept in a file for a recovery after a restart."""
+        position = self._data_state.state_dict()
+        self._sync_point = {"drawn": self._drawn, "position": position}
+        os.makedirs(os.path.dirname(self._sync_file), exist_ok=True)
+        partial = self._sync_file + ".partial"
+        torch.save({"drawn": self._drawn, "before": position, "after": position}, partial)
+        os.replace(partial, self._sync_file)
+
+    def rewind_to_sync_point(self) -> None:
+        """After a sync that was not committed: the batches drawn since the last sync are read again."""
+        self._data_state.load_state_dict(self._sync_point["position"])
+        self._drawn = self._sync_point["drawn"]
+        self._held = None
+
     # ------------------------------------------------------------------------------------------
     # One step
 
@@ -197,7 +233,8 @@ class ReplicaGroups:
         batch = next_batch()
         self._drawn += 1
         self._write_positions(before, self._data_state.state_dict())
-        self._held = batch
+        # Semi-synchronous modes hold no batch: a sync not committed rewinds the data instead.
+        self._held = batch if self.steps_per_commit == 1 else None
         return batch
 
     def average_gradients(self, params: list[nn.Parameter]) -> None:
@@ -219,11 +256,11 @@ class ReplicaGroups:
         self._participation = None
         if committed:
             # The manager's count: the peers' after a recovery this step.
-            self._train_state.step = self.manager.current_step()
+            self._train_state.step = self.step_base + self.manager.current_step() * self.steps_per_commit
             self.ledger.committed += 1
             self.ledger.participants.append(int(sum(participation)))
             for g, took_part in enumerate(participation):
-                self.ledger.consumed[g] += int(took_part)
+                self.ledger.consumed[g] += int(took_part) * self.steps_per_commit
             if participation[self.replica_id]:
                 self._held = None
         else:
@@ -268,7 +305,8 @@ class ReplicaGroups:
     def log_summary(self) -> None:
         ledger = self.ledger
         fewer = sum(1 for n in ledger.participants if n < self.groups)
-        logger.info(f"fault tolerance: {ledger.committed} steps committed by replica group {self.replica_id}, "
+        unit = "steps" if self.steps_per_commit == 1 else f"syncs of {self.steps_per_commit} steps"
+        logger.info(f"fault tolerance: {ledger.committed} {unit} committed by replica group {self.replica_id}, "
                     f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
                     f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
                     f"{ledger.consumed}" + (f"; {ledger.data_gaps} recoveries without the data position (batches of this "
@@ -350,8 +388,11 @@ class ReplicaGroups:
         self.ledger.consumed[:] = [int(c) for c in state["ledger"]["consumed"]]
         self.ledger.healed += 1
         self._healed_now = True
-        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at step "
-                       f"{self.manager.current_step()} ({time.perf_counter() - started:.2f} s to apply)")
+        # The semi-synchronous modes' manager counts syncs (count_syncs_from).
+        at = f"step {self.manager.current_step()}" if self.steps_per_commit == 1 else \
+            f"sync {self.manager.current_step()} of its peers' run"
+        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at {at} "
+                       f"({time.perf_counter() - started:.2f} s to apply)")
 
     # ------------------------------------------------------------------------------------------
     # The data position
@@ -362,13 +403,14 @@ class ReplicaGroups:
         torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
         os.replace(partial, self._position_file)
 
-    def _read_positions(self) -> dict[str, Any] | None:
+    def _read_positions(self, path: str | None = None) -> dict[str, Any] | None:
+        path = path or self._position_file
         try:
-            return torch.load(self._position_file, weights_only=True)
+            return torch.load(path, weights_only=True)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a torn or foreign file is reported, not fatal
-            logger.warning(f"fault tolerance: ignoring the unreadable data position file {self._position_file} ({e})")
+            logger.warning(f"fault tolerance: ignoring the unreadable data position file {path} ({e})")
             return None
 
     def _move_data_to_ledger(self) -> None:
@@ -378,7 +420,9 @@ class ReplicaGroups:
         as both count batches of the same shard."""
         want = self.ledger.consumed[self.replica_id]
         record = self._read_positions()
-        for candidate in (record, self._previous_positions):
+        # The semi-synchronous modes' counts are at syncs, which the sync records name.
+        synced = self._read_positions(self._sync_file) if self.steps_per_commit > 1 else None
+        for candidate in (record, synced, self._previous_positions, self._previous_sync):
             if candidate is None:
                 continue
             if candidate["drawn"] == want:
@@ -395,7 +439,9 @@ class ReplicaGroups:
                            "so some of its batches are read again or skipped")
         self._held = None
         self._drawn = want
-        self._previous_positions = None
+        self._previous_positions = self._previous_sync = None
+        if self.steps_per_commit > 1:
+            self.record_sync_point()
 
 
 class _NotOnThisDevice(logging.Filter):
