@@ -20,6 +20,13 @@
 #                 waited and which NODE_RANKs are missing (default 30)
 #   MAX_RESTARTS  times torchrun restarts every rank after a failure (default 0); each restart
 #                 resumes from the newest complete checkpoint (checkpoint.enable_checkpoint)
+#   FT_LIGHTHOUSE fault_tolerance's replica groups (docs/fault_tolerance.md): "start" starts a torchft
+#                 lighthouse on this host before the ranks and stops it when this script ends;
+#                 host:port joins the lighthouse there. Either way the ranks read it from TORCHFT_LIGHTHOUSE.
+#   FT_LIGHTHOUSE_PORT  the port a started lighthouse binds (default 29510)
+#   FT_MIN_REPLICAS  the fewest replica groups a started lighthouse forms a quorum with (default 1)
+#   FT_LIGHTHOUSE_ARGS  further torchft_lighthouse options of a started lighthouse (default:
+#                 --join_timeout_ms 10000, how long a quorum waits for a group that is still starting)
 #
 # Exit codes: 0 done, 1 bug, 2 user error, 3 non-finite loss, 4 checkpoint save failed, 5 a rank
 # hung, 75 preempted with a checkpoint (launch again to resume), 130 stopped by Ctrl-C, 138/143
@@ -77,6 +84,25 @@ if [[ -n "${OMP_NUM_THREADS:-}" ]]; then
   [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || fail "OMP_NUM_THREADS must be a positive number, got '$OMP_NUM_THREADS'"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
+if [[ -n "${FT_LIGHTHOUSE:-}" ]]; then
+  "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torchft") is None)' \
+    || fail "FT_LIGHTHOUSE needs torchft, an optional extra: pip install 'torchtitan[ft]' (or pip install torchft)"
+  if [[ "$FT_LIGHTHOUSE" != "start" ]]; then
+    [[ "$FT_LIGHTHOUSE" =~ ^[^:[:space:]]+:[0-9]+$ ]] \
+      || fail "FT_LIGHTHOUSE must be 'start' or the host:port of a running torchft lighthouse, got '$FT_LIGHTHOUSE'"
+    export TORCHFT_LIGHTHOUSE="$FT_LIGHTHOUSE"
+  else
+    FT_LIGHTHOUSE_PORT="${FT_LIGHTHOUSE_PORT:-29510}"
+    FT_MIN_REPLICAS="${FT_MIN_REPLICAS:-1}"
+    [[ "$FT_LIGHTHOUSE_PORT" =~ ^[1-9][0-9]*$ ]] && (( 10#$FT_LIGHTHOUSE_PORT < 65536 )) \
+      || fail "FT_LIGHTHOUSE_PORT must be a port number for the lighthouse, got '$FT_LIGHTHOUSE_PORT'"
+    [[ "$FT_MIN_REPLICAS" =~ ^[1-9][0-9]*$ ]] \
+      || fail "FT_MIN_REPLICAS must be the fewest replica groups of a quorum (1 or more), got '$FT_MIN_REPLICAS'"
+    lighthouse_bin="$(dirname "$py")/torchft_lighthouse"
+    [[ -x "$lighthouse_bin" ]] || fail "FT_LIGHTHOUSE=start: no torchft_lighthouse beside $py (reinstall torchft)"
+    export TORCHFT_LIGHTHOUSE="localhost:$FT_LIGHTHOUSE_PORT"  # started after the config check, below
+  fi
+fi
 
 # Check the config once, before any process starts: a bad option gets one line and exit code 2.
 for arg in "$@"; do
@@ -91,6 +117,39 @@ if [[ "$mode" == "dry_run" ]]; then
 fi
 
 # torchtitan.runtime.launch is torchrun that ends with one line: the root cause, from whichever rank.
-exec "$py" -m torchtitan.runtime.launch "${nodes[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"
+launch=("$py" -m torchtitan.runtime.launch "${nodes[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS"
+        --local-ranks-filter "$LOG_RANK" --role rank --tee 3
+        -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@")
+if [[ "${FT_LIGHTHOUSE:-}" != "start" ]]; then exec "${launch[@]}"; fi
+
+# FT_LIGHTHOUSE=start: the lighthouse outlives this group's ranks (MAX_RESTARTS restarts included) and
+# ends with this script. Its log goes to a file; its last line is shown if it does not come up.
+# Something already listening there (another group's lighthouse?) would pass for this one.
+if (exec 3<>"/dev/tcp/127.0.0.1/$FT_LIGHTHOUSE_PORT") 2>/dev/null; then
+  fail "FT_LIGHTHOUSE=start: port $FT_LIGHTHOUSE_PORT is taken; choose another FT_LIGHTHOUSE_PORT, or join the lighthouse there with FT_LIGHTHOUSE=$(hostname):$FT_LIGHTHOUSE_PORT"
+fi
+lighthouse_log=$(mktemp "${TMPDIR:-/tmp}/torchft_lighthouse.XXXXXX")
+# shellcheck disable=SC2086  # FT_LIGHTHOUSE_ARGS is a list of options
+RUST_LOG="${RUST_LOG:-warn}" "$lighthouse_bin" --min_replicas "$FT_MIN_REPLICAS" --bind "[::]:$FT_LIGHTHOUSE_PORT" \
+  ${FT_LIGHTHOUSE_ARGS:---join_timeout_ms 10000} >"$lighthouse_log" 2>&1 &
+lighthouse_pid=$!
+stop_lighthouse() { kill "$lighthouse_pid" 2>/dev/null || true; wait "$lighthouse_pid" 2>/dev/null || true; rm -f "$lighthouse_log"; }
+trap stop_lighthouse EXIT
+for _ in $(seq 300); do  # up to 30 s: it imports torch first, which takes seconds on a loaded host
+  if ! kill -0 "$lighthouse_pid" 2>/dev/null; then
+    fail "FT_LIGHTHOUSE=start: the torchft lighthouse did not start on port $FT_LIGHTHOUSE_PORT: $(tail -n 1 "$lighthouse_log") (another FT_LIGHTHOUSE_PORT, or join the running one with FT_LIGHTHOUSE=host:port)"
+  fi
+  if (exec 3<>"/dev/tcp/127.0.0.1/$FT_LIGHTHOUSE_PORT") 2>/dev/null; then break; fi
+  sleep 0.1
+done
+echo "run_llama_train.sh: torchft lighthouse on $(hostname):$FT_LIGHTHOUSE_PORT (min_replicas $FT_MIN_REPLICAS); the other groups join with FT_LIGHTHOUSE=$(hostname):$FT_LIGHTHOUSE_PORT" >&2
+# torchrun runs as a child, so the trap can stop the lighthouse after it: the signals a launcher passes
+# to its ranks are passed on to it (Ctrl-C reaches it from the terminal directly, like the ranks).
+"${launch[@]}" &
+launcher_pid=$!
+for signal in TERM HUP USR1; do trap 'kill -'"$signal"' "$launcher_pid" 2>/dev/null || true' "$signal"; done
+trap ':' INT
+while kill -0 "$launcher_pid" 2>/dev/null; do wait "$launcher_pid" || true; done
+rc=0
+wait "$launcher_pid" || rc=$?
+exit "$rc"

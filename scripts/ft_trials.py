@@ -44,6 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from tests.machinery.lighthouse import lighthouse_binary  # noqa: E402
 from torchtitan.tools.runs import read_metrics  # noqa: E402
 
 SUMMARY = re.compile(r"fault tolerance: (\d+) steps committed by replica group (\d+), (\d+) of them with fewer than "
@@ -97,11 +98,6 @@ def _env(**extra: str) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
-
-
-def lighthouse_binary() -> str:
-    found = Path(sys.executable).parent / "torchft_lighthouse"
-    return str(found) if found.exists() else (shutil.which("torchft_lighthouse") or "torchft_lighthouse")
 
 
 class Cluster:

@@ -105,11 +105,20 @@ def precheck_calls(cmd: DocCommand, script_args: argparse.Namespace | None = Non
     return []
 
 
-def run_precheck(argv: Sequence[str], world_size: int) -> tuple[int, str]:
+def launcher_exports(cmd: DocCommand) -> dict[str, str]:
+    """What run_llama_train.sh exports from its own variables before its pre-check: FT_LIGHTHOUSE
+    (start, or host:port) becomes the lighthouse address the config check reads."""
+    lighthouse = cmd.env.get("FT_LIGHTHOUSE", "") if cmd.program == "launcher" else ""
+    if lighthouse == "start":
+        return {"TORCHFT_LIGHTHOUSE": f"localhost:{cmd.env.get('FT_LIGHTHOUSE_PORT', '29510')}"}
+    return {"TORCHFT_LIGHTHOUSE": lighthouse} if lighthouse else {}
+
+
+def run_precheck(argv: Sequence[str], world_size: int, env: dict[str, str] | None = None) -> tuple[int, str]:
     """`WORLD_SIZE=<world_size> python -m torchtitan.config.manager <argv>` in this process (it
-    imports no torch): the exit code and what it printed on stderr."""
+    imports no torch), with `env` added: the exit code and what it printed on stderr."""
     printed = io.StringIO()
-    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size)}), contextlib.redirect_stderr(printed), \
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size), **(env or {})}), contextlib.redirect_stderr(printed), \
             contextlib.redirect_stdout(io.StringIO()), in_repo_root():
         code = config_manager.main(list(argv))
     return code, printed.getvalue().strip()
@@ -132,7 +141,7 @@ def job_config(cmd: DocCommand) -> JobConfig | None:
     if "--help" in argv or "-h" in argv:
         return None
     try:
-        with in_repo_root():
+        with in_repo_root(), mock.patch.dict(os.environ, launcher_exports(cmd)):
             return config_manager.parse_args(argv)
     except ConfigError:
         return None
@@ -205,7 +214,7 @@ def problem(cmd: DocCommand, written_before: Sequence[str]) -> str:
         except ScriptUsageError as e:
             return f"{cmd}\n{cmd.script} refuses it: {e}\nfix the command in {cmd.doc}"
     for argv, world_size in precheck_calls(cmd, ns):
-        code, error = run_precheck(argv, world_size)
+        code, error = run_precheck(argv, world_size, launcher_exports(cmd))
         if code:
             return (f"{cmd}\nthe config pre-check (WORLD_SIZE={world_size} python -m torchtitan.config.manager "
                     f"{' '.join(argv)}) refuses it: {error}\nfix the command in {cmd.doc}")

@@ -47,6 +47,7 @@ from torchtitan.observability.watchdog import collective_timeout, watch_this_ran
 from torchtitan.parallelisms.fault_tolerance import data_coordinates, join_replica_groups, replica_dump_folder
 from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.semi_sync import join_semi_sync
 from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.reports import attempt, mark_attempt, reporting_to_folder, say_how_it_ended
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
@@ -106,9 +107,9 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
             logger.info("seed checkpoint written; exiting")
             return
         checkpoint.load(resume)
+        groups = join_replica_groups(job_config, model_parts, optimizers, lr_schedulers, train_state, dataloader, device)
         trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device,
-                               join_replica_groups(job_config, model_parts, optimizers, lr_schedulers, train_state,
-                                                   dataloader, device))
+                               groups, join_semi_sync(groups, model_parts, lr_schedulers, train_state))
         setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
         metrics = MetricsLogger(job_config, device, flops_per_token, process_group.rank(), compute_dtype(training, device_type),
                                 resumed_step=train_state.step)

@@ -97,7 +97,8 @@ RULES: tuple[Rule, ...] = (
     Rule("early_step", "options", ("optimizer.early_step_in_backward", "optimizer.zero1", "training.max_norm",
                                    "training.gradient_accumulation_steps", *_PP),
          "torchtitan.trainer.optimizer_options:check_options"),
-    Rule("fault_tolerance", "options", ("fault_tolerance.*", "optimizer.early_step_in_backward", "moe.bias_update_rate"),
+    Rule("fault_tolerance", "options", ("fault_tolerance.*", "optimizer.early_step_in_backward", "moe.bias_update_rate",
+                                        "checkpoint.enable_checkpoint", "checkpoint.interval"),
          "torchtitan.config.sections:check_fault_tolerance"),
     Rule("not_yet", "options", ("experimental.enable_compiled_autograd",), "torchtitan.config.sections:check_not_yet"),
     # shapes: (config) -> PipelinePlan | None

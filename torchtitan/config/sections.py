@@ -234,6 +234,9 @@ def check_not_yet(config: JobConfig) -> None:
 def check_fault_tolerance(config: JobConfig) -> None:
     ft = config.fault_tolerance
     if not ft.enable:
+        if ft.semi_sync_method != "none":
+            raise ConfigError(f"fault_tolerance.semi_sync_method {ft.semi_sync_method} syncs replica groups: it needs "
+                              "fault_tolerance.enable (and a lighthouse), or semi_sync_method none")
         return
     if (missing := torchft_missing()) is not None:
         raise ConfigError(missing)
@@ -246,9 +249,6 @@ def check_fault_tolerance(config: JobConfig) -> None:
     if ft.min_replica_size > ft.group_size:
         raise ConfigError(f"fault_tolerance.min_replica_size {ft.min_replica_size} is more than the "
                           f"{ft.group_size} replica groups (fault_tolerance.group_size): no step could be committed")
-    if ft.group_size > 16:
-        raise ConfigError(f"fault_tolerance.group_size {ft.group_size}: at most 16 replica groups are supported "
-                          "(the configuration check that rides on the gradient average is exact up to 16)")
     address = lighthouse_address(config)
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -257,6 +257,10 @@ def check_fault_tolerance(config: JobConfig) -> None:
     if not 0 < ft.outer_lr or not 0 <= ft.outer_momentum < 1:
         raise ConfigError(f"fault_tolerance.outer_lr must be > 0 and outer_momentum in [0, 1), got {ft.outer_lr} and "
                           f"{ft.outer_momentum}")
+    if ft.semi_sync_method != "none" and config.checkpoint.enable_checkpoint and config.checkpoint.interval % ft.sync_steps:
+        raise ConfigError(f"fault_tolerance.semi_sync_method {ft.semi_sync_method}: checkpoint.interval "
+                          f"{config.checkpoint.interval} must be a multiple of fault_tolerance.sync_steps {ft.sync_steps}, "
+                          "so that checkpoints fall on syncs, where the groups' parameters agree")
     if config.optimizer.early_step_in_backward:
         raise ConfigError("fault_tolerance does not combine with optimizer.early_step_in_backward: a step is applied "
                           "only once the groups have averaged its gradients and agreed to commit it")

@@ -31,7 +31,10 @@ class Progress:
     _last_validation: float = 0.0
 
     def step_done(self, step: int) -> None:
-        if step == self.first_step:
+        if self._steady_since is None:
+            # The first step this run finished: first_step, or a later one when a fault-tolerant
+            # replica group recovered from a peer and took its step count.
+            self.first_step = step
             self._steady_since = time.perf_counter()
 
     def validation_done(self, seconds: float) -> None:

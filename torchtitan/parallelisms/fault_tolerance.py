@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.sections import lighthouse_address
-from torchtitan.errors import ConfigError, UserError
+from torchtitan.errors import ConfigError, Hang, UserError
 
 logger = logging.getLogger("torchtitan")
 
@@ -52,14 +53,16 @@ logger = logging.getLogger("torchtitan")
 PER_GROUP_OPTIONS = {("fault_tolerance", "replica_id"), ("job", "dump_folder"), ("job", "description"),
                      ("job", "print_args"), ("metrics", "enable_tensorboard"), ("metrics", "log_freq"),
                      ("comm", "trace_buf_size")}
-_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash: exact in fp32 sums up to 16 groups
+_FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash (and their squares), summed exactly
 _BUFFER_BYTES = 256 * 2**20  # gradients cross the groups in buckets of at most this many bytes
 
 
-def config_fingerprint(config: JobConfig) -> int:
-    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS)."""
+def config_fingerprint(config: JobConfig, group_size: int) -> int:
+    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS) and of the
+    group's rank count (rank r of every group must hold the same shards)."""
     shared = {section: {k: v for k, v in values.items() if (section, k) not in PER_GROUP_OPTIONS}
               for section, values in config.to_dict().items()}
+    shared["ranks per group"] = group_size
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:4], "big") & (2**30 - 1)
 
@@ -78,6 +81,7 @@ class Ledger:
     committed: int = 0
     retried: int = 0
     healed: int = 0
+    data_gaps: int = 0  # recoveries that found no data position for the ledger's count (see the log)
     participants: list[int] = field(default_factory=list)  # per committed step of this run (for metrics)
 
 
@@ -87,17 +91,16 @@ class ReplicaGroups:
 
     The trainer calls, per step: `start_step()` before the step's batch is drawn, `draw(next)` for
     the batch, then after backward `average_gradients(params)` (synchronous mode), then `commit()`,
-    whose answer says whether to apply the step. Semi-synchronous modes call `sync_parameters`
-    every fault_tolerance.sync_steps steps instead (semi_sync.py)."""
+    whose answer says whether to apply the step. The semi-synchronous modes (semi_sync.py) call
+    `start_step`, `average_parameters_drift` and `commit` once every fault_tolerance.sync_steps steps
+    instead, after `count_syncs_from`: the manager's step then counts syncs, each committing
+    sync_steps batches per participating group."""
 
     def __init__(self, config: JobConfig, group_rank: int, group_size: int, device: torch.device,
                  model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any, train_state: Any,
                  data_state: Any):
         # torchft's Rust side logs every quorum and commit at INFO; its warnings and errors still show.
         os.environ.setdefault("RUST_LOG", "warn")
-        from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo
-
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
         logging.getLogger("torchft.manager").addFilter(_NotOnThisDevice())
@@ -110,7 +113,7 @@ class ReplicaGroups:
         # The ledger's counts are the train state's list itself, so that checkpoints hold them.
         self.ledger = Ledger(consumed=train_state.data_consumed)
         self._train_state = train_state
-        self.fingerprint = config_fingerprint(config)
+        self.fingerprint = config_fingerprint(config, group_size)
         # The parameters as the optimizer holds them (FSDP's shards), named now: during forward FSDP
         # swaps unsharded tensors into the modules, and torchft reads the state in its own thread.
         named = _named_tensors(model_parts)
@@ -118,65 +121,100 @@ class ReplicaGroups:
         self._load_fn = lambda state: load_live_state(state, named, optimizers, lr_schedulers, train_state)
         self._data_state = data_state
         self._position_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}.pt")
-        self._previous_positions = self._read_positions()  # from before a restart: used at a recovery
+        self._sync_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}_sync.pt")
+        # From before a restart, used at a recovery: the newest batch's positions, and the data
+        # position at the newest committed sync (semi-synchronous modes).
+        self._previous_positions = self._read_positions()
+        self._previous_sync = self._read_positions(self._sync_file)
+        # Train steps per committed manager step, and the train step the manager's count starts at:
+        # 1 and 0, except in the semi-synchronous modes (count_syncs_from).
+        self.steps_per_commit, self.step_base = 1, 0
+        self._sync_point: dict[str, Any] | None = None  # the data position a discarded sync goes back to
         self._drawn = self.ledger.consumed[self.replica_id]  # batches taken from the shard: consumed, or one more
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
         self._healed_now = False
         self._participation: list[float] | None = None
-        self._store = self._group_store(group_size)
-        address = lighthouse_address(config)
-        timeout = timedelta(seconds=ft.timeout_seconds)
-        try:
-            self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-                checkpoint_transport=_advertised_transport(timeout),
-                min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
-                quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
-                rank=group_rank, world_size=group_size, store_addr=self._store[0], store_port=self._store[1],
-                lighthouse_addr=f"http://{address}", replica_id=f"torchtitan_ft_{self.replica_id}",
-                hostname=_advertised_host(), init_sync=False)
-        except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError with a gRPC message
-            raise UserError(f"fault_tolerance: could not reach the lighthouse at {address} within "
-                            f"{ft.timeout_seconds} s ({str(e).splitlines()[0][:200]}); start one with "
-                            f"`torchft_lighthouse --min_replicas {ft.min_replica_size}` or FT_LIGHTHOUSE=start "
-                            "(docs/fault_tolerance.md)") from None
+        self._last_commit, self._last_warning = time.monotonic(), -math.inf
+        self.manager = self._connect(group_rank, group_size)
         self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
 
     # ------------------------------------------------------------------------------------------
     # Start-up
 
+    def _connect(self, group_rank: int, group_size: int) -> Any:
+        """torchft's Manager for this rank: the group's rank 0 runs its manager server, which
+        announces the group to the lighthouse."""
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo
+
+        ft = self.ft
+        store = self._group_store(group_size)
+        address = lighthouse_address(self.config)
+        timeout = timedelta(seconds=ft.timeout_seconds)
+        # The live state travels over the cross-group process group itself, on the interface gloo
+        # uses (GLOO_SOCKET_IFNAME): torchft's default HTTP transport names this host by
+        # socket.gethostname(), which other hosts may not resolve to it.
+        pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+        try:
+            return Manager(
+                pg=pg, checkpoint_transport=transport, load_state_dict=None, state_dict=None,
+                min_replica_size=ft.min_replica_size, use_async_quorum=True, timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), connect_timeout=timeout,
+                rank=group_rank, world_size=group_size, store_addr=store[0], store_port=store[1],
+                lighthouse_addr=f"http://{address}", replica_id=f"torchtitan_ft_{self.replica_id}",
+                hostname=_advertised_host(), init_sync=False)
+        except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError with a gRPC message
+            why = str(e).splitlines()[0].split(";")[0][:160]
+            raise UserError(f"fault_tolerance: could not reach the lighthouse at {address} within "
+                            f"{ft.timeout_seconds} s ({why}); start one with "
+                            f"`torchft_lighthouse --min_replicas {ft.min_replica_size}` or FT_LIGHTHOUSE=start "
+                            "(docs/fault_tolerance.md)") from None
+
     def _group_store(self, group_size: int) -> tuple[str, int]:
-        """The group's own TCP store, where torchft's manager server announces itself: torchrun's
-        (MASTER_ADDR/MASTER_PORT), or one this single process opens. The lighthouse also hands its
-        address to the other groups, whose cross-group process group meets there: a loopback name
-        (torchrun --standalone says localhost) becomes this host's advertised one, which the store,
-        listening on every interface, answers at too."""
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and dist.is_initialized():
-                self._forget_previous_manager(host, port)
-            return _reachable(host), port
+        """A TCP store of this group's own, new for every start: torchft's manager server announces
+        itself there, and the groups' cross-group process group meets in the store of the group
+        that leads the quorum. torchrun's store would outlive a restart of the group (MAX_RESTARTS)
+        and hand the new ranks the dead manager's address. Rank 0 opens it; its address is one the
+        other ranks and groups reach (LOCAL_ADDR / TORCHFT_HOSTNAME on clusters)."""
+        if group_rank_zero := (not dist.is_initialized() or dist.get_rank() == 0):
+            self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        where = [(_advertised_host(), self._own_store.port) if group_rank_zero else None]
         if group_size > 1:
-            raise ConfigError("fault_tolerance with several ranks per group needs torchrun (run_llama_train.sh)")
-        self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        return _reachable("localhost"), self._own_store.port
-
-    def _forget_previous_manager(self, host: str, port: int) -> None:
-        """After a torchrun restart: torchrun's store outlives the ranks and still holds the address
-        the killed rank 0's manager server announced. Rank 0 deletes it before any rank looks, so
-        the other ranks wait for the new one instead of dialling a dead server until timeout_seconds."""
-        from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
-
-        if self.group_rank == 0:
-            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
-            for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
-                store.delete_key(key)
-        dist.barrier()
+            dist.broadcast_object_list(where, src=0)
+        return where[0]
 
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._drawn = self.ledger.consumed[self.replica_id]
+
+    def count_syncs_from(self, base: int, every: int) -> None:
+        """Semi-synchronous modes: the manager counts syncs (of `every` steps each) from train step
+        `base`, from zero at every start, so a restarted group is behind any group that trained on
+        and recovers from it. Batches are not held: each inner step draws a new one."""
+        self.steps_per_commit, self.step_base = every, base
+        self.manager.load_state_dict({"step": 0, "batches_committed": 0})
+        self._drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
+        # Where this start stands, for a recovery at the first sync (the file before a restart was read).
+        self.record_sync_point()
+
+    def record_sync_point(self) -> None:
+        """After a committed sync: the data position a later sync that is not committed goes back to,
+        also kept in a file for a recovery after a restart."""
+        position = self._data_state.state_dict()
+        self._sync_point = {"drawn": self._drawn, "position": position}
+        os.makedirs(os.path.dirname(self._sync_file), exist_ok=True)
+        partial = self._sync_file + ".partial"
+        torch.save({"drawn": self._drawn, "before": position, "after": position}, partial)
+        os.replace(partial, self._sync_file)
+
+    def rewind_to_sync_point(self) -> None:
+        """After a sync that was not committed: the batches drawn since the last sync are read again."""
+        self._data_state.load_state_dict(self._sync_point["position"])
+        self._drawn = self._sync_point["drawn"]
+        self._held = None
 
     # ------------------------------------------------------------------------------------------
     # One step
@@ -195,7 +233,8 @@ class ReplicaGroups:
         batch = next_batch()
         self._drawn += 1
         self._write_positions(before, self._data_state.state_dict())
-        self._held = batch
+        # Semi-synchronous modes hold no batch: a sync not committed rewinds the data instead.
+        self._held = batch if self.steps_per_commit == 1 else None
         return batch
 
     def average_gradients(self, params: list[nn.Parameter]) -> None:
@@ -211,23 +250,53 @@ class ReplicaGroups:
     def commit(self) -> bool:
         """Whether the step is applied: this group's ranks agree and enough groups took part. Updates
         the ledger; after a recovery this step, moves the data position to the ledger's."""
+        self._wait_quorum()
         committed = self.manager.should_commit()
         participation = self._participation or [0.0] * self.groups
         self._participation = None
         if committed:
             # The manager's count: the peers' after a recovery this step.
-            self._train_state.step = self.manager.current_step()
+            self._train_state.step = self.step_base + self.manager.current_step() * self.steps_per_commit
             self.ledger.committed += 1
             self.ledger.participants.append(int(sum(participation)))
             for g, took_part in enumerate(participation):
-                self.ledger.consumed[g] += int(took_part)
+                self.ledger.consumed[g] += int(took_part) * self.steps_per_commit
             if participation[self.replica_id]:
                 self._held = None
         else:
             self.ledger.retried += 1
+            self._not_committed()
+        if committed:
+            self._last_commit = time.monotonic()
         if self._healed_now:
             self._move_data_to_ledger()
         return committed
+
+    def _not_committed(self) -> None:
+        """A step that was not committed is tried again with the same batch; a group left without
+        enough peers for longer than the quorum timeout ends as a hang would, naming why."""
+        now = time.monotonic()
+        n, needed = self.manager.num_participants(), self.ft.min_replica_size
+        waited = now - self._last_commit
+        if n < needed and waited > self.ft.quorum_timeout_seconds:
+            raise Hang(f"fault tolerance: no step committed for {waited:.0f} s: {n} replica group(s) in the quorum, "
+                       f"fault_tolerance.min_replica_size is {needed} (fault_tolerance.quorum_timeout_seconds "
+                       f"{self.ft.quorum_timeout_seconds})")
+        if now - self._last_warning > 10:
+            self._last_warning = now
+            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else "a group failed mid-step"
+            logger.warning(f"fault tolerance: step {self.manager.current_step() + 1} not committed ({why}); "
+                           "trying it again with the same batch")
+        if n < needed:
+            time.sleep(0.5)  # the lighthouse needs time to see peers come back; do not spin on the same batch
+
+    def _wait_quorum(self) -> None:
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:  # noqa: BLE001 - torchft raises the lighthouse's timeout as RuntimeError
+            raise Hang(f"fault tolerance: no quorum of at least {self.ft.min_replica_size} replica groups within "
+                       f"{self.ft.quorum_timeout_seconds} s (fault_tolerance.quorum_timeout_seconds; lighthouse "
+                       f"{lighthouse_address(self.config)}): {str(e).splitlines()[0][:200]}") from None
 
     def participating(self) -> int:
         """The groups that took part in the newest committed step."""
@@ -236,10 +305,12 @@ class ReplicaGroups:
     def log_summary(self) -> None:
         ledger = self.ledger
         fewer = sum(1 for n in ledger.participants if n < self.groups)
-        logger.info(f"fault tolerance: {ledger.committed} steps committed by replica group {self.replica_id}, "
+        unit = "steps" if self.steps_per_commit == 1 else f"syncs of {self.steps_per_commit} steps"
+        logger.info(f"fault tolerance: {ledger.committed} {unit} committed by replica group {self.replica_id}, "
                     f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
                     f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
-                    f"{ledger.consumed}")
+                    f"{ledger.consumed}" + (f"; {ledger.data_gaps} recoveries without the data position (batches of this "
+                                            "group's shard read again or skipped)" if ledger.data_gaps else ""))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -249,9 +320,27 @@ class ReplicaGroups:
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
         """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
-        took part, after checking they share this configuration."""
-        tail = [0.0] * self.groups + _fingerprint_slots(self.fingerprint)
+        took part. First a few bookkeeping numbers travel alone: who takes part, and the groups'
+        configuration fingerprints, checked before buffers whose sizes depend on the layout."""
+        self._wait_quorum()
+        tail = torch.zeros(self.groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64, device=self.device)
         tail[self.replica_id] = 1.0
+        tail[self.groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        self.manager.allreduce(tail).wait()
+        if self.manager.errored() is not None:
+            return [0.0] * self.groups  # the step will not be committed; nothing to check
+        summed = (tail * self.manager.num_participants()).round().tolist()
+        participation = summed[:self.groups]
+        if max(participation) > 1:
+            twice = [g for g, n in enumerate(participation) if n > 1]
+            raise ConfigError(f"fault_tolerance: replica id(s) {twice} are used by more than one running group; give "
+                              "each group its own fault_tolerance.replica_id")
+        took_part = sum(participation)
+        if took_part and not self._same_config(summed[self.groups:], took_part):
+            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
+                              "every option but fault_tolerance.replica_id and the group's own outputs "
+                              "(job.dump_folder, metrics) must match, and so must the ranks per group (NGPU x "
+                              "NNODES); compare their config files, command lines and launches")
         buckets, current, size = [], [], 0
         for t in tensors:
             if current and size + t.numel() * 4 > _BUFFER_BYTES:
@@ -259,32 +348,17 @@ class ReplicaGroups:
                 current, size = [], 0
             current.append(t)
             size += t.numel() * 4
-        buckets.append(current)
-        works, flats = [], []
-        for i, bucket in enumerate(buckets):
-            parts = [t.reshape(-1).to(torch.float32) for t in bucket]
-            if i == len(buckets) - 1:
-                parts.append(torch.tensor(tail, dtype=torch.float32, device=self.device))
-            flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-            flats.append(flat)
-            works.append(self.manager.allreduce(flat))
+        flats = [torch.cat([t.reshape(-1).to(torch.float32) for t in bucket]) for bucket in buckets + [current] if bucket]
+        works = [self.manager.allreduce(flat) for flat in flats]
         for work in works:
             work.wait()
-        n = self.manager.num_participants()
         if self.manager.errored() is not None:
-            return [0.0] * self.groups  # the step will not be committed; nothing to check
-        for bucket, flat in zip(buckets, flats):
+            return [0.0] * self.groups
+        for bucket, flat in zip([b for b in buckets + [current] if b], flats):
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-        summed = (flats[-1][-len(tail):].double() * n).round().tolist()
-        participation = summed[:self.groups]
-        took_part = sum(participation)
-        if took_part and not self._same_config(summed[self.groups:], took_part):
-            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
-                              "every option but fault_tolerance.replica_id and the group's own outputs "
-                              "(job.dump_folder, metrics) must match (compare their config files and command lines)")
         return participation
 
     def _same_config(self, sums: list[float], count: float) -> bool:
@@ -314,8 +388,11 @@ class ReplicaGroups:
         self.ledger.consumed[:] = [int(c) for c in state["ledger"]["consumed"]]
         self.ledger.healed += 1
         self._healed_now = True
-        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at step "
-                       f"{self.manager.current_step()} ({time.perf_counter() - started:.2f} s to apply)")
+        # The semi-synchronous modes' manager counts syncs (count_syncs_from).
+        at = f"step {self.manager.current_step()}" if self.steps_per_commit == 1 else \
+            f"sync {self.manager.current_step()} of its peers' run"
+        logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at {at} "
+                       f"({time.perf_counter() - started:.2f} s to apply)")
 
     # ------------------------------------------------------------------------------------------
     # The data position
@@ -326,13 +403,14 @@ class ReplicaGroups:
         torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
         os.replace(partial, self._position_file)
 
-    def _read_positions(self) -> dict[str, Any] | None:
+    def _read_positions(self, path: str | None = None) -> dict[str, Any] | None:
+        path = path or self._position_file
         try:
-            return torch.load(self._position_file, weights_only=True)
+            return torch.load(path, weights_only=True)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a torn or foreign file is reported, not fatal
-            logger.warning(f"fault tolerance: ignoring the unreadable data position file {self._position_file} ({e})")
+            logger.warning(f"fault tolerance: ignoring the unreadable data position file {path} ({e})")
             return None
 
     def _move_data_to_ledger(self) -> None:
@@ -342,7 +420,9 @@ class ReplicaGroups:
         as both count batches of the same shard."""
         want = self.ledger.consumed[self.replica_id]
         record = self._read_positions()
-        for candidate in (record, self._previous_positions):
+        # The semi-synchronous modes' counts are at syncs, which the sync records name.
+        synced = self._read_positions(self._sync_file) if self.steps_per_commit > 1 else None
+        for candidate in (record, synced, self._previous_positions, self._previous_sync):
             if candidate is None:
                 continue
             if candidate["drawn"] == want:
@@ -353,12 +433,15 @@ class ReplicaGroups:
                 break
         else:
             have = record["drawn"] if record is not None else None
+            self.ledger.data_gaps += 1
             logger.warning(f"fault tolerance: replica group {self.replica_id} has no data position for batch {want} "
                            f"of its shard (position file: {have}); it continues from its checkpoint's position, "
                            "so some of its batches are read again or skipped")
         self._held = None
         self._drawn = want
-        self._previous_positions = None
+        self._previous_positions = self._previous_sync = None
+        if self.steps_per_commit > 1:
+            self.record_sync_point()
 
 
 class _NotOnThisDevice(logging.Filter):
@@ -371,23 +454,6 @@ class _NotOnThisDevice(logging.Filter):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _advertised_transport(timeout: timedelta) -> Any:
-    """torchft's HTTP transport for the live state (the Manager's default), serving at the advertised
-    name: torchft names it by socket.gethostname(), which peers on other hosts may not reach."""
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class Transport(HTTPTransport):
-        def address(self) -> str:
-            return super().address().replace(f"//{socket.gethostname()}:", f"//{_advertised_host()}:", 1)
-
-    return Transport(timeout=timeout, num_chunks=0)
-
-
-def _reachable(host: str) -> str:
-    loopback = host == "localhost" or host.startswith("127.") or host == "::1"
-    return _advertised_host() if loopback else host
 
 
 def _advertised_host() -> str:

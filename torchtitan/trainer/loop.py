@@ -53,6 +53,7 @@ class TrainedModel:
     lr_schedulers: Any  # LRSchedulersContainer
     device: torch.device
     replica_groups: Any = None  # fault_tolerance: this rank's ReplicaGroups (parallelisms/fault_tolerance.py)
+    semi_sync: Any = None  # fault_tolerance.semi_sync_method local_sgd/diloco: its SemiSync (parallelisms/semi_sync.py)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Trainer:
         self.train_spec, self.parallel_dims, self.device = model.train_spec, model.parallel_dims, model.device
         self.model_parts, self.pipeline = model.parts, model.pipeline
         self.optimizers, self.lr_schedulers = model.optimizers, model.lr_schedulers
-        self.replica_groups = model.replica_groups
+        self.replica_groups, self.semi_sync = model.replica_groups, model.semi_sync
         self.dataloader, self.train_state, self.eos_id = dataloader, train_state, eos_id
         self.checkpoint, self.metrics, self.progress = records.checkpoint, records.metrics, records.progress
         self.validator, self.setup = records.validator, records.setup
@@ -189,7 +190,9 @@ class Trainer:
         """One step, each of its phases marked and timed from outside its numerics; False when the
         data ran out before it (the last step trained is then ended as the run's last)."""
         mark, groups = self.instruments, self.replica_groups
-        if groups is not None:
+        # The groups meet every step (fault-tolerant HSDP), or every sync_steps steps (semi_sync).
+        every_step = groups if self.semi_sync is None else None
+        if every_step is not None:
             groups.start_step()  # the replica groups' quorum, found during forward
         with mark.phase("data loading", self.train_state.step + 1):
             with mark.own_time(loading_data=True):
@@ -202,16 +205,16 @@ class Trainer:
         step = self.begin_step()
         with mark.phase("forward/backward"):
             loss = self.forward_backward(micro_batches)
-        if groups is not None:
+        if every_step is not None:
             with mark.phase("averaging across replica groups"):
-                groups.average_gradients(self.params)
+                every_step.average_gradients(self.params)
         with mark.phase("gradient norm"):
             grad_norm = self.gradient_norm()
             nonfinite = self.nonfinite(loss, grad_norm)  # waits for the step's kernels
         with mark.phase("agreeing to go on"):
             stop_signal = self.agree_to_continue(step, loss, grad_norm, nonfinite)
-            if groups is not None:
-                if not groups.commit():  # too few groups, or one failed: the step is tried again
+            if every_step is not None:
+                if not every_step.commit():  # too few groups, or one failed: the step is tried again
                     self.train_state.step -= 1
                     return True
                 step = self.train_state.step  # a group that recovered this step took the peers' count
@@ -219,6 +222,11 @@ class Trainer:
             with mark.own_time():
                 self.optimizer_step()
             lr = self.finish_update()
+        if self.semi_sync is not None:
+            with mark.phase("averaging across replica groups"):
+                if not self.semi_sync.after_step(step):  # a sync not committed: back to the last one
+                    return True
+            step = self.train_state.step  # a group that recovered at this sync took the peers' count
         result = self.newest = StepResult(step, loss, grad_norm, lr, stop_signal)
         last = step == self.training.steps
         with mark.phase("logging"):
@@ -419,5 +427,7 @@ class Trainer:
     def summarize(self, ended: str) -> None:
         if self.replica_groups is not None:
             self.replica_groups.log_summary()
+        if self.semi_sync is not None:
+            self.semi_sync.log_summary()
         log_summary(self.job_config, self.metrics, self.progress, self.train_state.step,
                     self.train_state.tokens_seen - self.tokens_before, ended)

@@ -1,0 +1,257 @@
+"""ReplicaGroups' own logic, in one process: torchft's Manager is replaced by a stand-in whose peers
+are simulated (their contributions to the all-reduce, the commit decision, a recovery). What it
+proves: a step that is not committed trains its batch again; the ledger counts only the batches
+of committed steps a group took part in; a recovering group lands on the ledger's data position;
+groups with other configurations or a replica id used twice are refused; the live state a peer
+sends restores model, optimizer (also into an optimizer that has not stepped yet) and schedule."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.checkpoint.states import TrainState
+from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import ConfigError, Hang
+from torchtitan.parallelisms import fault_tolerance
+from torchtitan.parallelisms.fault_tolerance import ReplicaGroups, config_fingerprint, live_state, load_live_state
+from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
+
+
+class _Work:
+    def wait(self) -> bool:
+        return True
+
+
+class FakeManager:
+    """The peers: `peers` groups (indices) that take part with the given config fingerprint and add
+    `peer_value` to every averaged element."""
+
+    def __init__(self, me: int, peers: list[int], fingerprint: int, peer_value: float = 1.0):
+        self.me, self.peers, self.fingerprint, self.peer_value = me, peers, fingerprint, peer_value
+        self.commit_answer, self.participating, self.step = True, True, 0
+        self.load_fn = self.state_fn = None
+        self._errored = None
+
+    def register_state_dict_fn(self, key, load_fn, state_fn):
+        self.load_fn, self.state_fn = load_fn, state_fn
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+    def start_quorum(self):
+        pass
+
+    def wait_quorum(self):
+        pass
+
+    def errored(self):
+        return self._errored
+
+    def num_participants(self) -> int:
+        return len(self.peers) + int(self.participating)
+
+    def current_step(self) -> int:
+        return self.step
+
+    def allreduce(self, tensor: torch.Tensor) -> _Work:
+        n = self.num_participants()
+        if not self.participating:
+            tensor.zero_()
+        if tensor.dtype == torch.float64:  # the bookkeeping numbers: each peer's one-hot and fingerprint
+            groups = len(tensor) - 2 * fault_tolerance._FINGERPRINT_CHUNKS
+            for peer in self.peers:
+                tensor[peer] += 1
+                tensor[groups:] += torch.tensor(fault_tolerance._fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        else:
+            tensor += self.peer_value * len(self.peers)
+        tensor /= n
+        return _Work()
+
+    def should_commit(self) -> bool:
+        if self.commit_answer:
+            self.step += 1
+        return self.commit_answer
+
+    def shutdown(self, wait=False):
+        pass
+
+
+class Loader:
+    """A data position that counts the batches drawn."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+    def next(self):
+        self.position += 1
+        return f"batch{self.position}"
+
+
+def _config(tmp_path, groups=2, replica_id=0) -> JobConfig:
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    ft = config.fault_tolerance
+    ft.enable, ft.group_size, ft.replica_id, ft.lighthouse = True, groups, replica_id, "localhost:1"
+    return config
+
+
+def _groups(tmp_path, monkeypatch, peers=(1,), replica_id=0, groups=2, peer_fingerprint=None, train_state=None):
+    config = _config(tmp_path, groups, replica_id)
+    model = nn.Linear(4, 3)
+    optimizers = build_optimizers([model], config, None)
+    lr_schedulers = build_lr_schedulers(optimizers, config)
+    train_state = train_state or TrainState(data_consumed=[0] * groups)
+    fingerprint = config_fingerprint(config, 1)
+    manager = FakeManager(replica_id, list(peers), fingerprint if peer_fingerprint is None else peer_fingerprint)
+    monkeypatch.setattr(ReplicaGroups, "_connect", lambda self, rank, size: manager)
+    loader = Loader()
+    rg = ReplicaGroups(config, 0, 1, torch.device("cpu"), [model], optimizers, lr_schedulers, train_state, loader)
+    return rg, manager, loader, model
+
+
+def _step(rg: ReplicaGroups, loader: Loader, model: nn.Module) -> tuple[str, bool]:
+    rg.start_step()
+    batch = rg.draw(loader.next)
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    rg.average_gradients(list(model.parameters()))
+    return batch, rg.commit()
+
+
+def test_a_step_not_committed_trains_its_batch_again_and_counts_nothing(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+    assert _step(rg, loader, model) == ("batch1", True)
+    assert rg.ledger.consumed == [1, 1] and model.weight.grad.eq(1.0).all()  # (1 + peer's 1) / 2
+    manager.commit_answer = False
+    assert _step(rg, loader, model) == ("batch2", False)
+    assert rg.ledger.consumed == [1, 1] and rg.ledger.retried == 1
+    manager.commit_answer = True
+    assert _step(rg, loader, model) == ("batch2", True)  # the same batch, not the next
+    assert _step(rg, loader, model) == ("batch3", True)
+    assert rg.ledger.consumed == [3, 3] and rg.ledger.participants == [2, 2, 2]
+    assert rg._train_state.step == 3  # the manager's count of committed steps
+
+
+def test_the_ledger_counts_only_groups_that_took_part(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peers=(1,), groups=3)
+    _step(rg, loader, model)
+    assert rg.ledger.consumed == [1, 1, 0] and rg.participating() == 2
+    manager.peers = [1, 2]
+    _step(rg, loader, model)
+    assert rg.ledger.consumed == [2, 2, 1] and rg.participating() == 3
+
+
+def test_a_recovering_group_lands_on_the_ledgers_data_position(tmp_path, monkeypatch):
+    # Group 1 trained 3 batches of its shard, then died holding a 4th it had drawn.
+    before, _, loader, model = _groups(tmp_path, monkeypatch, replica_id=1, peers=(0,))
+    for _ in range(3):
+        _step(before, loader, model)
+    before.start_step()
+    before.draw(loader.next)
+    # It restarts from an older checkpoint (1 batch consumed) and recovers from group 0, whose ledger
+    # says group 1's shard gave 3 batches to committed steps.
+    state = TrainState(data_consumed=[1, 1])
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, replica_id=1, peers=(0,), train_state=state)
+    loader.position = 1
+    peer = copy.deepcopy(manager.state_fn())
+    peer["ledger"]["consumed"] = [5, 3]
+    rg.start_step()
+    assert rg.draw(loader.next) == "batch2"  # drawn before the quorum told it to recover
+    manager.participating = False  # a recovering group takes no part in the step it recovers in
+    model.weight.grad, model.bias.grad = torch.ones_like(model.weight), torch.ones_like(model.bias)
+    rg.average_gradients(list(model.parameters()))
+    manager.load_fn(peer)
+    assert rg.commit()
+    assert rg.ledger.consumed == [6, 3] and rg.ledger.healed == 1
+    assert loader.position == 3 and rg.draw(loader.next) == "batch4"  # after the 3 its shard gave, not batch 3
+
+
+def test_a_recovery_without_a_position_for_the_ledgers_count_says_so(tmp_path, monkeypatch, caplog):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, replica_id=1, peers=(0,))
+    peer = copy.deepcopy(manager.state_fn())
+    peer["ledger"]["consumed"] = [9, 7]
+    rg.start_step()
+    rg.draw(loader.next)
+    manager.participating = False
+    manager.load_fn(peer)
+    rg.average_gradients(list(model.parameters()))
+    rg.commit()
+    assert "no data position for batch 7" in caplog.text and rg.ledger.consumed == [10, 7]
+    assert rg.ledger.data_gaps == 1
+
+
+def test_groups_with_another_configuration_are_refused(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peer_fingerprint=12345)
+    with pytest.raises(ConfigError, match="different configurations"):
+        _step(rg, loader, model)
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match="another configuration"):
+        manager.load_fn({**manager.state_fn(), "fingerprint": 1})
+
+
+def test_the_fingerprint_covers_the_options_the_groups_share(tmp_path):
+    a, b = _config(tmp_path), _config(tmp_path, replica_id=1)
+    assert config_fingerprint(a, 2) == config_fingerprint(b, 2)  # the replica id is each group's own
+    assert config_fingerprint(a, 2) != config_fingerprint(a, 4)  # ranks per group must match
+    b.optimizer.lr *= 2
+    assert config_fingerprint(a, 2) != config_fingerprint(b, 2)
+
+
+def test_a_replica_id_used_twice_is_refused(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peers=(0,))
+    with pytest.raises(ConfigError, match=r"replica id\(s\) \[0\] are used by more than one"):
+        _step(rg, loader, model)
+
+
+def test_a_group_left_alone_past_the_quorum_timeout_ends_as_a_hang(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peers=())
+    rg.ft.min_replica_size, rg.ft.quorum_timeout_seconds = 2, 1
+    manager.commit_answer = False
+    monkeypatch.setattr(fault_tolerance.time, "sleep", lambda s: None)
+    rg._last_commit -= 5
+    with pytest.raises(Hang, match="no step committed for"):
+        _step(rg, loader, model)
+
+
+def test_the_live_state_restores_model_optimizer_and_schedule(tmp_path):
+    config = _config(tmp_path)
+    torch.manual_seed(0)
+    sender = nn.Linear(4, 3)
+    receiver = copy.deepcopy(sender)
+    with torch.no_grad():
+        receiver.weight.add_(1.0)
+    opt_s, opt_r = build_optimizers([sender], config, None), build_optimizers([receiver], config, None)
+    lr_s, lr_r = build_lr_schedulers(opt_s, config), build_lr_schedulers(opt_r, config)
+    for _ in range(3):
+        sender(torch.randn(2, 4)).sum().backward()
+        opt_s.step()
+        lr_s.step()
+        opt_s.zero_grad()
+    ts_s, ts_r = TrainState(step=3, tokens_seen=30), TrainState()
+    state = copy.deepcopy(live_state(fault_tolerance._named_tensors([sender]), opt_s, lr_s, ts_s))
+    load_live_state(state, fault_tolerance._named_tensors([receiver]), opt_r, lr_r, ts_r)  # receiver never stepped
+    assert all(torch.equal(a, b) for a, b in zip(sender.parameters(), receiver.parameters()))
+    assert lr_r.get_last_lr() == lr_s.get_last_lr() and ts_r.tokens_seen == 30
+    x = torch.randn(2, 4)
+    for model, opt in ((sender, opt_s), (receiver, opt_r)):
+        model(x).sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(sender.parameters(), receiver.parameters()))
+    with pytest.raises(ConfigError, match="shard has shape"):
+        bad = copy.deepcopy(state)
+        bad["model"]["0.weight"] = torch.zeros(5, 4)
+        load_live_state(bad, fault_tolerance._named_tensors([receiver]), opt_r, lr_r, ts_r)
+    with pytest.raises(ConfigError, match="other parameters"):
+        bad = copy.deepcopy(state)
+        del bad["model"]["0.bias"]
+        load_live_state(bad, fault_tolerance._named_tensors([receiver]), opt_r, lr_r, ts_r)
