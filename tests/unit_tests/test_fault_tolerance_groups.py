@@ -17,7 +17,8 @@ from torchtitan.checkpoint.states import TrainState
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError, Hang
 from torchtitan.parallelisms import fault_tolerance
-from torchtitan.parallelisms.fault_tolerance import ReplicaGroups, config_fingerprint, live_state, load_live_state
+from torchtitan.parallelisms.fault_tolerance import ReplicaGroups, config_fingerprint
+from torchtitan.parallelisms.live_state import live_state, load_live_state, named_tensors
 from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
 
 
@@ -238,8 +239,8 @@ def test_the_live_state_restores_model_optimizer_and_schedule(tmp_path):
         lr_s.step()
         opt_s.zero_grad()
     ts_s, ts_r = TrainState(step=3, tokens_seen=30), TrainState()
-    state = copy.deepcopy(live_state(fault_tolerance._named_tensors([sender]), opt_s, lr_s, ts_s))
-    load_live_state(state, fault_tolerance._named_tensors([receiver]), opt_r, lr_r, ts_r)  # receiver never stepped
+    state = copy.deepcopy(live_state(named_tensors([sender]), opt_s, lr_s, ts_s))
+    load_live_state(state, named_tensors([receiver]), opt_r, lr_r, ts_r)  # receiver never stepped
     assert all(torch.equal(a, b) for a, b in zip(sender.parameters(), receiver.parameters()))
     assert lr_r.get_last_lr() == lr_s.get_last_lr() and ts_r.tokens_seen == 30
     x = torch.randn(2, 4)
@@ -250,8 +251,8 @@ def test_the_live_state_restores_model_optimizer_and_schedule(tmp_path):
     with pytest.raises(ConfigError, match="shard has shape"):
         bad = copy.deepcopy(state)
         bad["model"]["0.weight"] = torch.zeros(5, 4)
-        load_live_state(bad, fault_tolerance._named_tensors([receiver]), opt_r, lr_r, ts_r)
+        load_live_state(bad, named_tensors([receiver]), opt_r, lr_r, ts_r)
     with pytest.raises(ConfigError, match="other parameters"):
         bad = copy.deepcopy(state)
         del bad["model"]["0.bias"]
-        load_live_state(bad, fault_tolerance._named_tensors([receiver]), opt_r, lr_r, ts_r)
+        load_live_state(bad, named_tensors([receiver]), opt_r, lr_r, ts_r)

@@ -41,11 +41,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.sections import lighthouse_address
 from torchtitan.errors import ConfigError, Hang, UserError
+from torchtitan.parallelisms.live_state import live_state, load_live_state, local_shard, named_tensors
 
 logger = logging.getLogger("torchtitan")
 
@@ -116,7 +116,7 @@ class ReplicaGroups:
         self.fingerprint = config_fingerprint(config, group_size)
         # The parameters as the optimizer holds them (FSDP's shards), named now: during forward FSDP
         # swaps unsharded tensors into the modules, and torchft reads the state in its own thread.
-        named = _named_tensors(model_parts)
+        named = named_tensors(model_parts)
         self._state_fn = lambda: live_state(named, optimizers, lr_schedulers, train_state)
         self._load_fn = lambda state: load_live_state(state, named, optimizers, lr_schedulers, train_state)
         self._data_state = data_state
@@ -241,7 +241,7 @@ class ReplicaGroups:
         """Averages this rank's local gradient shards with rank `group_rank` of every group in the
         quorum (a group that is recovering contributes zeros and is not counted)."""
         grads = [p.grad for p in params if p.grad is not None]
-        self._participation = self._allreduce([_local(g) for g in grads])
+        self._participation = self._allreduce([local_shard(g) for g in grads])
 
     def average_parameters_drift(self, drifts: list[torch.Tensor]) -> None:
         """The semi-synchronous modes' sync: averages the drifts (local tensors), in place."""
@@ -452,76 +452,9 @@ class _NotOnThisDevice(logging.Filter):
         return "flight recorder" not in record.getMessage()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _advertised_host() -> str:
     """The name the lighthouse gives peers to reach this group's manager server and state."""
     return os.environ.get("TORCHFT_HOSTNAME") or os.environ.get("LOCAL_ADDR") or socket.gethostname()
-
-
-# ----------------------------------------------------------------------------------------------
-# The state a recovering group is sent: this rank's shards as plain tensors. Rank r of every group
-# has the same layout, so names and local shapes match without resharding.
-
-def _named_tensors(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    named = {}
-    for i, part in enumerate(model_parts):
-        for name, t in [*part.named_parameters(), *part.named_buffers()]:
-            named[f"{i}.{name}"] = t
-    return named
-
-
-def live_state(named: dict[str, torch.Tensor], optimizers: Any, lr_schedulers: Any, train_state: Any) -> dict[str, Any]:
-    """References, not copies: torchft serves them before this rank's next optimizer step."""
-    model = {name: _local(t).detach() for name, t in named.items()}
-    optim = []
-    for optimizer in optimizers.optimizers:
-        sd = optimizer.state_dict()
-        state = {idx: {k: _local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
-                 for idx, entries in sd["state"].items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-        optim.append({"state": state, "param_groups": groups})
-    return {"model": model, "optimizer": optim, "lr_scheduler": lr_schedulers.state_dict(),
-            "train_state": {"step": train_state.step, "tokens_seen": train_state.tokens_seen}}
-
-
-@torch.no_grad()
-def load_live_state(state: dict[str, Any], own: dict[str, torch.Tensor], optimizers: Any, lr_schedulers: Any,
-                    train_state: Any) -> None:
-    """Takes a peer's live_state into this rank's model (`own`: its named parameter shards and
-    buffers), optimizer, schedule and counters. The step in progress becomes the peer's next one."""
-    if set(own) != set(state["model"]):
-        raise ConfigError("fault_tolerance: the peer's model has other parameters than this group's; the groups "
-                          "must train the same model with the same layout")
-    for name, t in own.items():
-        local, received = _local(t), state["model"][name]
-        if local.shape != received.shape:
-            raise ConfigError(f"fault_tolerance: the peer's {name} shard has shape {tuple(received.shape)}, this "
-                              f"rank's {tuple(local.shape)}; the groups must use the same layout and rank count")
-        local.copy_(received)
-    for optimizer, received in zip(optimizers.optimizers, state["optimizer"], strict=True):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for idx, entries in received["state"].items():
-            p = params[int(idx)]
-            current = optimizer.state.setdefault(p, {})
-            for key, value in entries.items():
-                if not isinstance(value, torch.Tensor):
-                    current[key] = value
-                elif key in current and isinstance(current[key], torch.Tensor):
-                    _local(current[key]).copy_(value)
-                elif isinstance(p, DTensor) and value.shape == p.to_local().shape and value.dim() > 0:
-                    current[key] = DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False,
-                                                      shape=p.shape, stride=p.stride())
-                else:
-                    current[key] = value.clone()
-        for group, received_group in zip(optimizer.param_groups, received["param_groups"], strict=True):
-            group.update(received_group)
-    lr_schedulers.load_state_dict(state["lr_scheduler"])
-    # The step count is the manager's (ReplicaGroups.commit): the peer's train_state.step may already
-    # count the step it has begun when torchft reads this in its quorum thread.
-    train_state.tokens_seen = int(state["train_state"]["tokens_seen"])
 
 
 # ----------------------------------------------------------------------------------------------

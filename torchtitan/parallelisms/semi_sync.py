@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.parallelisms.fault_tolerance import ReplicaGroups
+from torchtitan.parallelisms.live_state import local_shard
 
 logger = logging.getLogger("torchtitan")
 
@@ -58,10 +58,6 @@ def nesterov_outer_update(backup: list[torch.Tensor], avg_drift: list[torch.Tens
     return new
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class SemiSync:
     """The outer loop of local SGD / DiLoCo around one rank's parameter shards (those its optimizer
     holds). The trainer calls `after_step(step)` after each optimizer step."""
@@ -73,7 +69,7 @@ class SemiSync:
         self.lr_schedulers, self.train_state = lr_schedulers, train_state
         # Named now, as the optimizer holds them: FSDP swaps unsharded tensors in during forward.
         self.params = [p for part in model_parts for p in part.parameters()]
-        self.backup = [_local(p).detach().to(torch.float32, copy=True) for p in self.params]
+        self.backup = [local_shard(p).detach().to(torch.float32, copy=True) for p in self.params]
         self.momentum = [torch.zeros_like(b) for b in self.backup] if self.method == "diloco" else []
         self.sync_point = self._counters()
         self.committed = self.failed = self.discarded = 0
@@ -99,7 +95,7 @@ class SemiSync:
         groups = self.groups
         groups.start_step()
         with torch.no_grad():
-            drifts = [b - _local(p).detach().float() for b, p in zip(self.backup, self.params)]
+            drifts = [b - local_shard(p).detach().float() for b, p in zip(self.backup, self.params)]
         groups.average_parameters_drift(drifts)
         if groups.commit():
             self._apply(drifts)
@@ -115,7 +111,7 @@ class SemiSync:
             new = local_sgd_update(self.backup, avg_drift)
         for b, p, n in zip(self.backup, self.params, new):
             b.copy_(n)
-            _local(p).copy_(n)
+            local_shard(p).copy_(n)
         self.committed += 1
         self.sync_point = self._counters()
         self.groups.record_sync_point()
@@ -124,7 +120,7 @@ class SemiSync:
     def _discard(self, step: int) -> None:
         """A sync not committed: back to the last sync's parameters, counters and data position."""
         for b, p in zip(self.backup, self.params):
-            _local(p).copy_(b)
+            local_shard(p).copy_(b)
         point = self.sync_point
         lost = step - point["step"]
         self.train_state.step, self.train_state.tokens_seen = point["step"], point["tokens_seen"]
