@@ -44,7 +44,7 @@ from torchtitan.observability.metrics import MetricsLogger
 from torchtitan.observability.progress import Progress
 from torchtitan.observability.setup_record import SetupRecord
 from torchtitan.observability.watchdog import collective_timeout, watch_this_rank
-from torchtitan.parallelisms.fault_tolerance import data_coordinates, join_replica_groups, replica_dump_folder
+from torchtitan.parallelisms.fault_tolerance import data_coordinates, empty_ledger, join_replica_groups, replica_dump_folder
 from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.semi_sync import join_semi_sync
@@ -70,8 +70,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     """This rank's part of the job: the build sequence, then the Trainer's run (trainer/loop.py)."""
     started = time.perf_counter()
     training = job_config.training
-    if job_config.fault_tolerance.enable:  # each replica group writes its own outputs
-        job_config.job.dump_folder = replica_dump_folder(job_config)
+    job_config.job.dump_folder = replica_dump_folder(job_config)  # fault tolerance: each group its own
     # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, process_group.world_size())
     if job_config.memory_estimation.enabled:
@@ -98,8 +97,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         del model
         optimizers = train_spec.build_optimizers_fn(model_parts, job_config, parallel_dims)
         lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config)
-        train_state = TrainState(data_consumed=[0] * job_config.fault_tolerance.group_size
-                                 if job_config.fault_tolerance.enable else [])
+        train_state = TrainState(data_consumed=empty_ledger(job_config))
         checkpoint = CheckpointManager(job_config, parallel_dims, model_parts, optimizers, lr_schedulers, dataloader,
                                        train_state, shards.count)
         if job_config.checkpoint.create_seed_checkpoint:

@@ -256,3 +256,22 @@ def test_the_live_state_restores_model_optimizer_and_schedule(tmp_path):
         bad = copy.deepcopy(state)
         del bad["model"]["0.bias"]
         load_live_state(bad, named_tensors([receiver]), opt_r, lr_r, ts_r)
+
+
+def test_a_lighthouse_that_stops_answering_ends_as_a_hang(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+
+    def no_quorum():
+        raise RuntimeError("quorum timed out\nmore detail")
+
+    manager.wait_quorum = no_quorum
+    with pytest.raises(Hang, match="no quorum of at least 1 replica groups within 60 s.*quorum timed out$"):
+        _step(rg, loader, model)
+
+
+def test_a_torn_position_file_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "fault_tolerance"
+    folder.mkdir()
+    (folder / "data_rank0.pt").write_bytes(b"not a torch file")
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+    assert rg._previous_positions is None and "ignoring the unreadable data position file" in caplog.text

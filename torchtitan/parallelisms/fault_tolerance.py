@@ -461,8 +461,16 @@ def _advertised_host() -> str:
 # What train.py calls
 
 def replica_dump_folder(config: JobConfig) -> str:
-    """<job.dump_folder>/replica_<id>: each group's logs, metrics, checkpoints and data positions."""
+    """The folder this rank writes to: with fault tolerance <job.dump_folder>/replica_<id>, each
+    group's logs, metrics, checkpoints and data positions; else job.dump_folder."""
+    if not config.fault_tolerance.enable:
+        return config.job.dump_folder
     return os.path.join(config.job.dump_folder, f"replica_{config.fault_tolerance.replica_id}")
+
+
+def empty_ledger(config: JobConfig) -> list[int]:
+    """TrainState.data_consumed before any step: a count per replica group (none without fault tolerance)."""
+    return [0] * config.fault_tolerance.group_size if config.fault_tolerance.enable else []
 
 
 def data_coordinates(config: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
