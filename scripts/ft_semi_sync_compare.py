@@ -12,32 +12,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from torchtitan.tools.runs import read_metrics, run_trainer
+from torchtitan.tools.replica_groups import lighthouse, run_replica_groups
+from torchtitan.tools.runs import read_metrics
 
 GROUPS = 2
-
-
-def _lighthouse(port: int) -> subprocess.Popen:
-    binary = Path(sys.executable).with_name("torchft_lighthouse")
-    proc = subprocess.Popen([str(binary) if binary.exists() else "torchft_lighthouse", "--min_replicas", str(GROUPS),
-                             "--bind", f"[::]:{port}", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("localhost", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"the lighthouse did not open port {port}")
 
 
 def run_mode(mode: str, args: argparse.Namespace, folder: Path) -> list[list[dict]]:
@@ -48,21 +30,7 @@ def run_mode(mode: str, args: argparse.Namespace, folder: Path) -> list[list[dic
               "--fault_tolerance.group_size", str(GROUPS), "--fault_tolerance.min_replica_size", str(GROUPS),
               "--fault_tolerance.lighthouse", f"localhost:{args.port}", "--fault_tolerance.semi_sync_method", mode,
               "--fault_tolerance.sync_steps", str(args.sync_steps)]
-    errors: list[BaseException] = []
-
-    def one(group: int) -> None:
-        try:
-            run_trainer([*common, "--fault_tolerance.replica_id", str(group)], timeout=3600)
-        except BaseException as e:  # noqa: BLE001 - raised below, after the other group ends
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(g,)) for g in range(GROUPS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_replica_groups(common, GROUPS, timeout=3600)
     return [read_metrics(folder / f"replica_{g}") for g in range(GROUPS)]
 
 
@@ -81,16 +49,14 @@ def main() -> None:
     parser.add_argument("--modes", default="none,local_sgd,diloco")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ft_semi_sync_"))
-    lighthouse = _lighthouse(args.port)
     rows = []
     try:
-        for mode in args.modes.split(","):
-            started = time.perf_counter()
-            groups = run_mode(mode, args, workdir / mode)
-            rows.append((mode, final_loss(groups), time.perf_counter() - started))
+        with lighthouse(GROUPS, port=args.port):
+            for mode in args.modes.split(","):
+                started = time.perf_counter()
+                groups = run_mode(mode, args, workdir / mode)
+                rows.append((mode, final_loss(groups), time.perf_counter() - started))
     finally:
-        lighthouse.kill()
-        lighthouse.wait()
         shutil.rmtree(workdir, ignore_errors=True)
     tokens = args.steps * GROUPS * args.batch_size * args.seq_len
     print(f"{GROUPS} groups x 1 rank, debug model, {args.steps} steps x {GROUPS} x {args.batch_size} x {args.seq_len} "

@@ -44,7 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.machinery.lighthouse import lighthouse_binary  # noqa: E402
+from torchtitan.tools.replica_groups import lighthouse_binary  # noqa: E402
 from torchtitan.tools.runs import read_metrics  # noqa: E402
 
 SUMMARY = re.compile(r"fault tolerance: (\d+) steps committed by replica group (\d+), (\d+) of them with fewer than "

@@ -4,39 +4,15 @@ would. The groups' mean loss per step matches the single-process baseline within
 tolerance, the gradient norm (taken after the cross-group average) too, and both groups hold the
 same weights at the end."""
 
-import threading
-from pathlib import Path
-
 import pytest
 
-from tests.machinery.lighthouse import lighthouse
 from torchtitan.tools.parity import local_batch_size
-from torchtitan.tools.runs import read_metrics, run_trainer
+from torchtitan.tools.replica_groups import lighthouse, run_replica_groups
+from torchtitan.tools.runs import read_metrics
 
 pytest.importorskip("torchft")
 
 GROUPS = 2
-
-
-def _run_groups(args: list[str], folder: Path, address: str) -> list:
-    results: list = [None] * GROUPS
-
-    def one(group: int) -> None:
-        try:
-            results[group] = run_trainer([*args, "--job.dump_folder", str(folder), "--fault_tolerance.replica_id",
-                                          str(group)], timeout=240)
-        except BaseException as e:  # noqa: BLE001 - reported below with the other group's
-            results[group] = e
-
-    threads = [threading.Thread(target=one, args=(g,)) for g in range(GROUPS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
 
 
 @pytest.mark.budget("two replica groups of real processes joined by a lighthouse, plus the shared baseline")
@@ -46,8 +22,8 @@ def test_fault_tolerant_groups_train_like_one_process(parity, tmp_path):
         args = [*parity.common_args(), "--training.batch_size", str(batch), "--checkpoint.enable_checkpoint",
                 "--checkpoint.interval", str(parity.steps), "--fault_tolerance.enable",
                 "--fault_tolerance.group_size", str(GROUPS), "--fault_tolerance.min_replica_size", str(GROUPS),
-                "--fault_tolerance.lighthouse", address]
-        _run_groups(args, tmp_path, address)
+                "--fault_tolerance.lighthouse", address, "--job.dump_folder", str(tmp_path)]
+        run_replica_groups(args, GROUPS, timeout=240)
     base = parity.baseline().records
     groups = [read_metrics(tmp_path / f"replica_{g}") for g in range(GROUPS)]
     assert all([r["step"] for r in g] == [r["step"] for r in base] for g in groups)

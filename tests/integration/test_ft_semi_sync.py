@@ -3,13 +3,12 @@ lighthouse. After local SGD's last sync both groups hold the same parameters, bi
 leaves them equal too, and at equal tokens ends within the band docs/fault_tolerance.md states of
 the synchronous mode's loss."""
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.machinery.lighthouse import lighthouse
+from torchtitan.tools.replica_groups import lighthouse, run_replica_groups
 from torchtitan.tools.runs import read_metrics, run_trainer
 
 pytest.importorskip("torchft")
@@ -26,21 +25,7 @@ def _train_groups(method: str, folder: Path, steps: int = STEPS, sync: int = SYN
                 "--fault_tolerance.enable", "--fault_tolerance.group_size", str(GROUPS),
                 "--fault_tolerance.min_replica_size", str(GROUPS), "--fault_tolerance.lighthouse", address,
                 "--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps", str(sync)]
-        errors: list[BaseException] = []
-
-        def one(group: int) -> None:
-            try:
-                run_trainer([*args, "--fault_tolerance.replica_id", str(group)], timeout=120)
-            except BaseException as e:  # noqa: BLE001 - raised below, after the other group ends
-                errors.append(e)
-
-        threads = [threading.Thread(target=one, args=(g,)) for g in range(GROUPS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_replica_groups(args, GROUPS, timeout=120)
     return [read_metrics(folder / f"replica_{g}") for g in range(GROUPS)]
 
 
