@@ -275,3 +275,15 @@ def test_a_torn_position_file_is_ignored_with_a_warning(tmp_path, monkeypatch, c
     (folder / "data_rank0.pt").write_bytes(b"not a torch file")
     rg, manager, loader, model = _groups(tmp_path, monkeypatch)
     assert rg._previous_positions is None and "ignoring the unreadable data position file" in caplog.text
+
+
+def test_a_position_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fault_tolerance.torch, "save", disk_full)
+    assert _step(rg, loader, model) == ("batch1", True)
+    assert _step(rg, loader, model) == ("batch2", True)
+    assert caplog.text.count("could not write the data position file") == 1

@@ -132,6 +132,7 @@ class ReplicaGroups:
         self._sync_point: dict[str, Any] | None = None  # the data position a discarded sync goes back to
         self._drawn = self.ledger.consumed[self.replica_id]  # batches taken from the shard: consumed, or one more
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
+        self._position_unwritten = False  # the newest data position file could not be written
         self._healed_now = False
         self._participation: list[float] | None = None
         self._last_commit, self._last_warning = time.monotonic(), -math.inf
@@ -398,10 +399,19 @@ class ReplicaGroups:
     # The data position
 
     def _write_positions(self, before: dict[str, Any], after: dict[str, Any]) -> None:
-        os.makedirs(os.path.dirname(self._position_file), exist_ok=True)
         partial = self._position_file + ".partial"
-        torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
-        os.replace(partial, self._position_file)
+        try:
+            os.makedirs(os.path.dirname(self._position_file), exist_ok=True)
+            torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
+            os.replace(partial, self._position_file)
+        except OSError as e:  # a full or failing disk must not stop training; only a later recovery needs it
+            if not self._position_unwritten:
+                logger.warning(f"fault tolerance: could not write the data position file {self._position_file} "
+                               f"({e}); training goes on, but if this group recovers from a peer before a write "
+                               "succeeds, its shard may be read again or skipped (the summary would say so)")
+            self._position_unwritten = True
+            return
+        self._position_unwritten = False
 
     def _read_positions(self, path: str | None = None) -> dict[str, Any] | None:
         path = path or self._position_file
