@@ -23,6 +23,7 @@ GiB = 2**30
 
 
 
+@pytest.mark.budget("the whole GPU check's dry run: every check's trainer runs on the CPU (~20 s on 2 cores)")
 def test_dry_run_writes_the_report(tmp_path):
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHON": sys.executable}
