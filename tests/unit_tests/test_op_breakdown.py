@@ -193,6 +193,22 @@ def test_exposed_and_overlapped_communication_on_cpu():
     assert b.overlapped_ms == 0 and b.ms["communication"] * 1e3 == pytest.approx(100 + 400 + 5 + 40)
 
 
+def test_pipeline_send_and_receive_in_flight_on_the_issuing_thread():
+    """gloo records a point-to-point send or receive on the thread that issued it, from issue to
+    completion: a send under compute is overlapped, a receive waited for with no event is exposed."""
+    events = [
+        op("ProfilerStep#2", 0, 1000, cat="user_annotation"),
+        op("c10d::send", 100, 5), op("gloo:send", 104, 296, cat="user_annotation"),
+        mm(105, 295, 64, 64, 64),
+        op("c10d::recv_", 500, 2), op("gloo:recv", 501, 299, cat="user_annotation"),
+        mm(800, 100, 64, 64, 64),
+    ]
+    b = breakdown({"traceEvents": events})
+    assert b.overlapped_ms * 1e3 == pytest.approx(400 - 105)
+    assert b.ms["communication"] * 1e3 == pytest.approx(5 + 2 + (800 - 502))
+    assert b.ms["matmul"] * 1e3 == pytest.approx(295 + 100)
+
+
 @pytest.mark.parametrize("name,category", [
     ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::_weight_int4pack_mm_for_cpu", "matmul"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
