@@ -44,10 +44,17 @@ _READ_OPS = {
     aten.bincount.default: "bincount",
 }
 _REPEAT_INTERLEAVE = (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
+# Indexing with a boolean mask (x[mask], x[mask] = v) counts the mask's true entries first.
+_INDEX = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+
+
+def _boolean_mask(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torchtitan/
 _THIS_FILE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(_PACKAGE)
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 @dataclass
 class HostRead:
@@ -60,13 +67,18 @@ class HostRead:
 
 
 def _where() -> str:
-    """The innermost frame of this package (outside this file) on the current stack."""
-    for frame in reversed(traceback.extract_stack()):
+    """The innermost frame of this package (outside this file) on the current stack; for code
+    outside the package (tests, scripts), the innermost frame outside torch."""
+    stack = traceback.extract_stack()
+    for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
         if path.startswith(_PACKAGE + os.sep) and path != _THIS_FILE:
             return f"{os.path.relpath(path, _ROOT)}:{frame.lineno} {frame.name}"
-    frame = traceback.extract_stack()[-4]  # not from this package: the caller's line, for tests and scripts
-    return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+    for frame in reversed(stack):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_TORCH + os.sep) and path != _THIS_FILE:
+            return f"{os.path.basename(path)}:{frame.lineno} {frame.name}"
+    return "unknown"
 
 
 class HostReadAudit(TorchDispatchMode):
@@ -114,6 +126,8 @@ class HostReadAudit(TorchDispatchMode):
         name = _READ_OPS.get(func)
         if name is None and func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
             name = "repeat_interleave"
+        if name is None and func in _INDEX and _boolean_mask(args[1] if len(args) > 1 else kwargs.get("indices")):
+            name = "boolean mask"
         if name is not None:
             self._record(name)
         return func(*args, **kwargs)
