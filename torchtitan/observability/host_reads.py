@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import traceback
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
@@ -42,6 +44,10 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torcht
 _THIS_FILE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(_PACKAGE)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+# The message of PyTorch's CUDA sync debug mode (torch.cuda.set_sync_debug_mode).
+_CUDA_SYNC = r"called a synchronizing CUDA operation"
 
 
 def _boolean_mask(indices) -> bool:
@@ -84,6 +90,7 @@ class HostReadAudit(TorchDispatchMode):
         self._deferred = self._scheduled = 0
         self._thread = threading.get_ident()
         self._patched: dict[str, Any] = {}
+        self._sync_mode: int | None = None  # CUDA's sync debug mode before this audit (CUDA only)
 
     # -- what the trainer tells it -------------------------------------------------------------
 
@@ -143,8 +150,30 @@ class HostReadAudit(TorchDispatchMode):
                 return __original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, method, wrapped)
+        self._watch_cuda_syncs()
         _ACTIVE = self
         return super().__enter__()
+
+    def _watch_cuda_syncs(self) -> None:
+        """On CUDA, CUDA's own count as well: PyTorch's sync debug mode warns at every call that
+        waits for the stream (a blocking copy to the host, a stream or device synchronize), also
+        those this mode cannot see (inside C++ kernels). Each warning is recorded as a "cuda sync"
+        read; waiting for an event (the deferred agreement) is not one."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        self._sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        self._filters = warnings.filters[:]
+        warnings.filterwarnings("always", message=_CUDA_SYNC)  # every one, not once per line
+        self._showwarning = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if re.search(_CUDA_SYNC, str(message)):
+                self._record("cuda sync")
+            else:
+                self._showwarning(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
 
     def __exit__(self, *exc):
         global _ACTIVE
@@ -152,6 +181,11 @@ class HostReadAudit(TorchDispatchMode):
         for method, original in self._patched.items():
             setattr(torch.Tensor, method, original)
         self._patched.clear()
+        if self._sync_mode is not None:
+            torch.cuda.set_sync_debug_mode(self._sync_mode)
+            warnings.filters[:] = self._filters
+            warnings.showwarning = self._showwarning
+            self._sync_mode = None
         return super().__exit__(*exc)
 
     # -- reporting -----------------------------------------------------------------------------
@@ -179,6 +213,8 @@ class HostReadAudit(TorchDispatchMode):
             "deferred": sum(r.deferred for r in self.reads),
             "scheduled": sum(r.scheduled for r in self.stalls()),
             "steady_state": len(steady),
+            "cuda_syncs": sum(r.op == "cuda sync" for r in self.reads),
+            "steady_state_cuda_syncs": sum(r.op == "cuda sync" for r in steady),
             "steady_state_by_line": dict(Counter(f"{r.op} {r.where} ({r.phase})" for r in steady)),
             "by_phase": dict(Counter(f"{r.phase}" for r in self.stalls())),
             "per_step": {str(k): v for k, v in self.per_step().items()},
