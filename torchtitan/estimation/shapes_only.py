@@ -73,7 +73,7 @@ def _grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm")
 
 
-def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int,
+def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int | list[int],
                        use_grouped: bool) -> torch.Tensor:
     if use_grouped and x.dtype != torch.bfloat16:  # standing for a CPU job: the kernel's shapes alone
         return _GroupedMatmulShapes.apply(x, weight.transpose(-2, -1))

@@ -108,7 +108,9 @@ def exchange_counts(send_counts: torch.Tensor, tokens: torch.Tensor,
     received from each rank."""
     recv_counts = torch_compat_collectives.all_to_all_single(send_counts.flatten(), None, None, group).wait()
     recv_counts = recv_counts.view(send_counts.shape)
-    return recv_counts, send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+    # Both split lists in one read to the host: the dropless dispatch's only one (docs/performance.md).
+    send_splits, recv_splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
+    return recv_counts, send_splits, recv_splits
 
 
 def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -207,6 +209,19 @@ def check_moe_layout(num_experts: int, parallel_dims: ParallelDims, plan: Pipeli
         raise ConfigError(f"an MoE model under training.tensor_parallel_degree {tp} routes each tp rank's slice of "
                           f"the sequence: training.seq_len {job_config.training.seq_len} / "
                           f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
+
+
+def moe_compiles_whole(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:
+    """Whether `training.compile` can take a block with an MoE layer whole, in one graph
+    (fullgraph): in the dropping mode its shapes are fixed, with or without EP; dropless without EP
+    its counts stay on the device up to the expert matmul (one opaque operator,
+    torchtitan/models/expert_loop_op.py). Otherwise the MoE layer stays eager: dropless EP sizes its
+    all-to-alls from counts read to the host, and under TP a checkpoint wraps the compiled block
+    (tensor_parallel.apply_ac_and_compile), whose re-run in backward a compiled layer could not tell
+    from a forward, counting its routing statistics twice."""
+    if parallel_dims.tp_enabled:
+        return False
+    return job_config.moe.capacity_factor > 0 or parallel_dims.ep == 1
 
 
 # ---------------------------------------------------------------------------------------------
