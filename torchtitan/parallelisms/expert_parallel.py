@@ -211,17 +211,17 @@ def check_moe_layout(num_experts: int, parallel_dims: ParallelDims, plan: Pipeli
                           f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
 
 
-def moe_compiles_whole(parallel_dims: ParallelDims, job_config: JobConfig) -> bool:
+def moe_compiles_whole(parallel_dims: ParallelDims) -> bool:
     """Whether `training.compile` can take a block with an MoE layer whole, in one graph
-    (fullgraph): in the dropping mode its shapes are fixed, with or without EP; dropless without EP
-    its counts stay on the device up to the expert matmul (one opaque operator,
-    torchtitan/models/expert_loop_op.py). Otherwise the MoE layer stays eager: dropless EP sizes its
-    all-to-alls from counts read to the host, and under TP a checkpoint wraps the compiled block
-    (tensor_parallel.apply_ac_and_compile), whose re-run in backward a compiled layer could not tell
-    from a forward, counting its routing statistics twice."""
-    if parallel_dims.tp_enabled:
-        return False
-    return job_config.moe.capacity_factor > 0 or parallel_dims.ep == 1
+    (fullgraph): when the layer's parts are no FSDP units of their own (`moe_fsdp_units`: none
+    without EP and TP). Then both modes compile: the dropping mode's shapes are fixed, and dropless
+    keeps its counts on the device up to the expert matmul (one opaque operator,
+    torchtitan/models/expert_loop_op.py). Otherwise the routed experts stay eager: FSDP's hooks on a
+    module inside a compiled block are excluded from the graph (PyTorch 2.13), whatever the mode;
+    dropless EP also sizes its all-to-alls from counts read to the host; and under TP a checkpoint
+    wraps the compiled block (tensor_parallel.apply_ac_and_compile), whose re-run in backward a
+    compiled layer could not tell from a forward, counting its routing statistics twice."""
+    return not parallel_dims.tp_enabled and parallel_dims.ep == 1
 
 
 # ---------------------------------------------------------------------------------------------

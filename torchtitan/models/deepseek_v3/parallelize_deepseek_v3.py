@@ -106,7 +106,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
         for block in model.layers.values():
             block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
-    whole = moe_compiles_whole(parallel_dims, job_config)
+    whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
                          lambda m: apply_compile(m, moe_whole=whole))
     # (The MTP modules' dense parts join the root's FSDP unit, beside the output projection they share.)
@@ -116,7 +116,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
 
 def apply_compile(model: nn.Module, moe_whole: bool = True) -> None:
     """Every block (the MTP modules' too) compiles whole, in one graph; with `moe_whole` False
-    (expert_parallel.moe_compiles_whole: the dispatch needs host reads) MoE blocks compile their
+    (expert_parallel.moe_compiles_whole: EP or TP) MoE blocks compile their
     attention and shared experts, their routed experts running eagerly."""
     blocks = _blocks(model)
     for block in blocks:
