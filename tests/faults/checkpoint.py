@@ -44,7 +44,7 @@ if step := os.environ.get("TT_KILL_AFTER_STEP"):
         _save(self, step_done, **kwargs)
         if step_done == int(step):
             # An async save may still be writing; publishing it is collective, so every rank waits.
-            self._publish_finished_async_save(block=True)
+            self._publish_finished_async_save()
             if _rank0():
                 _die()
 

@@ -11,8 +11,8 @@ DELAY_SECONDS = 0.15
 if os.environ.get("RANK") == "1":
     _step = OptimizersContainer.step
 
-    def _slow_step(self) -> None:
+    def _slow_step(self, *args, **kwargs) -> None:
         time.sleep(DELAY_SECONDS)
-        _step(self)
+        _step(self, *args, **kwargs)
 
     OptimizersContainer.step = _slow_step

@@ -3,6 +3,8 @@ like one process (per-step losses within 1e-4 over 4 steps, final grad norm with
 seed checkpoint and global batch) or are refused before start-up with one line, as the generator
 planned. The whole matrix runs with `scripts/loss_compare.py --suite matrix` (docs/parity.md)."""
 
+import json
+
 import pytest
 
 from tests.machinery.layout_matrix import ci_points
@@ -43,3 +45,31 @@ def test_point_trains_like_one_process_or_is_refused(matrix, name):
         # step 3 and at the last step, shows whether the model learned.
         first, last = base.validations[0]["loss"], base.validations[-1]["loss"]
         assert last < first, "the held-out loss should fall between the first and the last validation"
+        check_host_reads(matrix, POINTS[name])
+
+
+# Where a steady-state step of an MoE point may still read on the host: the dropless dispatch's
+# token counts, one read per MoE layer and micro-batch (docs/performance.md, "Host reads").
+MOE_DISPATCH = ("torchtitan/models/moe.py", "torchtitan/parallelisms/expert_parallel.py")
+
+
+def steady_state_reads(folder) -> list[dict]:
+    """Every rank's host reads that stall a steady-state step (torchtitan/observability/host_reads.py)."""
+    reports = sorted((folder / "host_reads").glob("rank*.json"))
+    assert reports, f"no host-read audit in {folder}"
+    reads = []
+    for path in reports:
+        report = json.loads(path.read_text())
+        reads += [r for r in report["reads"] if r["step"] is not None and r["step"] > report["first_step"]
+                  and not r["deferred"] and not r["scheduled"]]
+    return reads
+
+
+def check_host_reads(matrix, point) -> None:
+    """A trained eager point's steady-state steps read nothing on the host (beyond an MoE point's
+    dropless dispatch), on every rank."""
+    if point.refused_by_design or not point.audit():
+        return
+    reads = steady_state_reads(matrix.harness.workdir / point.name)
+    outside = [r for r in reads if not (point.moe and r["where"].startswith(MOE_DISPATCH))]
+    assert not outside, f"{point.name}: steady-state host reads: {outside[:5]}"

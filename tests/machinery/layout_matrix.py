@@ -297,7 +297,11 @@ class Point:
         return {k: sizes[k] for k in order if k in sizes}
 
     def layout(self) -> Layout:
-        return Layout(self.name, self.nproc, self.overrides(), self.expect(), self.shared())
+        return Layout(self.name, self.nproc, (*self.overrides(), *self.audit()), self.expect(), self.shared())
+
+    def audit(self) -> tuple[str, ...]:
+        """Every eager point also counts its host reads (profiling.audit_host_reads, which compile refuses)."""
+        return () if self.value("compile") == "on" else ("--profiling.audit_host_reads",)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,16 +52,6 @@ def _layout(parallel_dims: ParallelDims) -> dict[str, int]:
             "world_size": parallel_dims.world_size}
 
 
-def _all_ranks_done(done: bool) -> bool:
-    """Whether every rank's background save has finished; a CPU tensor, so on GPUs it travels
-    over gloo without waiting for the device."""
-    if not dist.is_initialized():
-        return done
-    flag = torch.tensor([int(done)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _storage(t: Any) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.untyped_storage().data_ptr() if isinstance(local, torch.Tensor) else id(local)
@@ -109,6 +99,7 @@ class CheckpointManager:
             "rng": RNGState(self.rank),
         }
         self._in_flight: tuple[Any, str, Manifest, float] | None = None
+        self._saves_started = 0  # numbers the background writes, so an agreement names the one it saw
         self._async = None
         if self.enabled and checkpoint.async_mode != "disabled":
             from torchtitan.checkpoint.async_save import AsyncSaver
@@ -272,15 +263,19 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------------
     # Saving
 
+    def due(self, step: int, last: bool = False, force: bool = False) -> bool:
+        """Whether `save` writes at this step: every `interval`-th, the last, and when forced."""
+        hf_export = last and self.job_config.checkpoint.last_save_in_hf
+        return bool(self.enabled or hf_export) and (last or force or step % self.interval == 0)
+
     def save(self, step: int, *, last: bool = False, loss: torch.Tensor | None = None,
              grad_norm: torch.Tensor | None = None, force: bool = False) -> None:
         """Saves at every `interval`-th step, at the last one and when forced (a preemption), unless
         the step's loss or gradient norm is not finite on some rank (such a state never replaces a
         good one)."""
-        self._publish_finished_async_save(block=False)
-        hf_export = last and self.job_config.checkpoint.last_save_in_hf
-        if not (self.enabled or hf_export) or not (last or force or step % self.interval == 0):
+        if not self.due(step, last, force):
             return
+        hf_export = last and self.job_config.checkpoint.last_save_in_hf
         if not self._all_finite(loss, grad_norm):
             logger.warning(f"step {step}: the loss or gradient norm is not finite; no checkpoint is saved "
                            f"(the newest good one stays in {self.folder})")
@@ -308,7 +303,7 @@ class CheckpointManager:
 
     def _write(self, step: int, states: dict[str, Any], dtype: torch.dtype | None = None) -> None:
         start = time.perf_counter()
-        self._publish_finished_async_save(block=True)  # at most one save in flight
+        self._publish_finished_async_save()  # at most one save in flight
         self._clean_up_unfinished_saves()
         partial = os.path.join(self.folder, folders.partial_name(step, self._attempt))
         record = self.model_record()
@@ -324,6 +319,7 @@ class CheckpointManager:
         planner = SpaceCheckingSavePlanner(partial)
         if self._async is not None:
             self._in_flight = (self._async.save(states, partial, planner), partial, manifest, start)
+            self._saves_started += 1
             logger.info(f"step {step}: checkpoint staged, the training loop waited {time.perf_counter() - start:.2f}s; "
                         "the rest is written in the background")
             return
@@ -382,14 +378,25 @@ class CheckpointManager:
         kept = f"the newest checkpoint stays {newest[-1]}" if newest else "no earlier checkpoint exists"
         raise CheckpointSaveError(f"checkpoint of step {step} not saved: {error}{left}; {kept}")
 
-    def _publish_finished_async_save(self, block: bool) -> None:
+    def background_save(self) -> tuple[bool, int]:
+        """For the ranks' per-step agreement (trainer/agreement.py): whether this rank has nothing
+        to publish yet (no background write, or one still running), and which write it is."""
+        running = self._in_flight is None or not self._in_flight[0].done()
+        return running, self._saves_started
+
+    def publish_if_all_done(self, all_done: bool, save_id: int) -> None:
+        """Publishes the background write once every rank agreed it had finished. The ranks agree
+        (one step late, without a collective of its own) before any of them publishes, so one whose
+        write failed stops together with the others instead of leaving them waiting in the next
+        step's collectives. `save_id` makes sure the write agreed on is still the one in flight."""
+        if all_done and self._in_flight is not None and save_id == self._saves_started:
+            self._publish_finished_async_save()
+
+    def _publish_finished_async_save(self) -> None:
+        """Waits for the background write (if any) and publishes it, on every rank together."""
         if self._in_flight is None:
             return
         future, partial, manifest, start = self._in_flight
-        # Every rank must see the save finish at the same step: one whose write failed then stops
-        # together with the others instead of leaving them waiting in the next step's collectives.
-        if not block and not _all_ranks_done(future.done()):
-            return
         self._in_flight = None
         error = None
         try:
@@ -414,7 +421,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for the save in flight and publishes it (the last save is never left behind)."""
-        self._publish_finished_async_save(block=True)
+        self._publish_finished_async_save()
         if self._async is not None:
             self._async.close()
             self._async = None

@@ -60,6 +60,11 @@ class Profiling:
         "runs out of memory, to iteration_<last step trained>_exit/. View a file at pytorch.org/memory_viz. "
         "CUDA only: refused on other devices.")
     save_memory_snapshot_folder: str = opt("memory_snapshot", "Memory snapshot folder, relative to job.dump_folder.")
+    audit_host_reads: bool = opt(
+        False, "Record every data-dependent host read of the training loop (.item(), .tolist(), nonzero, shapes "
+        "that depend on the data), with its source line, step and phase, into <job.dump_folder>/host_reads/"
+        "rank<r>.json, and log the steady-state count (docs/performance.md, \"Host reads\"). Slows eager steps "
+        "a little; not with training.compile.")
 
 
 @dataclass

@@ -117,6 +117,10 @@ def check_profiling(config: JobConfig) -> None:
     _at_least_one({"profiling.profile_freq": profiling.profile_freq})
     if profiling.enable_profiling and profiling.profile_freq < 2:
         raise ConfigError("profiling.profile_freq must be >= 2 (one warm-up step, one recorded step)")
+    if profiling.audit_host_reads and config.training.compile:
+        raise ConfigError("profiling.audit_host_reads records the steps' ops eagerly, which torch.compile cannot trace; "
+                          "audit without training.compile (a compiled block's host reads are graph breaks, "
+                          "refused by its fullgraph compile)")
 
 
 def check_checkpoint(config: JobConfig) -> None:

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from torchtitan.errors import EXIT_HANG, Hang
+from torchtitan.observability import host_reads
 from torchtitan.runtime.reports import reporting_to_folder, write_report
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ HANG_FLAG = "torchtitan/hang"
 DUMP_FOLDER = "hang_dumps"
 # The order of a step's phases: a rank in an earlier phase of the same step is behind its peers.
 PHASES = ("start-up", "data loading", "forward/backward", "gradient norm", "agreeing to go on", "optimizer step",
-          "logging", "checkpoint save")
+          "after step", "logging", "checkpoint save")
 
 
 def collective_timeout(limit_seconds: float) -> float:
@@ -148,6 +149,7 @@ class Watchdog:
         if step is not None:
             self.step = step
         self.phase, self.since = phase, time.time()
+        host_reads.mark(self.step, phase)  # the host-read audit's step and phase, when one is on
 
     def set_limit(self, seconds: float) -> None:
         self.limit = float(seconds)

@@ -9,8 +9,10 @@ methods in the two that sequence them, train_step and end_step, and nowhere else
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import Preempted, Stopped, TrainingDiverged
 from torchtitan.models import TrainSpec
+from torchtitan.observability import host_reads
 from torchtitan.observability.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.progress import Progress
@@ -33,6 +36,7 @@ from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.runtime import collectives, process_group
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.trainer import step as shared_step
+from torchtitan.trainer.agreement import Agreed, Issued, StepAgreement
 from torchtitan.trainer.instruments import StepInstruments
 from torchtitan.trainer.summary import log_summary, newest_checkpoint
 from torchtitan.trainer.validation import Validator
@@ -124,6 +128,13 @@ class Trainer:
         self.params: list[nn.Parameter] = []  # what the gradient norm is over (the loop lists them)
         self.data_iter: Any = None  # and the instruments: from the first step on
         self.instruments: StepInstruments | None = None
+        self.agreement = StepAgreement(model.device, self.training.on_nonfinite_loss == "stop")
+        self.pending: Issued | None = None  # the agreement of a step not read yet (agree_to_continue)
+        optimizer = job_config.optimizer
+        # PyTorch's fused Adam/AdamW skip an update on the device when told (found_inf); with the
+        # parameters in host memory (CPU offload) the flag would have to come to the host first.
+        self.skips_on_device = (optimizer.fused and not optimizer.early_step_in_backward
+                                and not self.training.enable_cpu_offload)
 
     # ------------------------------------------------------------------------------------------
     # The run
@@ -162,8 +173,10 @@ class Trainer:
             self.checkpoint.export_if_missing(step)
             return "done"
         rank = process_group.rank()
+        audit = os.path.join(self.job_config.job.dump_folder, "host_reads", f"rank{rank}.json")
         with maybe_enable_profiling(self.job_config, rank, step) as profiler, \
-                maybe_enable_memory_snapshot(self.job_config, rank, step) as memory_snapshot:
+                maybe_enable_memory_snapshot(self.job_config, rank, step) as memory_snapshot, \
+                host_reads.maybe_audit(self.job_config.profiling.audit_host_reads, audit, self.first_step, logger.info):
             self.data_iter = iter(self.dataloader)
             self.instruments = StepInstruments(self.watchdog, self.first_step, profiler, memory_snapshot)
             return self.train_loop()
@@ -199,6 +212,7 @@ class Trainer:
                 micro_batches = groups.draw(self.next_batch) if groups is not None else self.next_batch()
             ran_out = self.data_ran_out(micro_batches)
         if ran_out:
+            self.settle_pending()  # the step trained last is the run's last: read its agreement first
             self.end_step(self.newest, last=True, ran_out=True)
             return False
         mark.count_tokens(micro_batches)
@@ -210,9 +224,8 @@ class Trainer:
                 every_step.average_gradients(self.params)
         with mark.phase("gradient norm"):
             grad_norm = self.gradient_norm()
-            nonfinite = self.nonfinite(loss, grad_norm)  # waits for the step's kernels
         with mark.phase("agreeing to go on"):
-            stop_signal = self.agree_to_continue(step, loss, grad_norm, nonfinite)
+            stop_signal, found_inf = self.agree_to_continue(step, loss, grad_norm)
             if every_step is not None:
                 if not every_step.commit():  # too few groups, or one failed: the step is tried again
                     self.train_state.step -= 1
@@ -220,7 +233,7 @@ class Trainer:
                 step = self.train_state.step  # a group that recovered this step took the peers' count
         with mark.phase("optimizer step"):
             with mark.own_time():
-                self.optimizer_step()
+                self.optimizer_step(found_inf)
             lr = self.finish_update()
         if self.semi_sync is not None:
             with mark.phase("averaging across replica groups"):
@@ -229,7 +242,7 @@ class Trainer:
             step = self.train_state.step  # a group that recovered at this sync took the peers' count
         result = self.newest = StepResult(step, loss, grad_norm, lr, stop_signal)
         last = step == self.training.steps
-        with mark.phase("logging"):
+        with mark.phase("after step"):
             result.report = self.after_step(result, self.log_due(result, last))
         self.end_step(result, last)
         return True
@@ -273,27 +286,64 @@ class Trainer:
         return grad_clip.clip_grad_norm_(self.params, self.training.max_norm, self.parallel_dims.pp_mesh,
                                        uncounted=tied.uncounted if tied is not None else ())
 
-    def nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether this rank's loss or gradient norm is not finite, where that stops the run
-        (training.on_nonfinite_loss)."""
-        return self.training.on_nonfinite_loss == "stop" and not bool((torch.isfinite(grad_norm) & torch.isfinite(loss)).item())
+    def agree_to_continue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Once per step the ranks agree on whether to go on (trainer/agreement.py): a stop signal
+        seen by any rank, a non-finite loss or gradient norm on any rank (raised, before any later
+        step is applied: the model and every checkpoint stay good), and whether the background
+        checkpoint write has finished everywhere. The agreement is issued now and read during the
+        next step, unless this step reads on the host anyway (it logs, saves or validates, or is
+        the last) or the optimizer cannot skip a non-finite step on the device. Returns the stop
+        signal agreed (0: none) and the device flag that skips this step's update (None: not needed)."""
+        issued = self.agreement.issue(step, self.stops.requested if self.stops else 0, self.checkpoint.background_save(),
+                                      loss, grad_norm)
+        earlier, self.pending = self.pending, None
+        stop_signal = self.act_on(self.agreement.read(earlier, deferred=True)) if earlier is not None else 0
+        if self.settles_every_step:
+            stop_signal = max(stop_signal, self.act_on(self.agreement.read(issued, deferred=False)))
+        elif self.reads_anyway(step, stop_signal):
+            with host_reads.scheduled_read():
+                stop_signal = max(stop_signal, self.act_on(self.agreement.read(issued, deferred=False)))
+        else:
+            self.pending = issued
+        return stop_signal, issued.found_inf if self.skips_on_device else None
 
-    def agree_to_continue(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite: bool) -> int:
-        """Once per step the ranks agree on whether to go on: a stop signal seen by any rank (returned,
-        0 for none), a non-finite loss or gradient norm on any rank (raised; checked before the step
-        is applied, so the model and every checkpoint stay good)."""
-        stop_signal, diverged = collectives.max_across_ranks([self.stops.requested if self.stops else 0, nonfinite])
-        if diverged:
-            loss_value = global_loss(loss, self.parallel_dims, self.pipeline is not None)
+    @property
+    def settles_every_step(self) -> bool:
+        """Whether every step must read its agreement before its update: the update was applied in
+        backward, is committed across replica groups this step, or cannot be skipped on the device."""
+        return (self.job_config.optimizer.early_step_in_backward or self.replica_groups is not None
+                or (self.training.on_nonfinite_loss == "stop" and not self.skips_on_device))
+
+    def reads_anyway(self, step: int, stop_signal: int) -> bool:
+        """Whether this step reads on the host anyway (it logs, saves or validates, or is the last),
+        so its agreement is read at once and the step ends exactly as it would have."""
+        last = step == self.training.steps
+        return (last or self.log_due_at(step, stop_signal, last)
+                or self.checkpoint.due(step, last, force=self.preempted_at(step, stop_signal))
+                or (self.validator is not None and self.validator.due(step)))
+
+    def settle_pending(self) -> int:
+        """Reads the agreement still pending (before the run ends with the step it was for)."""
+        earlier, self.pending = self.pending, None
+        return self.act_on(self.agreement.read(earlier, deferred=False)) if earlier is not None else 0
+
+    def act_on(self, agreed: Agreed) -> int:
+        """Raises for a non-finite step; publishes the background checkpoint write every rank
+        finished; returns the stop signal."""
+        if agreed.nonfinite:
+            loss_value = global_loss(agreed.loss, self.parallel_dims, self.pipeline is not None)
             applied = ("was applied in backward (optimizer.early_step_in_backward) but is in no checkpoint"
                        if self.job_config.optimizer.early_step_in_backward else "was not applied")
-            raise TrainingDiverged(f"non-finite loss at step {step} (loss {loss_value:.4g}, gradient norm "
-                                   f"{grad_norm.item():.4g}); the step {applied}; lower optimizer.lr or raise "
+            raise TrainingDiverged(f"non-finite loss at step {agreed.step} (loss {loss_value:.4g}, gradient norm "
+                                   f"{agreed.grad_norm.item():.4g}); the step {applied}; lower optimizer.lr or raise "
                                    "training.warmup_steps, then resume")
-        return int(stop_signal)
+        with host_reads.scheduled_read():  # once per background save: its publishing agrees across ranks
+            self.checkpoint.publish_if_all_done(agreed.saves_done, agreed.save_id)
+        return agreed.stop_signal
 
-    def optimizer_step(self) -> None:
-        self.optimizers.step()
+    def optimizer_step(self, found_inf: torch.Tensor | None = None) -> None:
+        """The update; `found_inf` (on the device) skips it inside the fused kernel when set."""
+        self.optimizers.step(found_inf)
 
     def finish_update(self) -> float:
         """What follows the parameter update: float8 scales for FSDP's next all-gather, the LR
@@ -326,17 +376,22 @@ class Trainer:
         last step trained once more, as the run's last (`result` None: none was trained): the line,
         checkpoint and validation its own tail left for a later step are done now."""
         mark, step = self.instruments, self.train_state.step
+        # What follows reads on the host only on the steps it serves (the host-read audit's "scheduled").
         with mark.phase("logging", step):
             if self.log_due(result, last):
-                self.log(result)
+                with host_reads.scheduled_read():
+                    self.log(result)
         with mark.phase("checkpoint save", step):
-            self.save(step, result, last)
+            due = self.checkpoint.due(step, last, force=self.preempted(result))
+            with host_reads.scheduled_read() if due else contextlib.nullcontext():
+                self.save(step, result, last)
         if not ran_out:  # the step's own tail
             mark.step_done()  # the profiler's and the memory snapshot's step
             self.stop_if_agreed(result)
         if self.validation_due(result, last):
             # A stop abandons a validation, since the step after it stops the run; none follows the last.
-            self.validate_in_run(step, None if ran_out else self.stops)
+            with host_reads.scheduled_read():
+                self.validate_in_run(step, None if ran_out else self.stops)
         if not ran_out:
             self.progress.step_done(step)
             if step == self.first_step:
@@ -344,10 +399,13 @@ class Trainer:
                 self.log_state_bytes()
 
     def log_due(self, result: StepResult | None, last: bool) -> bool:
-        # The last step before a stop is logged too, so a resumed run's metrics have no gap.
         if result is None or self.logged >= result.step:
             return False
-        return last or bool(result.stop_signal) or result.step == 1 or result.step % self.job_config.metrics.log_freq == 0
+        return self.log_due_at(result.step, result.stop_signal, last)
+
+    def log_due_at(self, step: int, stop_signal: int, last: bool) -> bool:
+        # The last step before a stop is logged too, so a resumed run's metrics have no gap.
+        return last or bool(stop_signal) or step == 1 or step % self.job_config.metrics.log_freq == 0
 
     def validation_due(self, result: StepResult | None, last: bool) -> bool:
         if self.validator is None or result is None or self.validated >= result.step:
@@ -377,9 +435,11 @@ class Trainer:
         self.logged = result.step
 
     def preempted(self, result: StepResult | None) -> bool:
+        return result is not None and self.preempted_at(result.step, result.stop_signal)
+
+    def preempted_at(self, step: int, stop_signal: int) -> bool:
         """SIGTERM or SIGUSR1 (preemption, a time limit coming): the step all ranks agreed on is saved."""
-        return (result is not None and result.stop_signal in PREEMPTION_SIGNALS and result.step < self.training.steps
-                and self.checkpoint.enabled)
+        return stop_signal in PREEMPTION_SIGNALS and step < self.training.steps and self.checkpoint.enabled
 
     def save(self, step: int, result: StepResult | None, last: bool) -> None:
         """The checkpoint, when due; the step's own loss and gradient norm keep a non-finite state

@@ -59,8 +59,11 @@ class OptimizersContainer(Stateful):
         # Each part's optimizers, for the state dict: one here, one per parameter when they step in backward.
         self._part_optimizers = [[optimizer] for optimizer in self.optimizers]
 
-    def step(self) -> None:
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """One update of every part. `found_inf`: a 0-dim device tensor, 1.0 to skip the update
+        (the fused kernels read it on the device, as for GradScaler, and roll their step count back)."""
         for optimizer in self.optimizers:
+            optimizer.found_inf = found_inf  # torch's Adam/AdamW read it at every step; None: no skip
             optimizer.step()
         if self.zero1 is not None:
             self.zero1.broadcast_updates()
@@ -124,8 +127,8 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def step(self) -> None:
-        """Nothing: every parameter stepped in backward."""
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """Nothing: every parameter stepped in backward (the trainer reads its agreement at once)."""
 
     def zero_grad(self) -> None:
         self._norms.clear()
