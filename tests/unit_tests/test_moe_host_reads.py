@@ -1,10 +1,10 @@
-"""Host reads of an MoE layer (docs/performance.md, "Host reads of MoE layers"): none in the
+"""Host reads of an MoE layer, as HostReadAudit counts them (docs/performance.md, "Host reads of
+MoE layers"): none in the
 dropping mode, with or without expert parallelism (a one-rank gloo group runs EP's real dispatch
 in-process); dropless exactly the documented count per layer (0 with the grouped kernel, 1 with
 the loop or with EP's split sizes, 2 with both); the statistics after each step read nothing on
 steps that do not log."""
 
-import traceback
 import types
 
 import pytest
@@ -12,45 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.models.moe import MoE
+from torchtitan.observability.host_reads import HostReadAudit
 from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, moe_after_step
 
 DIM, HIDDEN, EXPERTS, TOP_K = 16, 24, 4, 2  # multiples of 8: torch._grouped_mm runs them on CPU in fp32
-
-
-class HostReads(TorchDispatchMode):
-    """Records each op that needs a tensor's values on the host (or whose shape depends on them),
-    and each Tensor.tolist / item, with the innermost torchtitan line that asked for it."""
-
-    WATCHED = ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "repeat_interleave",
-               "aten.equal")
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.reads: list[tuple[str, str]] = []
-        for name in ("tolist", "item"):
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original))
-
-    def _where(self) -> str:
-        frames = [f for f in traceback.extract_stack() if "/torchtitan/" in f.filename]
-        return f"{frames[-1].filename.rsplit('/torchtitan/', 1)[1]}:{frames[-1].name}" if frames else "?"
-
-    def _recording(self, name, original):
-        def read(tensor, *args, **kwargs):
-            self.reads.append((name, self._where()))
-            with torch._C.DisableTorchFunctionSubclass():
-                return original(tensor, *args, **kwargs)
-        return read
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(name in str(func) for name in self.WATCHED):
-            # (repeat_interleave given its output size reads nothing)
-            if not ("repeat_interleave" in str(func) and (kwargs or {}).get("output_size") is not None):
-                self.reads.append((str(func), self._where()))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -73,35 +40,41 @@ def make_moe(capacity_factor, use_grouped_mm):
     return moe
 
 
-def reads_of_a_step(moe, monkeypatch):
-    """The host reads of one forward and backward of the layer (inputs made outside the watch)."""
+def reads(audit):
+    """(op, file, function) of each read the audit saw (line numbers left out)."""
+    return [(r.op, r.where.split(":")[0], r.where.rsplit(" ", 1)[1]) for r in audit.reads]
+
+
+def reads_of_a_step(moe):
+    """The host reads of one forward and backward of the layer (inputs made outside the audit)."""
     x = torch.randn(2, 12, DIM, requires_grad=True)
     g = torch.randn(2, 12, DIM)
-    with monkeypatch.context() as patched, HostReads(patched) as audit:
+    with HostReadAudit() as audit:
         (moe(x) * g).sum().backward()
-    return audit.reads
+    return reads(audit)
 
 
 @pytest.mark.parametrize("use_grouped_mm", [None, False])
-def test_the_dropping_mode_reads_nothing_with_or_without_expert_parallelism(monkeypatch, ep_mesh, use_grouped_mm):
+def test_the_dropping_mode_reads_nothing_with_or_without_expert_parallelism(ep_mesh, use_grouped_mm):
     local, sharded = make_moe(1.0, use_grouped_mm), make_moe(1.0, use_grouped_mm)
     apply_expert_parallel([sharded], ep_mesh)
-    assert reads_of_a_step(local, monkeypatch) == []
-    assert reads_of_a_step(sharded, monkeypatch) == []
+    assert reads_of_a_step(local) == []
+    assert reads_of_a_step(sharded) == []
     assert local.take_step_stats().dropped_tokens > 0  # the mode did drop: its bookkeeping ran
 
 
 @pytest.mark.parametrize("use_grouped_mm, ep, expected", [
     (None, False, []),
-    (False, False, [("tolist", "models/moe.py:forward")]),
-    (None, True, [("tolist", "parallelisms/expert_parallel.py:exchange_counts")]),
-    (False, True, [("tolist", "parallelisms/expert_parallel.py:exchange_counts"), ("tolist", "models/moe.py:forward")]),
+    (False, False, [("tolist", "torchtitan/models/moe.py", "forward")]),
+    (None, True, [("tolist", "torchtitan/parallelisms/expert_parallel.py", "exchange_counts")]),
+    (False, True, [("tolist", "torchtitan/parallelisms/expert_parallel.py", "exchange_counts"),
+                   ("tolist", "torchtitan/models/moe.py", "forward")]),
 ])
-def test_dropless_reads_the_documented_count(monkeypatch, ep_mesh, use_grouped_mm, ep, expected):
+def test_dropless_reads_the_documented_count(ep_mesh, use_grouped_mm, ep, expected):
     moe = make_moe(0.0, use_grouped_mm)
     if ep:
         apply_expert_parallel([moe], ep_mesh)
-    assert reads_of_a_step(moe, monkeypatch) == expected
+    assert reads_of_a_step(moe) == expected
 
 
 def _model_with(moe):
@@ -110,17 +83,17 @@ def _model_with(moe):
     return part
 
 
-def test_the_statistics_after_a_step_read_only_on_logging_steps(monkeypatch):
+def test_the_statistics_after_a_step_read_only_on_logging_steps():
     from torchtitan.models.deepseek_v3.after_step import deepseek_v3_after_step
 
     moe = make_moe(0.5, None)
     one_process = types.SimpleNamespace(stage_mesh=None, pp_enabled=False, pp=1, moe_gradient_divide_factor=1)
     for after_step in (moe_after_step, deepseek_v3_after_step):
         moe(torch.randn(2, 12, DIM))
-        with monkeypatch.context() as patched, HostReads(patched) as audit:
+        with HostReadAudit() as audit:
             assert after_step([_model_with(moe)], one_process, log=False) is None
         assert audit.reads == []
         moe(torch.randn(2, 12, DIM))
-        with monkeypatch.context() as patched, HostReads(patched) as audit:
+        with HostReadAudit() as audit:
             values, _ = after_step([_model_with(moe)], one_process, log=True)
         assert values["moe_dropped_tokens/layer0"] > 0 and audit.reads  # the watch sees the logging reads
