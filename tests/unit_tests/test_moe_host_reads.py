@@ -96,4 +96,5 @@ def test_the_statistics_after_a_step_read_only_on_logging_steps():
         moe(torch.randn(2, 12, DIM))
         with HostReadAudit() as audit:
             values, _ = after_step([_model_with(moe)], one_process, log=True)
-        assert values["moe_dropped_tokens/layer0"] > 0 and audit.reads  # the watch sees the logging reads
+        assert values["moe_dropped_tokens/layer0"] > 0 and audit.reads
+        assert all(r.scheduled for r in audit.reads)  # marked as a logging step's, outside the steady state

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
+from torchtitan.observability import host_reads
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
@@ -289,6 +290,13 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
         layer.update_expert_bias(row[:-2])
     if not log:
         return None
+    with host_reads.scheduled_read():  # a logging step's reads (the audit's steady state leaves them out)
+        return _logged_report(layers, per_layer, parallel_dims)
+
+
+def _logged_report(layers: list, per_layer: torch.Tensor | None,
+                   parallel_dims: ParallelDims) -> tuple[dict[str, float], str] | None:
+    """`moe_after_step`'s report on a logging step, from the per-layer rows summed over the stage."""
     # Each rank's auxiliary loss is its share of a mean over the dp x cp ranks (tp ranks hold disjoint parts).
     n_dp = parallel_dims.moe_gradient_divide_factor
     # (max, mean, aux, dropped or None when dropless, routed pairs) per layer
