@@ -17,7 +17,7 @@ that default to "one device, real tensors". torchtitan/parallelisms/expert_paral
 - `MoE.capacity_factor` (`moe.capacity_factor`): 0 routes dropless; above 0, the dropping mode.
 
 The dry run (torchtitan/estimation/shapes_only.py) replaces the two that need values, on fake
-tensors that have none: `MoE.count_tokens` (bincount of the routing) and `GroupedExperts.kernels`
+tensors that have none: `MoE.count_tokens` (tokens per expert of the routing) and `GroupedExperts.kernels`
 (which expert matmul runs, and running it).
 
 Routing (`TokenChoiceRouter`): softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) scores in fp32, the
