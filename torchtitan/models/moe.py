@@ -102,6 +102,13 @@ def expert_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch.T
     return counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
 
 
+@torch.compiler.assume_constant_result
+def _cuda_major_version(device: torch.device) -> int:
+    """The device's compute capability major version; a constant to torch.compile, which asks it while
+    tracing a compiled MoE block instead of tracing the device query."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `F.grouped_mm` runs these operands on their device: CUDA from compute
     capability 9.0 (bf16), CPU in fp32 outside torch.compile (its bf16 backward fails on CPU);
@@ -111,7 +118,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if any(d % 8 for w in weights for d in w.shape[1:]) or x.shape[-1] % 8:
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return x.dtype == torch.bfloat16 and _cuda_major_version(x.device) >= 9
     # Under torch.compile the operator's shape function accepts bf16 only (PyTorch 2.13).
     return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
 
