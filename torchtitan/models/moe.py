@@ -355,6 +355,7 @@ class MoE(nn.Module):
         # The same ops run either way (adding zero when not counting): op-level activation
         # checkpointing matches the ops of the re-run to those of the forward.
         counting = float(self.count_step_stats and not _in_backward())
+        # add_, not +=, whose re-assignment of the buffer dynamo refuses inside a compiled checkpoint.
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype) * counting)
             if dropped is not None:
