@@ -6,7 +6,8 @@ Runs the real trainer in the repository root as scripts/benchmark.py does (torch
 > 1, OMP_NUM_THREADS = --threads) with its own profiler on: `--profiling.profile_freq N` records
 step N (--profile-step) after N - 2 plain steps and one profiler warm-up step, one chrome trace
 per rank. Each trace is broken down by torchtitan/tools/op_breakdown.py (how time is attributed is
-explained there): a markdown table for rank 0, and the mean over ranks when there are several.
+explained there): a markdown table for rank 0, and the mean over ranks when there are several,
+each with communication split into exposed (in the step's sum) and overlapped (hidden under the rest).
 The model's TFLOP/s and MFU are the trainer's own (metrics.jsonl of rank 0) for the profiled step,
 next to the tokens/s of the steps run without the profiler (on a shared machine, noise can
 exceed what profiling costs). Inductor's CPU kernels are
@@ -98,14 +99,23 @@ def table(b: Breakdown, peak: float | None, metrics: dict) -> str:
     row = metrics.get("profiled")
     model = f"{row['tflops']:.3f} model (MFU {row['mfu_percent']:.1f} %)" if row else ""
     lines.append(f"| **step** | **{b.step_ms:,.1f}** | **100.0** | {model} |")
+    lines.append(f"| communication overlapped (hidden, not in the step) | {b.overlapped_ms:,.1f} | "
+                 f"{100 * b.overlapped_ms / b.step_ms if b.step_ms else 0:.1f} | |")
     return "\n".join(lines)
+
+
+def exposure_line(b: Breakdown) -> str:
+    e = b.exposure()
+    return (f"Per step: compute {e['compute']:,.1f} ms, exposed communication {e['exposed_comm']:,.1f} ms, "
+            f"overlapped communication {e['overlapped_comm']:,.1f} ms, idle/other {e['other']:,.1f} ms.")
 
 
 def report(breakdowns: list[Breakdown], peak: float | None, source: str, step: int, metrics: dict) -> str:
     b0 = breakdowns[0]
-    out = [f"Step {step}, {b0.timeline}, rank 0:", "", table(b0, peak, metrics)]
+    out = [f"Step {step}, {b0.timeline}, rank 0:", "", table(b0, peak, metrics), "", exposure_line(b0)]
     if len(breakdowns) > 1:
-        out += ["", f"Mean over {len(breakdowns)} ranks:", "", table(mean_breakdown(breakdowns), peak, metrics)]
+        mean = mean_breakdown(breakdowns)
+        out += ["", f"Mean over {len(breakdowns)} ranks:", "", table(mean, peak, metrics), "", exposure_line(mean)]
     out += ["", f"Peak: {peak / 1e12:.3f} TFLOP/s ({source})." if peak else f"Peak: none ({source})."]
     if metrics.get("profiled"):
         line = f"Tokens/s (rank 0): {metrics['profiled']['tokens_per_second']:,.0f} in the profiled step"

@@ -136,3 +136,33 @@ def test_a_flagged_step_is_skipped_by_the_fused_optimizer_and_an_unflagged_one_i
     assert all(torch.equal(before[n], p) for n, p in flagged.named_parameters())
     for k, s in flagged_opt.optimizers[0].state.items():
         assert all(torch.equal(state[k][n], v) for n, v in s.items()), k
+
+
+def test_the_vocabulary_masks_write_what_torch_writes_without_reading():
+    from torch.distributed.tensor import placement_types
+    from torch.distributed.tensor._ops._mask_buffer import MaskBuffer
+
+    from torchtitan.runtime.torch_compat import dtensor_masks
+
+    dtensor_masks.mask_without_host_reads()
+    dtensor_masks.mask_without_host_reads()  # idempotent: the originals stay torch's
+    torch_mask_tensor, torch_apply_mask = (dtensor_masks.TORCH_ORIGINALS[k] for k in ("mask_tensor", "apply_mask"))
+    assert "torchtitan" not in torch_mask_tensor.__module__ and "torchtitan" not in torch_apply_mask.__module__
+    ids = torch.randint(0, 64, (3, 17))
+    for offset, size in ((0, 16), (16, 16), (48, 16)):
+        with HostReadAudit() as audit:
+            mask, masked = placement_types._MaskPartial._mask_tensor(ids, offset, size)
+        assert audit.reads == []
+        ref_mask, ref_masked = torch_mask_tensor(ids, offset, size)
+        assert torch.equal(mask, ref_mask) and torch.equal(masked, ref_masked)
+        for out in (torch.randn(3, 17), torch.randn(3, 17, 8)):  # a gather's output, an embedding's rows
+            ours, theirs = MaskBuffer(), MaskBuffer()
+            ours.materialize_mask(mask)
+            theirs.materialize_mask(mask)
+            mine, ref = out.clone(), out.clone()
+            with HostReadAudit() as audit:
+                ours.apply_mask(mine)
+            torch_apply_mask(theirs, ref)
+            assert audit.reads == [] and torch.equal(mine, ref)
+    with pytest.raises(RuntimeError, match="not been materialized"):
+        MaskBuffer().apply_mask(torch.zeros(2))

@@ -85,25 +85,29 @@ def test_cpu_attribution_is_exact():
     b = breakdown(cpu_trace())
     assert b.timeline == "main thread (CPU)" and b.steps == 1 and b.step_ms == 1.0
     expected_us = {"matmul": 100 + 80, "attention": 100, "elementwise": 40 + 5, "copy": 10 + 20, "loss": 40,
-                   "communication": 40 + (80 - 20) + 20, "optimizer": 300 - 20}
+                   "communication": 40 + (80 - 20) + 20 + (10 + 10), "optimizer": 300 - 20}
     expected_us["other"] = 1000 - sum(expected_us.values())
-    assert expected_us["other"] == 10 + 10 + 20 + 10 + 10 + 10 + 10 + 10 + 20 + 95  # gaps and wrapper overhead
+    assert expected_us["other"] == 10 + 10 + 20 + 10 + 10 + 10 + 10 + 20 + 95 - 10  # gaps and wrapper overhead
     assert {c: round(ms * 1e3, 6) for c, ms in b.ms.items()} == expected_us
     assert sum(b.share(c) for c in CATEGORIES) == pytest.approx(100)
     assert b.other_threads_ms == 1.0
+    # gloo's all-reduce (500-600 us) is hidden only under the FSDP span's copy (515-535); the gaps
+    # 500-510 and 590-600 (outside any event) are waits for it, so exposed communication above.
+    assert b.overlapped_ms * 1e3 == pytest.approx(20)
+    assert dict(b.top["communication"])["(waiting, no event: a collective in flight)"] == pytest.approx(0.02)
     # Only the innermost matmuls outside other regions: not aten::linear/matmul around the forward mm,
     # not the mm inside the optimizer.
     assert b.matmul_flops == 3 * 2 * 64 * 32 * 16
     assert b.tflops("matmul") == pytest.approx(b.matmul_flops / 180e-6 / 1e12)
     assert b.attention_flops == 2 * 2 * 4 * 32 * 32 * (8 + 8) / 2  # causal: half
     assert b.tflops("loss") is None and b.compute_dtype == "float32"
-    assert b.top["other"][0] == ("(outside any event)", pytest.approx(0.185))
+    assert b.top["other"][0] == ("(outside any event)", pytest.approx(0.165))
     assert dict(b.top["optimizer"])["aten::copy_"] == pytest.approx(0.02)
 
 
 def test_steps_and_ranks_are_averaged():
     trace = cpu_trace()
-    second = [{**e, "ts": e["ts"] + 2000} for e in trace["traceEvents"] if e["tid"] == MAIN]
+    second = [{**e, "ts": e["ts"] + 2000} for e in trace["traceEvents"] if e["tid"] in (MAIN, HELPER)]
     second[0]["name"] = "ProfilerStep#5"
     one = breakdown(trace)
     two = breakdown({"traceEvents": trace["traceEvents"] + second})
@@ -140,7 +144,69 @@ def test_gpu_kernels_take_their_launching_op_category():
     assert {c: round(ms * 1e3, 6) for c, ms in b.ms.items() if ms} == {
         "matmul": 300 + 50, "communication": 200 - 50, "elementwise": 200, "other": 100 + 300}
     assert b.matmul_flops == 2 * 2 * 256**3  # both threads' mms
+    # The all-reduce kernel (300-600) runs under the gemms on another stream for 300-400 and 450-500.
+    assert b.overlapped_ms * 1e3 == pytest.approx(100 + 50)
+    assert b.exposure()["exposed_comm"] * 1e3 == pytest.approx(150)
     assert b.tflops("matmul") == pytest.approx(b.matmul_flops / 350e-6 / 1e12)
+
+
+def test_exposed_and_overlapped_communication_on_cpu():
+    """A synchronous collective is exposed even though gloo's thread moves its bytes; an
+    asynchronous one (FSDP's prefetch) is overlapped while the main thread computes and exposed
+    from the moment the main thread waits for it (the self time of the copy-out, or no event at all)."""
+    gloo = HELPER
+    events = [
+        op("ProfilerStep#2", 0, 1000, cat="user_annotation"),
+        # synchronous: the main thread sits in the collective while gloo runs it
+        op("FSDP::all_gather (layers.0)", 100, 100, cat="user_annotation"),
+        op("c10d::_allgather_base_", 105, 90),
+        op("gloo:all_gather", 106, 88, tid=gloo, cat="user_annotation"),
+        # asynchronous: issued in 5 us, in flight 306-700 while the main thread computes until 600
+        op("FSDP::forward_prefetch for layers.1", 300, 5, cat="user_annotation"),
+        op("c10d::_allgather_base_", 300, 5),
+        op("gloo:all_gather", 306, 394, tid=gloo, cat="user_annotation"),
+        mm(305, 295, 64, 64, 64),
+        # the copy-out waits 600-700 for it, then copies 700-720
+        op("FSDP::all_gather_copy_out (layers.1)", 600, 120, cat="user_annotation"),
+        op("fsdp::split_with_sizes_copy", 700, 20),
+        mm(720, 200, 64, 64, 64),
+        # issued asynchronously and waited for with no event (Work.wait()): exposed
+        op("c10d::allreduce_", 930, 5), op("gloo:all_reduce", 935, 40, tid=gloo, cat="user_annotation"),
+        op("aten::sqrt", 975, 5),
+        # a collective after the step ends counts nothing
+        op("gloo:all_reduce", 1001, 50, tid=gloo, cat="user_annotation"),
+    ]
+    b = breakdown({"traceEvents": events})
+    exposed_us = 100 + 5 + 100 + 5 + 40
+    overlapped_us = 600 - 306
+    assert b.ms["communication"] * 1e3 == pytest.approx(exposed_us)
+    assert b.overlapped_ms * 1e3 == pytest.approx(overlapped_us)
+    e = b.exposure()
+    assert e["compute"] * 1e3 == pytest.approx(295 + 20 + 200 + 5)
+    assert e["compute"] + e["exposed_comm"] + e["other"] == pytest.approx(b.step_ms)
+    # Without the prefetch, the same all-gather waited for where it is issued is exposed, not hidden.
+    sync = [*events[:4], *events[11:14], op("FSDP::all_gather (layers.1)", 300, 400, cat="user_annotation"),
+            op("gloo:all_gather", 301, 398, tid=gloo, cat="user_annotation"),
+            op("FSDP::all_gather_copy_out (layers.1)", 700, 20, cat="user_annotation"),
+            op("fsdp::split_with_sizes_copy", 700, 20), mm(720, 200, 64, 64, 64)]
+    b = breakdown({"traceEvents": sync})
+    assert b.overlapped_ms == 0 and b.ms["communication"] * 1e3 == pytest.approx(100 + 400 + 5 + 40)
+
+
+def test_pipeline_send_and_receive_in_flight_on_the_issuing_thread():
+    """gloo records a point-to-point send or receive on the thread that issued it, from issue to
+    completion: a send under compute is overlapped, a receive waited for with no event is exposed."""
+    events = [
+        op("ProfilerStep#2", 0, 1000, cat="user_annotation"),
+        op("c10d::send", 100, 5), op("gloo:send", 104, 296, cat="user_annotation"),
+        mm(105, 295, 64, 64, 64),
+        op("c10d::recv_", 500, 2), op("gloo:recv", 501, 299, cat="user_annotation"),
+        mm(800, 100, 64, 64, 64),
+    ]
+    b = breakdown({"traceEvents": events})
+    assert b.overlapped_ms * 1e3 == pytest.approx(400 - 105)
+    assert b.ms["communication"] * 1e3 == pytest.approx(5 + 2 + (800 - 502))
+    assert b.ms["matmul"] * 1e3 == pytest.approx(295 + 100)
 
 
 @pytest.mark.parametrize("name,category", [
@@ -164,7 +230,7 @@ def test_gpu_kernels_take_their_launching_op_category():
     ("aten::view", None), ("aten::t", None), ("MmBackward0", None), ("Torch-Compiled Region: 0/0", None),
     ("## Call CompiledFxGraph abc ##", None), ("aten::hadamard", "elementwise"),
     ("FSDP::all_gather (layers.0)", "communication"), ("FSDP::post_backward_reduce", "communication"),
-    ("FSDP::all_gather_copy_out (layers.0)", None), ("FSDP::pre_forward (layers.0)", None),
+    ("FSDP::all_gather_copy_out (layers.0)", "communication"), ("FSDP::pre_forward (layers.0)", None),
 ])
 def test_categories(name, category):
     assert categorize(name) == category

@@ -27,34 +27,26 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
 
-aten = torch.ops.aten
-
-# Ops that give the host a value the device computed, or whose output shape depends on the data
-# (the host must read a count before it can allocate the result).
-_READ_OPS = {
-    aten._local_scalar_dense.default: "item",  # .item(), bool(t), float(t), int(t), if t:
-    aten.nonzero.default: "nonzero",  # also boolean-mask indexing and argwhere
-    aten.masked_select.default: "masked_select",
-    aten._unique2.default: "unique",
-    aten.unique_dim.default: "unique",
-    aten.unique_consecutive.default: "unique_consecutive",
-    aten.equal.default: "equal",
-    aten.bincount.default: "bincount",
-}
-_REPEAT_INTERLEAVE = (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
-# Indexing with a boolean mask (x[mask], x[mask] = v) counts the mask's true entries first.
-_INDEX = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
-
-
-def _boolean_mask(indices) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+from torchtitan.runtime.torch_compat.dispatch import (
+    BOOLEAN_MASK_OPS,
+    HOST_READ_OPS,
+    REPEAT_INTERLEAVE_OPS,
+    FakeTensor,
+    TorchDispatchMode,
+    tree_leaves,
+)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torchtitan/
 _THIS_FILE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(_PACKAGE)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _boolean_mask(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
 
 @dataclass
 class HostRead:
@@ -123,10 +115,18 @@ class HostReadAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _READ_OPS.get(func)
-        if name is None and func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
+        leaves = tree_leaves((args, kwargs))
+        if any(isinstance(t, DTensor) for t in leaves):
+            # Handing a DTensor op on keeps this mode active inside DTensor's own dispatch, so the
+            # local ops it runs (a vocabulary-sharded embedding's mask, a redistribution) are seen
+            # and counted there, once.
+            return NotImplemented
+        if any(isinstance(t, FakeTensor) for t in leaves):
+            return func(*args, **kwargs)  # sharding propagation's metadata: no data to read
+        name = HOST_READ_OPS.get(func)
+        if name is None and func in REPEAT_INTERLEAVE_OPS and kwargs.get("output_size") is None:
             name = "repeat_interleave"
-        if name is None and func in _INDEX and _boolean_mask(args[1] if len(args) > 1 else kwargs.get("indices")):
+        if name is None and func in BOOLEAN_MASK_OPS and _boolean_mask(args[1] if len(args) > 1 else kwargs.get("indices")):
             name = "boolean mask"
         if name is not None:
             self._record(name)

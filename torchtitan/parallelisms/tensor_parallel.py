@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
+from torchtitan.runtime.torch_compat import dtensor_masks as torch_compat_dtensor_masks
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def apply_root_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, se
     parallelism); the output projection by vocabulary columns, and with loss parallelism its
     logits stay sharded into the cross-entropy."""
     seq = Shard(1) if sequence_parallel else Replicate()
+    torch_compat_dtensor_masks.mask_without_host_reads()  # the embedding's and the loss's vocabulary masks
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),

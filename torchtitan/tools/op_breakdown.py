@@ -29,6 +29,21 @@ there is none), overlapping kernels on several streams count once, with compute 
 communication (so communication is what is exposed), and gaps are idle. (That path has been
 checked on hand-built traces only, no real CUDA trace yet.)
 
+Exposed and overlapped communication. The communication share above is *exposed*: time the step's
+timeline spent in a collective or waiting for one, with no compute of its own. *Overlapped*
+communication is reported beside the shares, not in them: the time a collective was in flight
+while the timeline did something else. On CPU a collective issued asynchronously (FSDP's
+prefetched all-gathers, gloo's work queue) runs on gloo's own threads, which record it as a
+`gloo:*` span; the union of those spans (and of any other communication event off the main
+thread, and gloo's point-to-point sends and receives, which the issuing thread records from issue
+to completion), minus the main thread's own communication time, is overlapped: while the main thread
+waits for a collective, that collective is exposed, whichever thread moves its bytes. Waiting on a
+collective's Work (`wait()`, a pipeline's receive, the gradient-norm all-reduce) records no event,
+so main-thread time outside any event while a collective is in flight counts as exposed too (at
+worst it was Python between ops; that is small beside a wait). On the GPU
+timeline a communication kernel that runs while a compute kernel runs on another stream is
+overlapped; one running alone is exposed.
+
 Achieved FLOP/s of a category are its FLOPs over all the time charged to it, dispatch included.
 FLOPs come from `Input Dims` (record_shapes): 2*m*k*n for the innermost matmul op with a known
 formula (mm, addmm, bmm, baddbmm, matmul, linear, grouped mm), and for attention
@@ -53,7 +68,7 @@ LABELS = {
     "elementwise": "norm/RoPE/activation (elementwise)",
     "copy": "casts and copies",
     "loss": "loss",
-    "communication": "communication",
+    "communication": "communication (exposed)",
     "optimizer": "optimizer",
     "other": "idle/other",
 }
@@ -70,7 +85,9 @@ _RULE_PATTERNS = (  # (category, pattern on the event name, a region?); the firs
     # FSDP waits for its all-gathers and reduce-scatters inside these spans, and the profiler records
     # no event for a wait on a collective's Work: their self time is that wait (plus a little Python).
     # Not regions: the copies inside stay copies.
-    ("communication", r"^FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)( \(|$)", False),
+    # An asynchronous (prefetched) all-gather is waited for at the start of the copy-out.
+    ("communication", r"^FSDP::(all_gather|all_gather_copy_out|post_backward_reduce|post_backward_rs_wait)( \(|$)",
+     False),
     ("copy", r"^fsdp::", True),  # FSDP's copy-in / copy-out ops, whatever aten ops they run
     # Inductor's kernels are named after every op they fuse ("cpp_fused_add_mean_mul_pow_rsqrt_0"). A
     # compiled flex attention or loss, or a GEMM template, names its op; any other fused kernel is
@@ -186,11 +203,20 @@ class Breakdown:
     compute_dtype: str | None = None  # what the matmuls' inputs were
     device_name: str | None = None  # a GPU's name, None on CPU
     other_threads_ms: float = 0.0  # busy time of threads left out of the shares
+    overlapped_ms: float = 0.0  # communication in flight while the timeline did something else (not in the shares)
     notes: list[str] = field(default_factory=list)
     top: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # per category: (event name, self ms)
 
     def share(self, category: str) -> float:
         return 100 * self.ms[category] / self.step_ms if self.step_ms else 0.0
+
+    def exposure(self) -> dict[str, float]:
+        """ms per step: compute (every category but communication and idle/other), exposed
+        communication, overlapped communication (hidden under the rest, not part of the step's sum),
+        and idle/other."""
+        compute = sum(ms for c, ms in self.ms.items() if c not in ("communication", "other"))
+        return {"compute": compute, "exposed_comm": self.ms["communication"], "overlapped_comm": self.overlapped_ms,
+                "other": self.ms["other"]}
 
     def tflops(self, category: str) -> float | None:
         """Achieved TFLOP/s while in `category` (matmul or attention), None where it does not apply."""
@@ -205,7 +231,7 @@ class Breakdown:
                                    "tflops": self.tflops(c)} for c in CATEGORIES},
                 "matmul_flops": self.matmul_flops, "attention_flops": self.attention_flops,
                 "compute_dtype": self.compute_dtype, "device_name": self.device_name,
-                "other_threads_ms": self.other_threads_ms, "notes": self.notes,
+                "other_threads_ms": self.other_threads_ms, "exposure_ms": self.exposure(), "notes": self.notes,
                 "top": {c: [{"name": name, "ms": ms} for name, ms in names] for c, names in self.top.items()}}
 
 
@@ -246,6 +272,9 @@ class _Tally:
     attention_flops: float = 0.0
     dtype_flops: dict[str, float] = field(default_factory=dict)
     launches: dict[int, str] = field(default_factory=dict)  # correlation id -> category
+    comm_spans: list[tuple[float, float]] = field(default_factory=list)  # where the timeline was in communication
+    idle_spans: list[tuple[float, float]] = field(default_factory=list)  # where it was outside any event
+    overlapped_us: float = 0.0
 
     def charge(self, category: str, name: str, us: float) -> None:
         self.us[category] += us
@@ -256,6 +285,7 @@ class _Tally:
         if times:
             for (category, name), us in other.by_name.items():
                 self.charge(category, name, us)
+        self.overlapped_us += other.overlapped_us
         self.matmul_flops += other.matmul_flops
         self.attention_flops += other.attention_flops
         for dtype, flops in other.dtype_flops.items():
@@ -277,6 +307,10 @@ def _walk(node: _Node, region: str | None, inner: str | None, tally: _Tally) -> 
         below_mm, below_attn = below_mm or mm, below_attn or attn
     self_us = (node.end - node.start) - sum(c.end - c.start for c in node.children)
     tally.charge(category, node.name or "(outside any event)", self_us)
+    if category == "communication" or not node.name:  # its self time: the gaps between its children
+        edges = [node.start, *(t for c in node.children for t in (c.start, c.end)), node.end]
+        spans = tally.comm_spans if node.name else tally.idle_spans
+        spans += [(s, f) for s, f in zip(edges[::2], edges[1::2]) if f > s]
     if "correlation" in node.args:
         tally.launches[node.args["correlation"]] = category
     here_mm = own == "matmul" and not below_mm and bool(flops := matmul_flops(node.name, node.args.get("Input Dims", [])))
@@ -303,6 +337,7 @@ def _gpu_timeline(kernels: list[dict], launches: dict[int, str], start: float, e
         if f > s:
             edges += [(s, 1, GPU_PRECEDENCE.index(category), k["name"]), (f, -1, GPU_PRECEDENCE.index(category), k["name"])]
     running: list[dict[str, int]] = [{} for _ in GPU_PRECEDENCE]  # per category: kernel name -> count
+    comm = GPU_PRECEDENCE.index("communication")
     last = start
     for t, delta, rank, name in sorted(edges, key=lambda edge: edge[:2]):
         top = next((r for r, names in enumerate(running) if names), None)
@@ -310,11 +345,53 @@ def _gpu_timeline(kernels: list[dict], launches: dict[int, str], start: float, e
             tally.charge("other", "(GPU idle)", t - last)
         else:
             tally.charge(GPU_PRECEDENCE[top], next(iter(running[top])), t - last)
+            if top != comm and running[comm]:  # a collective under compute on another stream
+                tally.overlapped_us += t - last
         running[rank][name] = running[rank].get(name, 0) + delta
         if not running[rank][name]:
             del running[rank][name]
         last = t
     tally.charge("other", "(GPU idle)", end - last)
+
+
+def _comm_spans(nodes: list[_Node]) -> list[tuple[float, float]]:
+    """The spans of the outermost communication events among `nodes` and their descendants."""
+    spans = []
+    for node in nodes:
+        if categorize(node.name) == "communication":
+            spans.append((node.start, node.end))
+        else:
+            spans += _comm_spans(node.children)
+    return spans
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint spans covering the same time as `spans`."""
+    merged: list[tuple[float, float]] = []
+    for s, f in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], f))
+        else:
+            merged.append((s, f))
+    return merged
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time covered by both of two sorted, disjoint span lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, f = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if f > s:
+            out.append((s, f))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(f - s for s, f in spans)
 
 
 def _step_tally(step: dict, by_thread: dict[tuple, list[dict]], kernels: list[dict]) -> tuple[_Tally, float, float]:
@@ -324,10 +401,24 @@ def _step_tally(step: dict, by_thread: dict[tuple, list[dict]], kernels: list[di
     tally = _Tally()
     _walk(_tree(by_thread.get(main, []), start, end), None, None, tally)
     if not kernels:
-        others = 0.0
+        others, in_flight = 0.0, []
         for thread, events in by_thread.items():
             if thread != main:
-                others += sum(c.end - c.start for c in _tree(events, start, end).children)
+                tops = _tree(events, start, end).children
+                others += sum(c.end - c.start for c in tops)
+                in_flight += _comm_spans(tops)
+        # gloo's point-to-point work (pipeline sends and receives) is recorded on the issuing thread,
+        # from issue to completion: in flight, not time that thread spent (the tree cuts it short).
+        in_flight += [(max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in by_thread.get(main, [])
+                      if e["name"].startswith(("gloo:", "nccl:")) and e["ts"] < end and e["ts"] + e["dur"] > start]
+        in_flight = _union(in_flight)
+        # Waiting on a collective's Work records no event: outside any event while one is in flight
+        # is that wait, so exposed.
+        waited = _length(_intersection(in_flight, _union(tally.idle_spans)))
+        tally.charge("other", "(outside any event)", -waited)
+        tally.charge("communication", "(waiting, no event: a collective in flight)", waited)
+        busy_elsewhere = _intersection(in_flight, _union(tally.comm_spans + tally.idle_spans))
+        tally.overlapped_us = _length(in_flight) - _length(busy_elsewhere)
         return tally, end - start, others
     # CUDA: backward launches from autograd's own thread, so every thread's launches count.
     for thread, events in by_thread.items():
@@ -374,7 +465,7 @@ def breakdown(trace: dict, top: int = 5) -> Breakdown:
         matmul_flops=total.matmul_flops / n, attention_flops=total.attention_flops / n,
         compute_dtype=max(total.dtype_flops, key=total.dtype_flops.get) if total.dtype_flops else None,
         device_name=devices[0].get("name") if kernels and devices else None,
-        other_threads_ms=others_us / n / 1e3, notes=notes,
+        other_threads_ms=others_us / n / 1e3, overlapped_ms=total.overlapped_us / n / 1e3, notes=notes,
         top={c: [(name, us / n / 1e3) for (cat, name), us in ranked if cat == c][:top] for c in CATEGORIES})
 
 
@@ -393,4 +484,5 @@ def mean_breakdown(parts: list[Breakdown]) -> Breakdown:
         matmul_flops=sum(p.matmul_flops for p in parts) / n, attention_flops=sum(p.attention_flops for p in parts) / n,
         compute_dtype=parts[0].compute_dtype, device_name=parts[0].device_name,
         other_threads_ms=sum(p.other_threads_ms for p in parts) / n,
+        overlapped_ms=sum(p.overlapped_ms for p in parts) / n,
         notes=sorted({note for p in parts for note in p.notes}), top=parts[0].top)

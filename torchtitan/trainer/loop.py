@@ -242,8 +242,9 @@ class Trainer:
             step = self.train_state.step  # a group that recovered at this sync took the peers' count
         result = self.newest = StepResult(step, loss, grad_norm, lr, stop_signal)
         last = step == self.training.steps
-        with mark.phase("after step"):
-            result.report = self.after_step(result, self.log_due(result, last))
+        logged = self.log_due(result, last)
+        with mark.phase("after step"), host_reads.scheduled_read() if logged else contextlib.nullcontext():
+            result.report = self.after_step(result, logged)  # the model's figures are read for the step line only
         self.end_step(result, last)
         return True
 

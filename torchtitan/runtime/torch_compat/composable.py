@@ -11,7 +11,7 @@ from torch.distributed._composable.replicate import replicate as _replicate
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan.runtime.torch_compat import CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
+from torchtitan.runtime.torch_compat import CPU, CPU_AND_GPU_CHECK, CPU_AND_PRESENT_IN_2_11, PrivateName
 
 PRIVATE_NAMES = (
     PrivateName("torch.distributed._composable.replicate.replicate", ("module", "ignored_modules")),
@@ -31,6 +31,10 @@ PRIVATE_NAMES = (
     PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group", instance=True,
                 optional=True),
     PrivateName("torch.nn.Module._compiled_call_impl", instance=True, checked=CPU_AND_GPU_CHECK),
+    PrivateName("torch.distributed.fsdp.FSDPModule._set_unshard_async_op", ("self", "async_op"), checked=CPU),
+    PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._states_to_forward_prefetch",
+                instance=True, checked=CPU),
+    PrivateName("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._modules", instance=True, checked=CPU),
 )
 
 # Composable DDP (`replicate(module, device_mesh=, bucket_cap_mb=)`): DDP's buckets and hooks on the
@@ -83,3 +87,17 @@ def compiled_call(module: nn.Module) -> Any:
     """What `nn.Module.compile` installed as the module's call, or None where it was not compiled;
     the module keeps it in `_compiled_call_impl` with no public getter."""
     return getattr(module, "_compiled_call_impl", None)
+
+
+def set_unshard_async(module: FSDPModule) -> None:
+    """Makes FSDP2 issue every all-gather of `module` and the FSDP modules inside it with
+    `async_op=True`. Its default (False) blocks the issuing thread where there are no streams (CPU),
+    so a prefetched all-gather would finish before the block it was meant to hide under starts;
+    only the private `_set_unshard_async_op` (torch 2.11-2.13) changes it."""
+    module._set_unshard_async_op(True)
+
+
+def forward_prefetch_targets(module: FSDPModule) -> list[nn.Module]:
+    """The modules whose all-gathers `module` issues in forward (`set_modules_to_forward_prefetch`,
+    which has no getter): kept in its private FSDP state."""
+    return [m for state in module._get_fsdp_state()._states_to_forward_prefetch for m in state._modules]
