@@ -198,12 +198,10 @@ def test_capacity_mode_reads_nothing_to_the_host(monkeypatch, use_grouped_mm):
         with _DataDependentOps() as ops:
             forward_backward(moe, x, g)
     assert ops.seen == []
-    # The same watch catches dropless routing: its counts are data.
+    # Dropless routing's counts are data: the loop's split sizes are read to the host
+    # (the documented counts per layout: test_moe_host_reads.py).
     moe.capacity_factor = 0.0
-    with _DataDependentOps() as ops:
-        forward_backward(moe, x, g)
-    assert "aten.bincount.default" in ops.seen
-    if use_grouped_mm is False:  # and the loop's split sizes are read to the host
+    if use_grouped_mm is False:
         with monkeypatch.context() as patched, pytest.raises(AssertionError, match="a host read"):
             patched.setattr(torch.Tensor, "tolist", refuse)
             forward_backward(moe, x, g)
@@ -220,7 +218,7 @@ def test_capacity_mode_runs_on_fake_tensors_with_no_seam_replaced():
         out.sum().backward()
         assert out.shape == (2, 12, DIM) and fake.experts.w1.grad.shape == fake.experts.w1.shape
         fake.capacity_factor = 0.0
-        with pytest.raises(Exception, match="bincount"):  # dropless: the bincount of the routing
+        with pytest.raises(Exception, match="_local_scalar_dense"):  # dropless: the loop reads its counts
             fake(x)
 
 

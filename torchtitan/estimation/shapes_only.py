@@ -1,6 +1,6 @@
 """Tensors with shapes but no values: the dry run's stand-ins where shapes depend on values.
 
-How many tokens each expert of an MoE layer receives is data: the routing's bincount, and under
+How many tokens each expert of an MoE layer receives is data: the routing's count per expert, and under
 expert parallelism the counts the ranks exchange. The dry run's fake tensors hold no values, so it
 puts these stand-ins into the model's seams (`on_fake_tensors`): tokens spread evenly over the
 experts and ranks, so the estimate of an MoE layer is that of perfectly balanced routing; and the
@@ -73,7 +73,7 @@ def _grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm")
 
 
-def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int,
+def _grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int | list[int],
                        use_grouped: bool) -> torch.Tensor:
     if use_grouped and x.dtype != torch.bfloat16:  # standing for a CPU job: the kernel's shapes alone
         return _GroupedMatmulShapes.apply(x, weight.transpose(-2, -1))

@@ -17,7 +17,7 @@ that default to "one device, real tensors". torchtitan/parallelisms/expert_paral
 - `MoE.capacity_factor` (`moe.capacity_factor`): 0 routes dropless; above 0, the dropping mode.
 
 The dry run (torchtitan/estimation/shapes_only.py) replaces the two that need values, on fake
-tensors that have none: `MoE.count_tokens` (bincount of the routing) and `GroupedExperts.kernels`
+tensors that have none: `MoE.count_tokens` (tokens per expert of the routing) and `GroupedExperts.kernels`
 (which expert matmul runs, and running it).
 
 Routing (`TokenChoiceRouter`): softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) scores in fp32, the
@@ -60,6 +60,7 @@ from torch import nn
 from torch.utils.module_tracker import ModuleTracker
 
 from torchtitan.models.common import trunc_normal
+from torchtitan.models.expert_loop_op import expert_matmul_loop
 
 # Asked only whether autograd is running backward (`is_bw`, public), which a tracker answers
 # without being entered: it registers no hooks and keeps no state this file reads.
@@ -80,7 +81,12 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 def _in_backward() -> bool:
     """True while autograd runs backward: activation checkpointing then re-runs forwards, which
-    must not count their tokens a second time."""
+    must not count their tokens a second time. False inside a compiled block: its graph runs the
+    statistics' updates in forward only (a checkpoint inside the compiled region recomputes the rest),
+    and blocks that a checkpoint wraps from outside keep their MoE layer eager (see
+    expert_parallel.moe_compiles_whole)."""
+    if torch.compiler.is_compiling():
+        return False
     return _AUTOGRAD_PHASE.is_bw
 
 
@@ -89,8 +95,18 @@ def _in_backward() -> bool:
 
 
 def expert_token_counts(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many (token, choice) pairs each expert receives (`MoE.count_tokens`' default)."""
-    return torch.bincount(flat_experts, minlength=num_experts)
+    """How many (token, choice) pairs each expert receives (`MoE.count_tokens`' default). A sum
+    into E slots, not `bincount`, whose output size depends on the largest value: CUDA reads that
+    to the host, and dynamo cannot trace it into a graph."""
+    counts = torch.zeros(num_experts, dtype=flat_experts.dtype, device=flat_experts.device)
+    return counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+
+
+@torch.compiler.assume_constant_result
+def _cuda_major_version(device: torch.device) -> int:
+    """The device's compute capability major version; a constant to torch.compile, which asks it while
+    tracing a compiled MoE block instead of tracing the device query."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -102,12 +118,13 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if any(d % 8 for w in weights for d in w.shape[1:]) or x.shape[-1] % 8:
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return x.dtype == torch.bfloat16 and _cuda_major_version(x.device) >= 9
     # Under torch.compile the operator's shape function accepts bf16 only (PyTorch 2.13).
     return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int, use_grouped: bool) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int | list[int],
+               use_grouped: bool) -> torch.Tensor:
     """Rows of x (N, in), grouped by expert in order (`counts[e]` rows for expert e), each times its
     expert's weight.T (weight: (E, out, in), the nn.Linear layout) -> (N, out).
 
@@ -116,7 +133,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int
 
     `counts` a Python int: every expert has that many rows (the dropping mode's padded layout,
     `MoE.capacity_factor`). The group sizes are then known without reading a tensor: the offsets
-    are made on the device, and the fallback is one batched matmul instead of the loop."""
+    are made on the device, and the fallback is one batched matmul instead of the loop.
+
+    `counts` a list: the loop's split sizes, already read to the host (`GroupedExperts` reads them
+    once for its three matmuls). A tensor: the loop reads it; inside torch.compile the loop runs as
+    one custom operator (torchtitan/models/expert_loop_op.py), which reads it again in backward.
+    `F.grouped_mm` and the int form read nothing."""
     if isinstance(counts, int):
         if use_grouped:
             offsets = torch.arange(1, weight.shape[0] + 1, device=x.device, dtype=torch.int32) * counts
@@ -128,7 +150,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | int
     # split / unbind / cat, not `weight[e]` and writes into a buffer: their backward gathers the
     # groups' gradients once, where each `weight[e]` (and each slice) would materialise a zero
     # gradient the size of the whole stacked weight, E of them per backward.
-    groups = zip(x.split(counts.tolist()), weight.unbind(0))
+    if isinstance(counts, torch.Tensor) and torch.compiler.is_compiling():
+        return expert_matmul_loop(x, weight, counts)
+    groups = zip(x.split(counts if isinstance(counts, list) else counts.tolist()), weight.unbind(0))
     return torch.cat([xe @ we.T for xe, we in groups])
 
 
@@ -137,17 +161,10 @@ class ExpertKernels(NamedTuple):
     these operands, `matmul(x, weight, counts, use_grouped)` runs one grouped matmul either way."""
 
     supported: Callable[..., bool]
-    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | int, bool], torch.Tensor]
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | int | list[int], bool], torch.Tensor]
 
 
 DEVICE_KERNELS = ExpertKernels(grouped_mm_supported, grouped_mm)
-
-
-@torch.compiler.disable
-def _run_experts(experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
-    """The experts run eagerly, also inside a compiled block: the sizes of their groups are data
-    (and so are those of expert parallelism's all-to-alls, which wrap this module's call)."""
-    return experts(tokens, counts)
 
 
 class GroupedExperts(nn.Module):
@@ -181,6 +198,8 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
         grouped = self.use_grouped_mm is not False and self.kernels.supported(x, w1, w2, w3)
+        if isinstance(counts, torch.Tensor) and not grouped and not torch.compiler.is_compiling():
+            counts = counts.tolist()  # the loop's split sizes, read once for the three matmuls
         matmul = self.kernels.matmul
         h = F.silu(matmul(x, w1, counts, grouped)) * matmul(x, w3, counts, grouped)
         return matmul(h, w2, counts, grouped)
@@ -325,7 +344,7 @@ class MoE(nn.Module):
             # Sort the (token, choice) pairs by expert; stable, so each expert sees its tokens in order.
             order = torch.argsort(flat_experts, stable=True)
             routed = tokens[order // self.top_k]
-            out = _run_experts(self.experts, routed, counts)
+            out = self.experts(routed, counts)
             # Unsort, then add each token's k outputs, in a fixed order: deterministic on every device,
             # unlike a scatter-add.
             unsorted = torch.empty_like(out)
@@ -336,14 +355,15 @@ class MoE(nn.Module):
         # The same ops run either way (adding zero when not counting): op-level activation
         # checkpointing matches the ops of the re-run to those of the forward.
         counting = float(self.count_step_stats and not _in_backward())
+        # add_, not +=, whose re-assignment of the buffer dynamo refuses inside a compiled checkpoint.
         with torch.no_grad():
-            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype) * counting
+            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype) * counting)
             if dropped is not None:
-                self.dropped_tokens += dropped.to(self.dropped_tokens.dtype) * counting
+                self.dropped_tokens.add_(dropped.to(self.dropped_tokens.dtype) * counting)
         if self.aux_loss_coef > 0 and self.training:
             aux = self._sequence_balance_loss(probs.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
             with torch.no_grad():  # (a where, not a product: a flagged-off forward may see garbage, even NaN)
-                self.aux_loss += torch.where(torch.tensor(counting > 0), aux.detach(), 0.0)
+                self.aux_loss.add_(torch.where(torch.tensor(counting > 0), aux.detach(), 0.0))
             combined = AuxLossGrad.apply(combined, aux)
         return combined.view(bsz, seqlen, dim)
 
@@ -380,7 +400,7 @@ class MoE(nn.Module):
         source = (starts.unsqueeze(1) + slots).clamp(max=n_pairs - 1)  # (E*B, cap) index into the sorted pairs
         filled = (slots < sizes.unsqueeze(1)).flatten().unsqueeze(-1)
         routed = torch.where(filled, tokens[order[source.flatten()] // k], 0)
-        out = _run_experts(self.experts, routed, bsz * cap)  # (E * B * cap, dim)
+        out = self.experts(routed, bsz * cap)  # (E * B * cap, dim)
         # Each pair reads its slot back (a dropped pair any slot: its weight is zero), and each
         # token adds its k outputs in a fixed order, as dropless does.
         slot = torch.where(kept, group * cap + place, 0)

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
+from torchtitan.observability import host_reads
 from torchtitan.parallelisms.data_parallel import FSDPUnit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
@@ -108,7 +109,9 @@ def exchange_counts(send_counts: torch.Tensor, tokens: torch.Tensor,
     received from each rank."""
     recv_counts = torch_compat_collectives.all_to_all_single(send_counts.flatten(), None, None, group).wait()
     recv_counts = recv_counts.view(send_counts.shape)
-    return recv_counts, send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+    # Both split lists in one read to the host: the dropless dispatch's only one (docs/performance.md).
+    send_splits, recv_splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
+    return recv_counts, send_splits, recv_splits
 
 
 def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -209,6 +212,19 @@ def check_moe_layout(num_experts: int, parallel_dims: ParallelDims, plan: Pipeli
                           f"experimental.context_parallel_degree {cp} = {local} tokens must divide by {tp}")
 
 
+def moe_compiles_whole(parallel_dims: ParallelDims) -> bool:
+    """Whether `training.compile` can take a block with an MoE layer whole, in one graph
+    (fullgraph): when the layer's parts are no FSDP units of their own (`moe_fsdp_units`: none
+    without EP and TP). Then both modes compile: the dropping mode's shapes are fixed, and dropless
+    keeps its counts on the device up to the expert matmul (one opaque operator,
+    torchtitan/models/expert_loop_op.py). Otherwise the routed experts stay eager: FSDP's hooks on a
+    module inside a compiled block are excluded from the graph (PyTorch 2.13), whatever the mode;
+    dropless EP also sizes its all-to-alls from counts read to the host; and under TP a checkpoint
+    wraps the compiled block (tensor_parallel.apply_ac_and_compile), whose re-run in backward a
+    compiled layer could not tell from a forward, counting its routing statistics twice."""
+    return not parallel_dims.tp_enabled and parallel_dims.ep == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Seams
 
@@ -274,6 +290,13 @@ def moe_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
         layer.update_expert_bias(row[:-2])
     if not log:
         return None
+    with host_reads.scheduled_read():  # a logging step's reads (the audit's steady state leaves them out)
+        return _logged_report(layers, per_layer, parallel_dims)
+
+
+def _logged_report(layers: list, per_layer: torch.Tensor | None,
+                   parallel_dims: ParallelDims) -> tuple[dict[str, float], str] | None:
+    """`moe_after_step`'s report on a logging step, from the per-layer rows summed over the stage."""
     # Each rank's auxiliary loss is its share of a mean over the dp x cp ranks (tp ranks hold disjoint parts).
     n_dp = parallel_dims.moe_gradient_divide_factor
     # (max, mean, aux, dropped or None when dropless, routed pairs) per layer

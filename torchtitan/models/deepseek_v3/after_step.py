@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.models.train_spec import StepReport
+from torchtitan.observability import host_reads
 from torchtitan.parallelisms.expert_parallel import moe_after_step
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
@@ -29,7 +30,8 @@ def deepseek_v3_after_step(model_parts: list[nn.Module], parallel_dims: Parallel
         dist.all_reduce(total)
         total = total / (dist.get_world_size() // parallel_dims.pp)
     values, summary = report if report is not None else ({}, "")
-    mtp = total.item()
+    with host_reads.scheduled_read():  # a logging step's read
+        mtp = total.item()
     values = {**values, "mtp_loss": mtp}
     return StepReport(values, f"{summary}  mtp: {mtp:.4f}".strip())
 

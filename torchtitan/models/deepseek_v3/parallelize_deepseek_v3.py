@@ -39,6 +39,7 @@ from torchtitan.parallelisms.expert_parallel import (
     apply_expert_parallel,
     check_moe_layout,
     configure_moe,
+    moe_compiles_whole,
     moe_fsdp_units,
     moe_tp_plan,
 )
@@ -105,25 +106,28 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
         for block in model.layers.values():
             block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
+    whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         apply_compile)
+                         lambda m: apply_compile(m, moe_whole=whole))
     # (The MTP modules' dense parts join the root's FSDP unit, beside the output projection they share.)
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Dense blocks compile whole; MoE blocks compile their attention and shared experts (routing
-    is data-dependent: tokens per expert and all-to-all sizes; see Qwen3's apply_compile_attention)."""
-    for block in model.layers.values():
-        if block.moe is None:
+def apply_compile(model: nn.Module, moe_whole: bool = True) -> None:
+    """Every block (the MTP modules' too) compiles whole, in one graph; with `moe_whole` False
+    (expert_parallel.moe_compiles_whole: EP or TP) MoE blocks compile their
+    attention and shared experts, their routed experts running eagerly."""
+    blocks = _blocks(model)
+    for block in blocks:
+        if block.moe is None or moe_whole:
             block.compile(fullgraph=True)
         else:
             block.attention.compile(fullgraph=True)
             if block.shared_experts is not None:
                 block.shared_experts.compile(fullgraph=True)
-    logger.info(f"compiled {len(model.layers)} DeepSeek-V3 blocks with torch.compile (MoE blocks: attention and "
-                "shared experts)")
+    parts = "whole" if moe_whole else "whole but for the routed experts of MoE blocks"
+    logger.info(f"compiled {len(blocks)} DeepSeek-V3 blocks with torch.compile ({parts})")
 
 
 # ---------------------------------------------------------------------------------------------

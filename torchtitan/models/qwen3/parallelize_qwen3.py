@@ -24,6 +24,7 @@ from torchtitan.parallelisms.expert_parallel import (
     apply_expert_parallel,
     check_moe_layout,
     configure_moe,
+    moe_compiles_whole,
     moe_fsdp_units,
     moe_tp_plan,
 )
@@ -73,20 +74,20 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
-    # MoE blocks compile their attention only (apply_compile_attention).
+    # Every block compiles whole, but for MoE layers that EP or TP shard on their own (moe_compiles_whole).
+    whole = not moe_layers or moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         apply_compile_attention if moe_layers else apply_compile)
+                         apply_compile if whole else apply_compile_attention)
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 
 
 def apply_compile_attention(model: nn.Module) -> None:
-    """MoE blocks compile their attention only: routing is data-dependent (tokens per expert,
-    all-to-all sizes), so a compiled MoE layer would break into several graphs that cost more to
-    compile than they save, and its expert matmuls are large already."""
+    """MoE blocks whose layer cannot compile whole (expert_parallel.moe_compiles_whole) compile their
+    attention only; their MoE layer runs eagerly (its expert matmuls are large already)."""
     for block in model.layers.values():
         block.attention.compile(fullgraph=True)
-    logger.info(f"compiled the attention of {len(model.layers)} MoE blocks with torch.compile")
+    logger.info(f"compiled the attention of {len(model.layers)} MoE blocks with torch.compile (MoE layers eager)")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
