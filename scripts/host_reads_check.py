@@ -6,9 +6,9 @@
 
 Each layout trains the debug model (an MoE layout: Qwen3's debug MoE) for a few steps with
 `profiling.audit_host_reads`, logging only its first and last step, and the script prints, per
-layout, the reads of a steady-state step (on every rank, the most of any rank), those of the
-steps that log or save, the deferred ones (the agreement read a step late) and, on CUDA, what
-PyTorch's sync debug mode saw. Extra trainer options follow `--`.
+layout, the reads of a steady-state step, those of the steps that log or save, the deferred ones (the agreement read a step late) and, on CUDA, what
+PyTorch's sync debug mode saw. "Per step" is the most of any rank in any step after the first.
+Extra trainer options follow `--`.
 """
 
 from __future__ import annotations
@@ -56,13 +56,15 @@ def run_layout(name: str, steps: int, seq_len: int, work: Path, extra: list[str]
     if result.returncode != 0 or not reports:
         return {"layout": name, "error": f"exit code {result.returncode}: {(result.stderr or result.stdout)[-800:]}"}
     first = reports[0]["first_step"]
-    steady_steps = steps - first  # every step after the first (the last one's own reads are marked scheduled)
     lines: Counter = Counter()
-    for report in reports:
+    per_step: Counter = Counter()  # (rank, step) -> stalls outside the scheduled work
+    for rank, report in enumerate(reports):
         lines.update(report["steady_state_by_line"])
+        per_step.update((rank, r["step"]) for r in report["reads"]
+                        if r["step"] is not None and r["step"] > first and not r["deferred"] and not r["scheduled"])
     return {
-        "layout": name, "ranks": nproc, "steady_steps": steady_steps,
-        "steady_state_per_step": max(r["steady_state"] for r in reports) / steady_steps,
+        "layout": name, "ranks": nproc,
+        "steady_state_per_step": max(per_step.values(), default=0),  # the most of any rank in any step after the first
         "steady_state": [r["steady_state"] for r in reports],
         "scheduled": [r["scheduled"] for r in reports],
         "deferred": [r["deferred"] for r in reports],
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:16s} failed: {row['error']}")
                 continue
             where = "; ".join(f"{n}x {line}" for line, n in row["lines"].items()) or "-"
-            print(f"{name:16s} ranks {row['ranks']}  steady-state reads per step {row['steady_state_per_step']:.1f}  "
+            print(f"{name:16s} ranks {row['ranks']}  steady-state reads per step {row['steady_state_per_step']}  "
                   f"(per rank over steps 2-{args.steps}: {row['steady_state']}; CUDA syncs {row['cuda_syncs_steady']}); "
                   f"on logging/saving steps {row['scheduled']}; deferred {row['deferred']}  where: {where}")
     if args.out:
