@@ -37,10 +37,11 @@ LAYOUTS = {
     "moe": (1, MOE),
     "moe_capacity": (1, (*MOE, "--moe.capacity_factor", "1.25")),
     "moe_ep": (2, (*MOE, "--training.data_parallel_shard_degree", "2", "--training.expert_parallel_degree", "2")),
+    "dsv3": (1, ("--job.config_file", "bundled:train_configs/deepseek_v3_debug.toml")),
     "moe_ep_capacity": (2, (*MOE, "--training.data_parallel_shard_degree", "2", "--training.expert_parallel_degree", "2",
                             "--moe.capacity_factor", "1.25")),
 }
-CPU_DEFAULT = ("single", "fsdp", "hsdp", "tp", "pp", "cp", "moe", "moe_capacity", "moe_ep", "moe_ep_capacity")
+CPU_DEFAULT = ("single", "fsdp", "hsdp", "tp", "pp", "cp", "moe", "moe_capacity", "moe_ep", "moe_ep_capacity", "dsv3")
 
 
 def run_layout(name: str, steps: int, seq_len: int, work: Path, extra: list[str]) -> dict:
@@ -50,8 +51,9 @@ def run_layout(name: str, steps: int, seq_len: int, work: Path, extra: list[str]
             "--metrics.log_freq", "1000", "--profiling.audit_host_reads", "--job.dump_folder", str(folder), *extra]
     env = {**os.environ, "NGPU": str(nproc)}
     env.setdefault("OMP_NUM_THREADS", "1")
-    result = subprocess.run([str(REPO_ROOT / "run_llama_train.sh"), *args], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True)
+    # One rank runs in this Python (a GPU machine without the project's venv); more go through the launcher.
+    command = [sys.executable, "-m", "torchtitan.train"] if nproc == 1 else [str(REPO_ROOT / "run_llama_train.sh")]
+    result = subprocess.run([*command, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     reports = [json.loads(p.read_text()) for p in sorted((folder / "host_reads").glob("rank*.json"))]
     if result.returncode != 0 or not reports:
         return {"layout": name, "error": f"exit code {result.returncode}: {(result.stderr or result.stdout)[-800:]}"}

@@ -363,7 +363,8 @@ class MoE(nn.Module):
         if self.aux_loss_coef > 0 and self.training:
             aux = self._sequence_balance_loss(probs.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
             with torch.no_grad():  # (a where, not a product: a flagged-off forward may see garbage, even NaN)
-                self.aux_loss.add_(torch.where(torch.tensor(counting > 0), aux.detach(), 0.0))
+                # The flag is made on the device: a host tensor would be copied there with a blocking copy.
+                self.aux_loss.add_(torch.where(torch.full((), counting > 0, device=aux.device), aux.detach(), 0.0))
             combined = AuxLossGrad.apply(combined, aux)
         return combined.view(bsz, seqlen, dim)
 

@@ -376,7 +376,8 @@ class DeepSeekV3(nn.Module):
         mean_over_depths = total / depth * share
         counting = float(self.count_step_stats and not _in_backward())
         with torch.no_grad():
-            self.mtp_loss += torch.where(torch.tensor(counting > 0), mean_over_depths.detach(), 0.0)
+            # The flag is made on the device: a host tensor would be copied there with a blocking copy.
+            self.mtp_loss += torch.where(torch.full((), counting > 0, device=h.device), mean_over_depths.detach(), 0.0)
         return self.args.mtp_loss_weight * mean_over_depths
 
     def take_mtp_loss(self) -> torch.Tensor:
