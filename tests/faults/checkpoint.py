@@ -9,6 +9,8 @@ Which fault, and when, comes from environment variables (each rank reads them at
   is renamed to step-N.
 
 - TT_SIGTERM_IN_VALIDATION=N: rank 0 sends itself SIGTERM (a preemption) while validating step N.
+- TT_SIGTERM_AT_STEP=N:R: rank R sends itself SIGTERM during step N's optimizer step, after the
+  ranks' agreement of step N was issued (so the agreement of step N + 1 is the first to carry it).
 
 - TT_WRITE_FAILS=N:R:ERRNO: rank R's DCP write of step N's checkpoint fails with OSError ERRNO
   (ENOSPC: a full disk; EROFS: a read-only one), as the file system would report it.
@@ -84,6 +86,21 @@ if fault := os.environ.get("TT_WRITE_FAILS"):
         return _write_data(self, *args, **kwargs)
 
     FileSystemWriter.write_data = write_data_or_fail
+
+if at_step := os.environ.get("TT_SIGTERM_AT_STEP"):
+    from torchtitan.trainer.optimizer import OptimizersContainer
+
+    _step_at, _rank_at = map(int, at_step.split(":"))
+    _optimizer_step = OptimizersContainer.step
+    _steps_done = [0]
+
+    def step_then_signal(self, *args, **kwargs):
+        _steps_done[0] += 1
+        if _steps_done[0] == _step_at and os.environ.get("RANK", "0") == str(_rank_at):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return _optimizer_step(self, *args, **kwargs)
+
+    OptimizersContainer.step = step_then_signal
 
 if signal_step := os.environ.get("TT_SIGTERM_IN_VALIDATION"):
     from torchtitan.trainer import validation
