@@ -135,9 +135,16 @@ class HostReadAudit(TorchDispatchMode):
             name = "repeat_interleave"
         if name is None and func in BOOLEAN_MASK_OPS and _boolean_mask(args[1] if len(args) > 1 else kwargs.get("indices")):
             name = "boolean mask"
-        if name is not None:
+        if name is not None and not self._in_host_memory(leaves):
             self._record(name)
         return func(*args, **kwargs)
+
+    def _in_host_memory(self, tensors: list) -> bool:
+        """On a GPU run, whether the op reads only host tensors (the foreach optimizers' step counts,
+        the gloo agreements): those wait for no stream. A CPU run cannot tell them apart."""
+        if self._sync_mode is None:
+            return False
+        return all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
 
     def __enter__(self):
         global _ACTIVE
@@ -146,7 +153,8 @@ class HostReadAudit(TorchDispatchMode):
             self._patched[method] = original
 
             def wrapped(tensor, *args, __original=original, __name=method, **kwargs):
-                self._record(__name)
+                if not self._in_host_memory([tensor]):
+                    self._record(__name)
                 return __original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, method, wrapped)
@@ -229,6 +237,12 @@ def mark(step: int | None, phase: str) -> None:
     """Tells the active audit (if any) which step and phase the host is in now."""
     if _ACTIVE is not None:
         _ACTIVE.mark(step, phase)
+
+
+def waited(what: str) -> None:
+    """Records a wait for the device that no op shows (a CUDA event's synchronize)."""
+    if _ACTIVE is not None:
+        _ACTIVE._record(what)
 
 
 def deferred_read() -> contextlib.AbstractContextManager:

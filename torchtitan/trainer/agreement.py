@@ -95,6 +95,8 @@ class StepAgreement:
         """The agreed flags on the host. `deferred`: read a step after they were issued, when the
         wait is for an event the device passed long ago (not a stall, for the host-read audit)."""
         if issued.event is not None:
+            if not deferred:
+                host_reads.waited("event wait")  # waits for this step's kernels: a stall the audit must count
             issued.event.synchronize()
         with host_reads.deferred_read() if deferred else contextlib.nullcontext():
             stop_signal, running, nonfinite = issued.host.tolist()
