@@ -127,6 +127,7 @@ BAD_CLI = [
     (["--moe.capacity_factor", "1.25", "--experimental.context_parallel_degree", "2"],
      ["moe.capacity_factor 1.25", "experimental.context_parallel_degree 2", "set both to 1"]),
     (["--profiling.enable_profiling", "--profiling.profile_freq", "1"], ["profiling.profile_freq must be >= 2"]),
+    (["--profiling.audit_host_reads", "--training.compile"], ["profiling.audit_host_reads", "training.compile"]),
     (["--job.dry_run", "--job.dry_run_vocab_size", "-1"], ["job.dry_run_vocab_size must be a number of tokens", "got -1"]),
     (["--job.dry_run", "--job.dry_run_rank", "-2"], ["job.dry_run_rank must be a rank, or -1", "got -2"]),
 ]
