@@ -122,20 +122,20 @@ class HostReadAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = tree_leaves((args, kwargs))
-        if any(isinstance(t, DTensor) for t in leaves):
+        # `types`: the tensor subclasses among the arguments (cheaper than walking them every op).
+        if any(issubclass(t, DTensor) for t in types):
             # Handing a DTensor op on keeps this mode active inside DTensor's own dispatch, so the
             # local ops it runs (a vocabulary-sharded embedding's mask, a redistribution) are seen
             # and counted there, once.
             return NotImplemented
-        if any(isinstance(t, FakeTensor) for t in leaves):
+        if any(issubclass(t, FakeTensor) for t in types):
             return func(*args, **kwargs)  # sharding propagation's metadata: no data to read
         name = HOST_READ_OPS.get(func)
         if name is None and func in REPEAT_INTERLEAVE_OPS and kwargs.get("output_size") is None:
             name = "repeat_interleave"
         if name is None and func in BOOLEAN_MASK_OPS and _boolean_mask(args[1] if len(args) > 1 else kwargs.get("indices")):
             name = "boolean mask"
-        if name is not None and not self._in_host_memory(leaves):
+        if name is not None and not self._in_host_memory(tree_leaves((args, kwargs))):
             self._record(name)
         return func(*args, **kwargs)
 
