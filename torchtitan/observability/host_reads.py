@@ -97,21 +97,20 @@ class HostReadAudit(TorchDispatchMode):
     def mark(self, step: int | None, phase: str) -> None:
         self.step, self.phase = step, phase
 
-    @contextlib.contextmanager
-    def deferred_read(self) -> Iterator[None]:
-        self._deferred += 1
-        try:
-            yield
-        finally:
-            self._deferred -= 1
+    def deferred_read(self) -> contextlib.AbstractContextManager:
+        return self._counting("_deferred")
+
+    def scheduled_read(self) -> contextlib.AbstractContextManager:
+        return self._counting("_scheduled")
 
     @contextlib.contextmanager
-    def scheduled_read(self) -> Iterator[None]:
-        self._scheduled += 1
+    def _counting(self, attribute: str) -> Iterator[None]:
+        """Marks the reads inside (nesting counts, so an inner exit keeps an outer mark)."""
+        setattr(self, attribute, getattr(self, attribute) + 1)
         try:
             yield
         finally:
-            self._scheduled -= 1
+            setattr(self, attribute, getattr(self, attribute) - 1)
 
     # -- recording -----------------------------------------------------------------------------
 
