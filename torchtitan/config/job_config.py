@@ -222,6 +222,10 @@ class Experimental:
     context_parallel_backend: str = opt(
         "ring", "CP attention: ring (this project's ring attention, CPU and CUDA) or torch (PyTorch's; not yet offered).",
         choices=["ring", "torch"])
+    context_parallel_method: str = opt(
+        "ring", "How CP attention gets the keys and values of other ranks: ring (passed rank to rank, overlapped with "
+        "compute) or allgather (gathered at once per block; cheaper for grouped-query attention's small K/V). See "
+        "docs/context_parallel.md.", choices=["ring", "allgather"])
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
     enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
     custom_import: str = opt("", "Python module imported at start-up, e.g. one that registers a new model.")

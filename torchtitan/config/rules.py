@@ -93,6 +93,7 @@ RULES: tuple[Rule, ...] = (
     Rule("parallel_options", "options", ("experimental.enable_async_tensor_parallel", "training.tensor_parallel_degree",
                                          "training.compile", "experimental.context_parallel_degree",
                                          "experimental.context_parallel_backend", "training.seq_len",
+                                         "experimental.context_parallel_method",
                                          "training.document_mask", "training.disable_sequence_parallel"),
          "torchtitan.parallelisms.parallel_dims:check_options"),
     Rule("early_step", "options", ("optimizer.early_step_in_backward", "optimizer.zero1", "training.max_norm",

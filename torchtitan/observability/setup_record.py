@@ -27,10 +27,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
+from torchtitan.parallelisms.cp_attention import cp_attention
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.ring_attention import ring_attention
 from torchtitan.runtime.torch_compat import composable as torch_compat_composable
 from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
 
@@ -215,9 +215,11 @@ def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: Parall
 def _context_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: ParallelDims) -> dict | None:
     if parallel_dims.cp_mesh is None:
         return None
-    ring = sum(isinstance(k := getattr(m, "kernel", None), functools.partial) and k.func is ring_attention
-               for _, m in modules)
-    return {"mesh": _mesh(parallel_dims.cp_mesh), "ring_attention_modules": ring}
+    kernels = [k for _, m in modules if isinstance(k := getattr(m, "kernel", None), functools.partial)
+               and k.func is cp_attention]
+    methods = sorted({k.keywords.get("method", "ring") for k in kernels})
+    # "ring_attention_modules" keeps its name for records written before the all-gather method.
+    return {"mesh": _mesh(parallel_dims.cp_mesh), "ring_attention_modules": len(kernels), "methods": methods}
 
 
 def _pipeline(pipeline: Pipeline | None, ranks: list[dict]) -> dict | None:

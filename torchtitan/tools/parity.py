@@ -239,6 +239,18 @@ SUITES: dict[str, list[Layout]] = {
         L("docmask_pp2_interleaved", 2, "--experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_schedule Interleaved1F1B",
           {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK_8_BLOCKS),
+        # Context parallelism plans its attention blocks from the documents (skipping what they
+        # mask), with either method, compiled or not, beside FSDP, TP and PP.
+        L("docmask_cp2_compile", 2, "--experimental.context_parallel_degree 2 --training.compile",
+          {"cp.mesh": {"cp": 2}, "cp.methods": ["ring"], "compile.compiled_modules": POSITIVE}, shared=DOCUMENT_MASK),
+        L("docmask_cp2_fsdp2_allgather", 4, "--experimental.context_parallel_degree 2 "
+          "--training.data_parallel_shard_degree 2 --experimental.context_parallel_method allgather",
+          {"cp.mesh": {"cp": 2}, "cp.methods": ["allgather"], "fsdp.mesh": {"dp_shard_cp": 4}}, shared=DOCUMENT_MASK),
+        L("docmask_cp2_tp2", 4, "--experimental.context_parallel_degree 2 --training.tensor_parallel_degree 2",
+          {"cp.mesh": {"cp": 2}, "tp.mesh": {"tp": 2}}, shared=DOCUMENT_MASK),
+        L("docmask_cp2_pp2_allgather", 4, "--experimental.context_parallel_degree 2 "
+          "--experimental.pipeline_parallel_degree 2 --experimental.context_parallel_method allgather",
+          {"cp.mesh": {"cp": 2}, "cp.methods": ["allgather"], "pipeline.stages": 2}, shared=DOCUMENT_MASK),
     ],
     # bf16 compute: FSDP's mixed-precision policy, or autocast where FSDP does not shard (one
     # process, DDP, TP, PP), against one process under autocast. The 2-block `tiny` model keeps

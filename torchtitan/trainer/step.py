@@ -104,7 +104,9 @@ def document_mask_eos(job_config: JobConfig, tokenizer: Any) -> int | None:
 def model_kwargs(inputs: torch.Tensor, eos_id: int | None) -> dict[str, torch.Tensor]:
     """The model's keyword inputs beside the tokens: with document masking (`eos_id` given), the
     document ids of the whole sequences, which every pipeline stage and tensor-parallel rank gets
-    alike; none otherwise, so the forward is exactly today's."""
+    alike; none otherwise, so the forward is exactly today's. Under context parallelism the callers
+    pass the host's inputs: CP attention plans its blocks from the host's ids, without waiting for
+    the device (parallelisms/cp_attention.py)."""
     return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
 
 
@@ -131,9 +133,9 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
     with_labels = takes_labels(train_spec)
     in_loss_context = loss_context(parallel_dims)
     step_loss = torch.zeros((), device=device)
-    for micro, (inputs, labels) in enumerate(micro_batches):
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        extra = model_kwargs(inputs, eos_id)  # (document masking does not compose with context parallelism)
+    for micro, (batch_inputs, labels) in enumerate(micro_batches):
+        inputs, labels = batch_inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        extra = model_kwargs(batch_inputs if parallel_dims.cp_enabled else inputs, eos_id)
         inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
         if with_labels:
             extra["labels"] = labels
