@@ -194,6 +194,10 @@ class Training:
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype.", choices=["float32", "bfloat16"])
     ddp_bucket_cap_mb: int = opt(100, "DDP gradient bucket size in MB.")
     compile: bool = opt(False, "torch.compile each transformer block.")
+    loss_chunk_size: int = opt(
+        0, "Compute the cross-entropy this many sequence positions at a time inside the output projection, "
+        "recomputing each chunk's logits in backward: the whole fp32 logits are never held (docs/memory.md); "
+        "0 = off (the whole logits, as before).")
     gc_freq: int = opt(50, "Run Python's garbage collector every gc_freq steps (automatic GC is disabled).")
     seed: int = opt(-1, "Random seed; -1 = a fixed default (0) so runs repeat.")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower; for parity and debugging).")

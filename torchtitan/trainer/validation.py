@@ -31,6 +31,7 @@ from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.text_dataset import validation_batch_size
 from torchtitan.observability.watchdog import Watchdog
+from torchtitan.parallelisms.chunked_loss import loss_from_forward
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
@@ -106,6 +107,8 @@ class Validator:
         with self.loss_context():
             for x, y, whole in zip(inputs.split(size), labels.split(size), ids_from.split(size)):
                 extra = model_kwargs(whole, self.eos_id)
+                if self.loss_fn is loss_from_forward:  # training.loss_chunk_size: the forward computes the loss
+                    extra["labels"] = y
                 if self.pipeline is not None:
                     parts.append(self.pipeline.evaluate(x, y, self.device, self.training.gradient_accumulation_steps,
                                                         **extra))
