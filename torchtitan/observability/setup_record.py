@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
+from torchtitan.parallelisms.chunked_loss import ChunkedLossHead
 from torchtitan.parallelisms.cp_attention import cp_attention
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
@@ -95,7 +96,21 @@ def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, p
         facts["moe"] = moe
     if _mtp_modules(model_parts):
         facts["mtp_modules"] = _mtp_modules(model_parts)
+    chunks = _loss_chunk_sizes(model_parts)
+    if chunks:
+        facts["loss_chunk_size"] = chunks[0]
     return facts
+
+
+def _loss_chunk_sizes(model_parts: list[nn.Module]) -> list[int]:
+    """The chunk size of each chunked-loss head in these parts (training.loss_chunk_size; a
+    pipeline's last stage holds the head)."""
+    return [m.chunk_size for part in model_parts for m in part.modules() if isinstance(m, ChunkedLossHead)]
+
+
+def _chunked_loss(ranks: list[dict]) -> dict | None:
+    holders = [r for r in ranks if r.get("loss_chunk_size")]
+    return {"chunk_size": holders[0]["loss_chunk_size"], "ranks": [r["rank"] for r in holders]} if holders else None
 
 
 def _mtp_modules(model_parts: list[nn.Module]) -> int:
@@ -147,6 +162,8 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         # Rank 0's MoE layers, or the first rank's that holds some (a dense first pipeline stage).
         "moe": _moe(modules) or next((r["moe"] for r in ranks if r.get("moe")), None),
         "mtp": _mtp(model_parts, ranks),
+        # training.loss_chunk_size: the ranks whose output computes the loss chunk by chunk.
+        "chunked_loss": _chunked_loss(ranks),
         # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.
         "autocast": _autocast(model_parts),
     }
