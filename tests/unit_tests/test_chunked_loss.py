@@ -4,6 +4,9 @@ vocabulary, and no tensor the size of the whole logits ever exists, forward or b
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -11,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
+from torchtitan.models import get_train_spec
 from torchtitan.models.common import PaddedVocabMask
-from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead, install_chunked_loss
 
@@ -98,19 +101,37 @@ def test_without_labels_the_head_returns_masked_logits():
     torch.testing.assert_close(head(h), PaddedVocabMask(VOCAB)(output(h)), rtol=0, atol=0)
 
 
-def test_installed_in_a_model_the_forward_takes_labels():
-    args = ModelArgs(dim=DIM, n_layers=1, n_heads=1, vocab_size=VOCAB, vocab_padding=PADDING, max_seq_len=SEQ)
+@pytest.mark.parametrize("name,flavor", [("llama3", "tiny"), ("llama3", "tiny_tied"), ("qwen3", "tiny"),
+                                         ("deepseek_v3", "tiny")])
+def test_installed_in_each_family_the_forward_takes_labels(name, flavor):
+    """Every family's model, its labels delivered by the forward pre-hook (kept for DeepSeek-V3's own
+    `labels`): the loss and every parameter's gradient equal the plain model's; the state dict's
+    names and a tied weight are unchanged; without labels the forward gives logits."""
+    spec = get_train_spec(name)
+    args = dataclasses.replace(spec.config[flavor], vocab_size=VOCAB, max_seq_len=SEQ)
+    if hasattr(args, "vocab_padding"):
+        args = dataclasses.replace(args, vocab_padding=PADDING)
+    if hasattr(args, "mtp_depth"):
+        args = dataclasses.replace(args, mtp_depth=0)  # refused with MTP (test_refused_with_multi_token_prediction)
     torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    plain = spec.model_cls.from_model_args(args)
+    plain.init_weights()
+    chunked = copy.deepcopy(plain)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     _, labels, _ = _inputs()
-    names = list(model.state_dict())
-    plain = cross_entropy_loss(model(tokens), labels)
-    install_chunked_loss(model, CHUNK)
-    assert list(model.state_dict()) == names and model.vocab_mask is None
-    torch.testing.assert_close(model(tokens, labels=labels), plain, rtol=1e-6, atol=0)
-    assert model(tokens).shape == (BATCH, SEQ, VOCAB + PADDING)  # no labels: logits, as before
+    names = list(plain.state_dict())
+    install_chunked_loss(chunked, CHUNK)
+    assert list(chunked.state_dict()) == names
+    if flavor.endswith("_tied"):
+        assert chunked.output.weight is chunked.tok_embeddings.weight
+    loss = cross_entropy_loss(plain(tokens), labels)
+    loss.backward()
+    chunked_loss = chunked(tokens, labels=labels)
+    chunked_loss.backward()
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-6, atol=0)
+    for (n, a), b in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=n)
+    assert chunked(tokens).shape[:2] == (BATCH, SEQ)  # no labels: logits, as before
 
 
 def test_refusals():
@@ -127,3 +148,16 @@ def test_refusals():
 
     with pytest.raises(ConfigError, match="training.loss_chunk_size must be >= 0"):
         check_training(config)
+
+
+def test_refused_with_multi_token_prediction():
+    from torchtitan.config.preflight import check_mtp
+
+    config = JobConfig()
+    config.model.name, config.model.flavor = "deepseek_v3", "tiny"  # the flavor's MTP depth is 1
+    config.training.loss_chunk_size = 16
+    spec = get_train_spec("deepseek_v3")
+    with pytest.raises(ConfigError, match="training.loss_chunk_size does not compose with multi-token prediction"):
+        check_mtp(config, spec)
+    config.model.mtp_depth = 0
+    check_mtp(config, spec)  # MTP off: allowed
