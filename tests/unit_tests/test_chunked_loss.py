@@ -161,3 +161,15 @@ def test_refused_with_multi_token_prediction():
         check_mtp(config, spec)
     config.model.mtp_depth = 0
     check_mtp(config, spec)  # MTP off: allowed
+
+
+def test_the_measurement_script_counts_less_for_chunks():
+    """scripts/loss_memory.py (docs/memory.md's table) on fake and on real tensors: the same count,
+    and the chunked loss's peak below the whole logits' by about the chunks' share."""
+    from scripts.loss_memory import measure
+
+    rows = {(chunk, real): measure(4096, 8, 256, chunk, torch.float32, real, 1)
+            for chunk in (0, 32) for real in (False, True)}
+    for chunk in (0, 32):
+        assert rows[chunk, False]["peak_bytes"] == rows[chunk, True]["peak_bytes"]
+    assert rows[32, True]["loss_peak_bytes"] < rows[0, True]["loss_peak_bytes"] / 4
