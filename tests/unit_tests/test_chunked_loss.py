@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
@@ -18,6 +17,7 @@ from torchtitan.models import get_train_spec
 from torchtitan.models.common import PaddedVocabMask
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead, install_chunked_loss
+from torchtitan.runtime.torch_compat.dispatch import TorchDispatchMode
 
 BATCH, SEQ, DIM, VOCAB, PADDING, CHUNK = 2, 24, 8, 250, 6, 5  # 24 = 4 chunks of 5 and one of 4
 # DIM is small so that the weight (vocab x dim) is smaller than one chunk's logits: the size check sees logits.
