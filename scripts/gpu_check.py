@@ -219,12 +219,8 @@ def sdpa_exactness(dry: bool) -> dict[str, Any]:
 def ring_kernels(dry: bool) -> dict[str, Any]:
     import torch
 
-    from torchtitan.parallelisms import ring_attention
+    from torchtitan.parallelisms import attention_blocks
 
-    try:  # since issue 42 the block kernels (and their check) live in attention_blocks.py
-        from torchtitan.parallelisms import attention_blocks
-    except ImportError:
-        attention_blocks = ring_attention
     check = getattr(attention_blocks, "check_block_kernels", None)
     if check is None:
         return {"status": "skipped", "reason": "not available: parallelisms/attention_blocks.py has no check_block_kernels"}
