@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchtitan.parallelisms.cp_block_plan import DocumentPlan, Span, backward_blocks, forward_blocks, plan_blocks
+from torchtitan.parallelisms.cp_block_plan import (
+    DocumentPlan,
+    Span,
+    backward_blocks,
+    forward_blocks,
+    merge_full_blocks,
+    plan_blocks,
+)
 from torchtitan.parallelisms.ring_attention import chunk_spans, shard_sequence, unshard_sequence
 
 
@@ -38,11 +45,14 @@ def _gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
 
 
 def _query_blocks(rank: int, cp: int, chunk: int, documents: DocumentPlan | None, tile: int):
-    """Every block of this rank's queries: each chunk against the keys from the start to its end."""
+    """Every block of this rank's queries: each chunk against the key chunks up to its own. Planned
+    chunk by chunk, so a masked block is at most a tile by a chunk; unmasked neighbours are merged
+    (plain causal attention: one block for the keys before a query chunk, one causal square)."""
     blocks = []
     for queries in chunk_spans(rank, cp, chunk):
-        blocks += plan_blocks(queries, Span(0, queries.end, 0), documents, tile)
-    return blocks
+        for start in range(0, queries.end, chunk):
+            blocks += plan_blocks(queries, Span(start, chunk, start), documents, tile)
+    return merge_full_blocks(blocks)
 
 
 def allgather_forward(q, k, v, group, scale: float, kernel: str, ids: torch.Tensor | None,
