@@ -110,3 +110,14 @@ def test_bad_ranges_and_groups_are_refused():
         plan_blocks(Span(16, 16, 0), Span(0, 48, 0), None)
     with pytest.raises(KeyError, match="was not registered for context parallelism"):
         _group("no such group")
+
+
+def test_a_batch_is_planned_once_for_all_blocks():
+    from torchtitan.parallelisms.cp_attention import _on_device
+
+    ids = torch.zeros(1, 16, dtype=torch.int32)
+    ids[:, 9:] = 1
+    first, second = _on_device(ids, ids)[1], _on_device(ids, ids)[1]
+    assert first is second  # the next block of the same forward
+    other = _on_device(ids.clone(), ids)[1]
+    assert other is not first and other.latest == first.latest  # a new batch is planned anew
