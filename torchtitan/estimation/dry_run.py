@@ -158,7 +158,10 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
             and not torch.cuda.is_available()):
         config.float8.emulate = True
         notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
-    if training.document_mask and target == "cuda":
+    if training.document_mask and config.experimental.context_parallel_degree > 1:
+        notes.append("document masking under context parallelism is simulated as causal attention (every block a "
+                     "document could skip is computed: an upper bound; its masks are one block's size)")
+    elif training.document_mask and target == "cuda":
         notes.append("document masking is simulated as causal attention (FlexAttention keeps what flash attention "
                      "keeps, plus a block mask of under a MiB)")
     accumulation = training.gradient_accumulation_steps
