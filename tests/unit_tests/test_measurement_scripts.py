@@ -1,6 +1,6 @@
-"""The measurement scripts (scripts/benchmark.py, checkpoint_bench.py, cp_scaling.py, pipeline_bubble.py,
-ring_memory.py, step_breakdown.py) when a run fails: each ends with a message that says what failed and
-carries the failed run's output, instead of a traceback about missing figures. The runs are stand-ins
+"""The measurement scripts (scripts/benchmark.py, checkpoint_bench.py, cp_methods_bench.py, cp_scaling.py,
+pipeline_bubble.py, ring_memory.py, step_breakdown.py) when a run fails: each ends with a message that says
+what failed and carries the failed run's output, instead of a traceback about missing figures. The runs are stand-ins
 (monkeypatched), so nothing trains; what the scripts measure is in docs/performance.md."""
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from scripts import benchmark, checkpoint_bench, cp_scaling, pipeline_bubble, ring_memory, step_breakdown
+from scripts import benchmark, checkpoint_bench, cp_methods_bench, cp_scaling, pipeline_bubble, ring_memory, step_breakdown
 from torchtitan.tools.runs import TrainingFailed
 
 FAILED = "training failed (1): python -m torchtitan.train ...\nstep 1 loss 10.8\nValueError: the data is empty"
@@ -105,3 +105,13 @@ def test_ring_memory_names_the_kernel_length_and_degree_whose_run_failed(worker_
     assert e.value.code == ("ring_memory: the run of math, local length 1024, cp 2 failed (exit 1):\n"
                             "Traceback (most recent call last):\nRuntimeError: gloo\n")
     assert "--nproc_per_node=2" in worker_fails[0]
+
+
+def test_cp_methods_bench_names_the_degree_whose_run_failed(worker_fails):
+    args = argparse.Namespace(seqs=[1024], heads=4, kv_heads=1, head_dim=64, reps=1, tile=512, doc_mean=256,
+                              max_case_s=10)
+    with pytest.raises(SystemExit) as e:
+        cp_methods_bench.run_cp(args, 4)
+    assert e.value.code == ("cp_methods_bench: the run of cp 4 failed (exit 1):\nTraceback (most recent call last):\n"
+                            "RuntimeError: gloo\n")
+    assert "--nproc_per_node=4" in worker_fails[0]
