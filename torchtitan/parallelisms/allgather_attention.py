@@ -29,7 +29,6 @@ from torchtitan.parallelisms.cp_block_plan import (
     Span,
     backward_blocks,
     forward_blocks,
-    merge_full_blocks,
     plan_blocks,
 )
 from torchtitan.parallelisms.ring_attention import chunk_spans, shard_sequence, unshard_sequence
@@ -45,14 +44,14 @@ def _gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
 
 
 def _query_blocks(rank: int, cp: int, chunk: int, documents: DocumentPlan | None, tile: int):
-    """Every block of this rank's queries: each chunk against the key chunks up to its own. Planned
-    chunk by chunk, so a masked block is at most a tile by a chunk; unmasked neighbours are merged
-    (plain causal attention: one block for the keys before a query chunk, one causal square)."""
+    """Every block of this rank's queries: each chunk against the key chunks up to its own, one
+    key chunk at a time. Blocks stay at most a chunk wide, so grouped-query attention expands (and
+    its gradients come back in) one chunk of keys at a time, never the whole sequence's."""
     blocks = []
     for queries in chunk_spans(rank, cp, chunk):
         for start in range(0, queries.end, chunk):
             blocks += plan_blocks(queries, Span(start, chunk, start), documents, tile)
-    return merge_full_blocks(blocks)
+    return blocks
 
 
 def allgather_forward(q, k, v, group, scale: float, kernel: str, ids: torch.Tensor | None,

@@ -129,18 +129,22 @@ def ring_backward(dout, q, k, v, out, lse, group, scale: float, kernel: str, ids
     rank, cp = ring.rank, ring.size
     c = q.shape[2] // 2
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    # The key/value block and its gradient accumulators travel together.
-    travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    kv = [k, v]
+    # This rank's share of the gradients of the key/value block at hand: they travel with it, one
+    # step behind (a block's accumulators can leave only once this rank added to them).
+    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+             torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
     for step in range(cp):
         src = (rank - step) % cp
-        # The travelling accumulators gain this rank's share in place: they are this rank's own
-        # tensors (fresh zeros, or buffers just received).
-        backward_blocks(dout, q, travelling[0], travelling[1], out, lse, ring_step_blocks(rank, src, cp, c, documents, tile),
-                        dq, travelling[2], travelling[3], scale, kernel, ids)
-        if step < cp - 1:
-            travelling = _Ring.finish(ring.start(travelling))
-        elif cp > 1:
-            # One more hop brings each accumulator home: after the last step its owner is next.
-            travelling = [None, None, *_Ring.finish(ring.start(travelling[2:]))]
-    return dq, travelling[2], travelling[3]
+        # The next block travels while this one's gradients are computed.
+        pending = ring.start(kv) if step < cp - 1 else None
+        # The accumulators gain this rank's share in place: they are this rank's own tensors
+        # (fresh zeros, or buffers just received).
+        backward_blocks(dout, q, kv[0], kv[1], out, lse, ring_step_blocks(rank, src, cp, c, documents, tile),
+                        dq, grads[0], grads[1], scale, kernel, ids)
+        if cp > 1:
+            # After the last step one more hop brings each accumulator home: its owner is next.
+            grads = _Ring.finish(ring.start(grads))
+        if pending is not None:
+            kv = _Ring.finish(pending)
+    return dq, grads[0], grads[1]
