@@ -52,6 +52,7 @@ from torchtitan.models import get_train_spec
 from torchtitan.models.common import causal_attention, document_causal_mask
 from torchtitan.observability.setup_record import describe_parallelisms
 from torchtitan.parallelisms import grad_clip, mixed_precision
+from torchtitan.parallelisms.activation_offload import count_as_host
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.runtime import device_setup, process_group
@@ -217,6 +218,8 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
         # Parallelized on the meta device first (fake tensors cannot be copied as meta ones are).
         model_parts, pipeline = parallelize_model(job_config, spec, parallel_dims, plan, model, model_args, device)
         replayed = fake and pipeline is not None
+        if fake:
+            count_as_host(model_parts)  # offloaded activations: on the meta device, reported as host memory
         if replayed and not replayable(pipeline):
             raise ConfigError(f"model {job_config.model.name}'s pipelining_fn gives no stage description the dry run "
                               "can replay (Pipeline.stage_ids, microbatch_loss, first_stage); dry-run it without "

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
+from torchtitan.parallelisms.activation_offload import OffloadWrapper
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -240,7 +241,9 @@ def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str
     return {"blocks": [b for part in model_parts for b in _blocks(part)],
             "wrapped": [name for name, _ in wrappers],
             # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
-            "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers)}
+            "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers),
+            # Blocks whose saved activations go to host memory (activation_checkpoint.offload).
+            "offloaded": [name for name, m in modules if isinstance(m, OffloadWrapper)]}
 
 
 def _in_moe(name: str) -> bool:

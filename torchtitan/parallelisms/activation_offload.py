@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.runtime.torch_compat.autograd import tensor_version
 from torchtitan.runtime.torch_compat.composable import ActivationWrapper
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,9 @@ class ActivationOffloader:
         self.min_bytes = min_bytes
         self._stream: Any = None  # CUDA side stream for the device-to-host copies, made on first use
         self._kept_storages: set[torch.UntypedStorage] = set()  # during a forward only
+        # One host copy per saved tensor, however often it is saved (RMSNorm saves its input twice),
+        # during a forward only: (storage, offset, shape, strides, dtype, version) -> the copy.
+        self._copies: dict[tuple, _HostCopy] = {}
 
     @contextlib.contextmanager
     def hooks(self, module: nn.Module, inputs: Iterable[Any] = ()) -> Iterator[None]:
@@ -116,6 +120,7 @@ class ActivationOffloader:
                 yield
         finally:
             self._kept_storages = set()
+            self._copies = {}
 
     def _plain(self, t: torch.Tensor) -> bool:
         if isinstance(t, (nn.Parameter, DTensor)) or _nbytes(t) < self.min_bytes or not _dense(t):
@@ -126,6 +131,9 @@ class ActivationOffloader:
         if not self._plain(t):
             self.stats.kept += 1
             return t
+        key = (_storage(t), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype, tensor_version(t))
+        if key in self._copies:
+            return self._copies[key]
         if t.device.type == "cuda" and self.host.type == "cpu":
             packed = self._to_pinned(t)
         else:
@@ -138,7 +146,8 @@ class ActivationOffloader:
         self.stats.bytes += nbytes
         self.stats.host_bytes += nbytes
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self.stats.host_bytes)
-        return _HostCopy(packed)
+        self._copies[key] = copy = _HostCopy(packed)
+        return copy
 
     def _to_pinned(self, t: torch.Tensor) -> _Packed:
         if self._stream is None:

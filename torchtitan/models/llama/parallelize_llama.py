@@ -55,7 +55,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len)  # before AC wraps the blocks
-    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile)
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
+                         offload=ac.offload)
 
     apply_data_parallel(model, parallel_dims, training)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
     return model
