@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.runtime.torch_compat.autograd import tensor_version
-from torchtitan.runtime.torch_compat.composable import ActivationWrapper
+from torchtitan.runtime.torch_compat.composable import ActivationWrapper, wrapped_module
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,9 @@ class OffloadWrapper(ActivationWrapper):
         self.offloader = offloader
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.offloader.hooks(self._checkpoint_wrapped_module, (*args, *kwargs.values())):
-            return self._checkpoint_wrapped_module(*args, **kwargs)
+        block = wrapped_module(self)
+        with self.offloader.hooks(block, (*args, *kwargs.values())):
+            return block(*args, **kwargs)
 
 
 def chosen_blocks(names: list[str], offload: str) -> list[str]:

@@ -24,6 +24,8 @@ PRIVATE_NAMES = (
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",
                 ("mod", "checkpoint_impl", "checkpoint_fn")),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper", ("mod",)),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper._checkpoint_wrapped_module",
+                instance=True),
     PrivateName("torch.distributed.fsdp.FSDPModule._get_fsdp_state", ("self",)),
     # One of the two: a list of groups in 2.13, at most one group in 2.11 (missing there: the seam's
     # names were checked on the GPU machine's torch 2.11.0 by test_torch_compat, 2026-11-27).
@@ -52,6 +54,11 @@ CheckpointWrapper = _checkpoint_wrapper.CheckpointWrapper  # the wrapper's class
 # (`_checkpoint_wrapped_module`) as it likes, and parameter names and state-dict keys stay those of
 # the bare module (DCP strips the same prefix), so wrappers nest in any order.
 ActivationWrapper = _checkpoint_wrapper.ActivationWrapper
+
+
+def wrapped_module(wrapper: nn.Module) -> nn.Module:
+    """The module an ActivationWrapper runs (kept under its private `_checkpoint_wrapped_module`)."""
+    return wrapper._checkpoint_wrapped_module
 
 
 def fsdp_based_replicate() -> Callable[..., Any] | None:
