@@ -237,13 +237,16 @@ def _pipeline(pipeline: Pipeline | None, ranks: list[dict]) -> dict | None:
 
 
 def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str, nn.Module]]) -> dict:
-    wrappers = [(name, m) for name, m in modules if isinstance(m, torch_compat_composable.CheckpointWrapper)]
+    # A checkpointed block inside an offload wrapper is recorded by the block's own name.
+    offloaded = {id(torch_compat_composable.wrapped_module(m)): name for name, m in modules if isinstance(m, OffloadWrapper)}
+    wrappers = [(offloaded.get(id(m), name), m) for name, m in modules
+                if isinstance(m, torch_compat_composable.CheckpointWrapper)]
     return {"blocks": [b for part in model_parts for b in _blocks(part)],
             "wrapped": [name for name, _ in wrappers],
             # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
             "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers),
             # Blocks whose saved activations go to host memory (activation_checkpoint.offload).
-            "offloaded": [name for name, m in modules if isinstance(m, OffloadWrapper)]}
+            "offloaded": list(offloaded.values())}
 
 
 def _in_moe(name: str) -> bool:
