@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from tests.unit_tests.test_dry_run import DEBUG
 from torchtitan.config.manager import parse_args
+from torchtitan.config.sections import check_activation_checkpoint
+from torchtitan.errors import ConfigError
 from torchtitan.estimation.dry_run import dry_run
 from torchtitan.estimation.tracker import _host_devices
 from torchtitan.models.llama.model import ModelArgs, Transformer
@@ -207,3 +209,9 @@ def test_the_tracker_reads_host_memory_by_device():
     assert _host_devices({gpu: {}, cpu: {}}) == {cpu}
     assert _host_devices({cpu: {}, meta: {}}) == {meta}
     assert _host_devices({cpu: {}}) == set()
+
+
+@pytest.mark.parametrize("value", ["0", "some", "-1"])
+def test_a_bad_offload_value_is_one_line(value):
+    with pytest.raises(ConfigError, match=f"activation_checkpoint.offload must be 'none', 'all' or a positive integer k .*'{value}'"):
+        check_activation_checkpoint(parse_args(["--activation_checkpoint.offload", value]))
