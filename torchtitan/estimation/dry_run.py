@@ -218,13 +218,13 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
         # Parallelized on the meta device first (fake tensors cannot be copied as meta ones are).
         model_parts, pipeline = parallelize_model(job_config, spec, parallel_dims, plan, model, model_args, device)
         replayed = fake and pipeline is not None
-        if fake:
-            count_as_host(model_parts)  # offloaded activations: on the meta device, reported as host memory
         if replayed and not replayable(pipeline):
             raise ConfigError(f"model {job_config.model.name}'s pipelining_fn gives no stage description the dry run "
                               "can replay (Pipeline.stage_ids, microbatch_loss, first_stage); dry-run it without "
                               "experimental.pipeline_parallel_degree")
         first_stage = pipeline.first_stage() if replayed else None
+        if fake:  # offloaded activations: on the meta device, reported as host memory
+            count_as_host([*model_parts, *([first_stage] if first_stage is not None else [])])
         with _fake_mode() if fake else contextlib.nullcontext():
             materialize(job_config, model_parts, device)
             if replayed and first_stage not in model_parts:
