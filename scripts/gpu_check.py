@@ -7,7 +7,7 @@ Checks, in the order they run (docs/gpu_check.md says what each figure means):
                    torchao and Python versions.
   sdpa_exactness   the fused SDPA kernels (flash in bf16, memory-efficient in fp32) against the math
                    kernel, forward and backward, each against an fp64 reference.
-  ring_attention_kernels  `check_block_kernels` of parallelisms/ring_attention.py, where it exists.
+  ring_attention_kernels  `check_block_kernels` of parallelisms/attention_blocks.py (CP's block kernels, masked too).
   train_1b, train_3b      bf16 + torch.compile training of Llama 3.2 1B and 3B through the real
                    trainer (torchtitan.tools.runs.run_trainer): tokens/s, MFU, peak memory from its
                    metrics.jsonl. A model that the stack's dry run says does not fit runs with
@@ -219,11 +219,11 @@ def sdpa_exactness(dry: bool) -> dict[str, Any]:
 def ring_kernels(dry: bool) -> dict[str, Any]:
     import torch
 
-    from torchtitan.parallelisms import ring_attention
+    from torchtitan.parallelisms import attention_blocks
 
-    check = getattr(ring_attention, "check_block_kernels", None)
+    check = getattr(attention_blocks, "check_block_kernels", None)
     if check is None:
-        return {"status": "skipped", "reason": "not available: parallelisms/ring_attention.py has no check_block_kernels"}
+        return {"status": "skipped", "reason": "not available: parallelisms/attention_blocks.py has no check_block_kernels"}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
     results = {str(d).removeprefix("torch."): check(device, d) for d in dtypes}

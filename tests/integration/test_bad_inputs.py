@@ -178,8 +178,8 @@ CASES: list[Case] = [
            "training.seq_len 63 must divide by 2 x experimental.context_parallel_degree", env={"WORLD_SIZE": "2"}),
     config("sequence parallel uneven sequence", "--training.tensor_parallel_degree 2 --training.seq_len 63",
            "training.seq_len 63 must divide by training.tensor_parallel_degree 2", env={"WORLD_SIZE": "2"}),
-    config("document mask with context parallelism", "--experimental.context_parallel_degree 2 --training.document_mask",
-           "training.document_mask does not compose with context parallelism (experimental.context_parallel_degree 2)",
+    config("unknown context parallel method", "--experimental.context_parallel_degree 2 "
+           "--experimental.context_parallel_method alltoall", "experimental.context_parallel_method",
            env={"WORLD_SIZE": "2"}),
     config("expert parallel degree 0", "--training.expert_parallel_degree 0", "training.expert_parallel_degree must be >= 1, got 0"),
     config("expert parallel degree does not divide the ranks", "--training.expert_parallel_degree 3",

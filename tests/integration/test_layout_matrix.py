@@ -13,7 +13,7 @@ POINTS = {p.name: p for p in ci_points()}
 # The fast tier's points: FSDP, DDP and HSDP, TP, CP and PP each at least once, with every AC mode,
 # tied embeddings, accumulation, zero1, expert parallelism on both MoE models, and a refusal; on 2 to 4 ranks.
 FAST = ("fsdp2+ac_selective+moe", "rep4+ac_selective+accum_2+zero1", "rep2_fsdp2+ac_full+tied+accum_2",
-        "tp2+sp_off+lp_off+ac_full+dsv3", "cp2+ac_op+accum_2", "pp2+Interleaved1F1B+ac_op+tied", "cp2+compile")
+        "tp2+sp_off+lp_off+ac_full+dsv3", "cp2+ac_op+accum_2", "pp2+Interleaved1F1B+ac_op+tied", "pp2+ZBVZeroBubble+ac_op")
 assert set(FAST) <= set(POINTS), set(FAST) - set(POINTS)
 
 

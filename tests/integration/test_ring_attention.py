@@ -1,7 +1,12 @@
-"""Ring attention (context parallelism) is exact: on cp = 2 and 4 gloo ranks, with and without
-grouped-query attention, with the CPU flash kernels and with the plain-matmul kernels, the output
-and the q/k/v gradients of each rank's load-balanced shard equal those of full causal attention
-over the whole sequence on one device (computed in float64), to fp32 tolerance."""
+"""Context-parallel attention is exact: on cp = 2 and 4 gloo ranks, for both methods (ring and
+all-gather), with and without grouped-query attention, with the CPU flash kernels and with the
+plain-matmul kernels, the output and the q/k/v gradients of each rank's load-balanced shard equal
+those of attention over the whole sequence on one device (computed in float64), to fp32 tolerance.
+
+Document masking: packed sequences whose documents start inside chunks, across chunk borders and
+at a chunk's first position, different in each batch row, with small tiles so that blocks are
+skipped, masked and merged; the reference masks attention to each query's own document. One case
+runs the compiled path (the custom operators inside a fullgraph torch.compile, aot_eager)."""
 
 import pytest
 
@@ -12,34 +17,73 @@ import json
 import torch
 import torch.distributed as dist
 from torchtitan.runtime.process_group import exit_process
-from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequence, unshard_sequence
+from torchtitan.parallelisms.cp_attention import cp_attention, register_group, ring_attention
+from torchtitan.parallelisms.ring_attention import shard_sequence, unshard_sequence
 
 dist.init_process_group("gloo")
 rank, cp = dist.get_rank(), dist.get_world_size()
+group = register_group(dist.group.WORLD)
 errors = {}
-for name, heads, kv_heads, kernel in (("mha_flash", 4, 4, "cpu_flash"), ("gqa_flash", 4, 2, "cpu_flash"),
-                                      ("mha_matmul", 4, 4, "math"), ("gqa_matmul", 4, 1, "math")):
-    torch.manual_seed(0)  # the same full tensors on every rank
-    batch, seq, dim = 2, 12 * cp, 8
-    q, dout = torch.randn(batch, heads, seq, dim), torch.randn(batch, heads, seq, dim)
-    k, v = torch.randn(batch, kv_heads, seq, dim), torch.randn(batch, kv_heads, seq, dim)
+seq = 12 * cp
+# Document ids per batch row: boundaries inside chunks (length 6), on a chunk's first position, one
+# long document; row 1 is a single document but for one short one at the end.
+docs = torch.zeros(2, seq, dtype=torch.int32)
+for start in (5, 6, 19, 20, 21, seq - 7):
+    docs[0, start:] += 1
+docs[1, seq - 3:] = 1
 
-    # Reference: full causal attention on one device, in float64.
+
+def reference(q, k, v, dout, documents):
     ref = [t.double().requires_grad_() for t in (q, k, v)]
-    groups = heads // kv_heads
-    scores = ref[0] @ ref[1].repeat_interleave(groups, 1).transpose(-1, -2) * dim**-0.5
-    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
-    ref_out = scores.softmax(-1) @ ref[2].repeat_interleave(groups, 1)
-    ref_out.backward(dout.double())
+    groups = q.shape[1] // k.shape[1]
+    scores = ref[0] @ ref[1].repeat_interleave(groups, 1).transpose(-1, -2) * q.shape[-1]**-0.5
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if documents is not None:
+        allowed = allowed & (documents.unsqueeze(2) == documents.unsqueeze(1)).unsqueeze(1)
+    out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ ref[2].repeat_interleave(groups, 1)
+    out.backward(dout.double())
+    return [out] + [t.grad for t in ref]
 
+
+cases = [(f"{method}_{name}", method, heads, kv_heads, kernel, documents, 4)
+         for method in ("ring", "allgather")
+         for name, heads, kv_heads, kernel, documents in (
+             ("mha_flash", 4, 4, "cpu_flash", None), ("gqa_flash", 4, 2, "cpu_flash", None),
+             ("mha_matmul", 4, 4, "math", None), ("gqa_matmul", 4, 1, "math", None),
+             ("docs_gqa_flash", 4, 2, "cpu_flash", docs), ("docs_mha_matmul", 4, 4, "math", docs),
+             ("docs_one_tile", 4, 2, "cpu_flash", docs))]
+cases[-1] = cases[-1][:-1] + (512,)  # tiles as large as the chunks: masked blocks only
+for name, method, heads, kv_heads, kernel, documents, tile in cases:
+    torch.manual_seed(0)  # the same full tensors on every rank
+    dim = 8
+    q, dout = torch.randn(2, heads, seq, dim), torch.randn(2, heads, seq, dim)
+    k, v = torch.randn(2, kv_heads, seq, dim), torch.randn(2, kv_heads, seq, dim)
+    expected = reference(q, k, v, dout, documents)
     local = [shard_sequence(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group=dist.group.WORLD, kernel=kernel)
+    out = cp_attention(*local, documents, group_name=group, method=method, kernel=kernel, tile=tile)
     out.backward(shard_sequence(dout, rank, cp, dim=2))
-    pairs = [(out, ref_out)] + [(mine.grad, full.grad) for mine, full in zip(local, ref)]
+    got = [out] + [t.grad for t in local]
     err = torch.tensor([(a.double() - shard_sequence(b.detach(), rank, cp, dim=2)).abs().max().item()
-                        for a, b in pairs], dtype=torch.float64)
+                        for a, b in zip(got, expected)], dtype=torch.float64)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     errors[name] = dict(zip(("out", "dq", "dk", "dv"), err.tolist()))
+
+# The compiled path: the custom operators inside a fullgraph graph, against the eager function.
+torch.manual_seed(1)
+q, k, v, dout = (shard_sequence(torch.randn(2, 4, seq, 8), rank, cp, dim=2) for _ in range(4))
+compiled = torch.compile(lambda q, k, v: cp_attention(q, k, v, docs, group_name=group, method="ring", tile=4) * 2,
+                         backend="aot_eager", fullgraph=True)
+results = []
+for fn in (compiled, lambda q, k, v: cp_attention(q, k, v, docs, group_name=group, method="ring", tile=4) * 2):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout)
+    results.append([out.detach()] + [t.grad for t in leaves])
+errors["compiled_bitwise"] = all(torch.equal(a, b) for a, b in zip(*results))
+
+# The plain ring_attention entry point still takes a process group.
+ring = ring_attention(q, k, v, dist.group.WORLD)
+errors["ring_entry"] = bool(torch.equal(ring, cp_attention(q, k, v, group_name=group)))
 
 # The shard/unshard pair is a permutation of the sequence and its inverse.
 x = torch.arange(4 * cp).view(1, -1)
@@ -55,11 +99,14 @@ exit_process(0)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_matches_full_causal_attention(tmp_path, cp):
+def test_cp_attention_matches_full_attention(tmp_path, cp):
     result = run_ranks_script(SCRIPT, cp, tmp_path)
     assert result.pop("roundtrip") is True
+    assert result.pop("compiled_bitwise") is True
+    assert result.pop("ring_entry") is True
     # Rank 0 holds the first and the last of the 2 x cp chunks (two positions each here).
     assert result.pop("rank0_chunks") == [[0, 1, 4 * cp - 2, 4 * cp - 1]]
+    assert len(result) == 14
     for case, errs in result.items():
         print(f"cp {cp} {case}: max abs error {errs}")
         for what, err in errs.items():

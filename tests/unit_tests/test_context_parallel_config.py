@@ -10,14 +10,21 @@ CP2 = ["--experimental.context_parallel_degree", "2"]
 def test_a_valid_cp_layout_parses():
     config = parse_args([*CP2, "--training.seq_len", "64"])
     assert config.experimental.context_parallel_degree == 2 and config.experimental.context_parallel_backend == "ring"
+    assert config.experimental.context_parallel_method == "ring"
+
+
+def test_cp_composes_with_document_masks_compile_and_allgather():
+    """Issue 42 lifted the refusals of document masking and compile under CP."""
+    config = parse_args([*CP2, "--training.seq_len", "64", "--training.document_mask", "--training.compile",
+                         "--experimental.context_parallel_method", "allgather"])
+    assert config.training.document_mask and config.training.compile
+    assert config.experimental.context_parallel_method == "allgather"
 
 
 @pytest.mark.parametrize("argv,fragment", [
     (["--training.seq_len", "66"], "training.seq_len 66 must divide by 2 x experimental.context_parallel_degree = 4"),
     (["--experimental.context_parallel_backend", "torch"], "context_parallel_backend 'torch'"),
-    (["--training.compile"], "training.compile with context parallelism"),
-    (["--training.document_mask"], "training.document_mask does not compose with context parallelism "
-                                   "(experimental.context_parallel_degree 2) yet"),
+    (["--experimental.context_parallel_method", "alltoall"], "experimental.context_parallel_method"),
 ])
 def test_cp_refusals(argv, fragment):
     with pytest.raises(ConfigError) as info:

@@ -196,6 +196,15 @@ def test_document_masking_is_simulated_on_both_targets():
     assert any("document masking is simulated as causal attention" in note for note in masked.notes)
 
 
+def test_document_masking_under_cp_is_simulated_as_causal():
+    """Under CP the blocks' plan reads the document ids' values, which fake tensors lack: the dry
+    run plans plain causal attention (an upper bound), with a note."""
+    cp = ["--experimental.context_parallel_degree", "2", "--job.dry_run_world_size", "2", "--job.dry_run_device", "cpu"]
+    plain, masked = (dry_run(parse_args([*DEBUG, *cp, *extra])) for extra in ([], ["--training.document_mask"]))
+    assert masked.ranks[0].memory.peak - plain.ranks[0].memory.peak == 8 * 128 * 4  # the int32 document ids alone
+    assert any("document masking under context parallelism is simulated" in note for note in masked.notes)
+
+
 MOE = ["--job.config_file", "bundled:train_configs/qwen3_moe_debug.toml", "--model.flavor", "tiny_moe",
        "--training.seq_len", "128", "--job.dry_run", "--job.dry_run_device", "cuda", "--training.expert_parallel_degree", "4",
        "--job.dry_run_world_size", "8", "--experimental.pipeline_parallel_degree", "2"]

@@ -1,4 +1,4 @@
-"""Ring attention's block kernels: which fused kernel each device, dtype and head dim gets, and
+"""Context parallelism's block kernels (attention_blocks.py): which fused kernel each device, dtype and head dim gets, and
 that each one agrees with the materialised-scores ("math") reference.
 
 The CUDA kernels cannot run on this machine. Their calls are checked here against CPU stand-ins
@@ -11,7 +11,8 @@ argument order or layout fails here; the numbers on a GPU come from `check_block
 import pytest
 import torch
 
-import torchtitan.parallelisms.ring_attention as ra
+import torchtitan.parallelisms.attention_blocks as ra
+from torchtitan.parallelisms.cp_attention import cp_attention
 
 
 @pytest.mark.parametrize("device_type,dtype,head_dim,capability,flash_built,expected", [
@@ -45,7 +46,9 @@ def test_block_kernel_of_a_tensor():
 def test_unknown_kernel_is_refused():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="unknown block kernel 'flash'"):
-        ra.ring_attention(q, q, q, group=None, kernel="flash")
+        cp_attention(q, q, q, group_name="unused", kernel="flash")
+    with pytest.raises(ValueError, match="unknown context parallel method 'alltoall'"):
+        cp_attention(q, q, q, group_name="unused", method="alltoall")
     with pytest.raises(ValueError, match="unknown block kernel"):
         ra.block_forward(q, q, q, True, 1.0, kernel="cuda")
 
@@ -54,7 +57,7 @@ def test_unknown_kernel_is_refused():
 def test_cpu_flash_matches_math(dtype, bound):
     result = ra.check_block_kernels("cpu", dtype)
     assert result["kernel"] == "cpu_flash" and result["dtype"] == str(dtype).removeprefix("torch.")
-    assert set(result["cases"]) == {"diagonal_causal", "off_diagonal", "gqa_two_blocks"}
+    assert set(result["cases"]) == {"diagonal_causal", "off_diagonal", "gqa_two_blocks", "document_masked"}
     assert all(set(errs) == {"out", "lse", "dq", "dk", "dv"} for errs in result["cases"].values())
     assert result["ok"] and 0 < result["max_error"] < bound, result
 
@@ -80,9 +83,18 @@ def _flash_backward(dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k,
     return tuple(g.to(q.dtype) for g in ra._math_backward(dout, q, k, v, out, lse, is_causal, scale))
 
 
+def _bias_as_mask(attn_bias, q, k):
+    """The efficient kernels' bias, checked as they read it: q's dtype, every head, rows 16-aligned."""
+    if attn_bias is None:
+        return None
+    assert attn_bias.dtype == q.dtype and attn_bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    assert attn_bias.stride(-1) == 1 and attn_bias.stride(-2) % 16 == 0, "bias rows must be 16-aligned"
+    return attn_bias.float()
+
+
 def _efficient_forward(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
-    assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
-    out, lse = ra._math_forward(q, k, v, is_causal, scale)
+    assert compute_log_sumexp and dropout_p == 0.0
+    out, lse = ra._math_forward(q, k, v, is_causal, scale, _bias_as_mask(attn_bias, q, k))
     padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"))
     padded[..., :lse.shape[2]] = lse  # NaN past the end: the caller must slice it off
     empty = torch.empty(0)
@@ -91,13 +103,13 @@ def _efficient_forward(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is
 
 def _efficient_backward(dout, q, k, v, attn_bias, out, lse, philox_seed, philox_offset, dropout_p,
                         grad_input_mask, is_causal=False, *, scale=None):
-    assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+    assert dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
     assert out.dtype == dout.dtype == q.dtype
     assert out.transpose(1, 2).is_contiguous(), "the kernel takes out's row stride to be heads x head_dim"
     rows = q.shape[2]
     assert lse.dtype == torch.float32 and lse.shape[2] % 32 == 0 and lse.shape[2] - rows < 32
     assert torch.isposinf(lse[..., rows:]).all(), "the kernel reads whole 32-row tiles of lse"
-    grads = ra._math_backward(dout, q, k, v, out, lse[..., :rows], is_causal, scale)
+    grads = ra._math_backward(dout, q, k, v, out, lse[..., :rows], is_causal, scale, _bias_as_mask(attn_bias, q, k))
     return (*(g.to(q.dtype) for g in grads), None)
 
 

@@ -194,6 +194,10 @@ class Training:
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduce dtype.", choices=["float32", "bfloat16"])
     ddp_bucket_cap_mb: int = opt(100, "DDP gradient bucket size in MB.")
     compile: bool = opt(False, "torch.compile each transformer block.")
+    loss_chunk_size: int = opt(
+        0, "Compute the cross-entropy this many sequence positions at a time inside the output projection, "
+        "recomputing each chunk's logits in backward: the whole fp32 logits are never held (docs/memory.md); "
+        "0 = off (the whole logits, as before).")
     gc_freq: int = opt(50, "Run Python's garbage collector every gc_freq steps (automatic GC is disabled).")
     seed: int = opt(-1, "Random seed; -1 = a fixed default (0) so runs repeat.")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower; for parity and debugging).")
@@ -222,6 +226,10 @@ class Experimental:
     context_parallel_backend: str = opt(
         "ring", "CP attention: ring (this project's ring attention, CPU and CUDA) or torch (PyTorch's; not yet offered).",
         choices=["ring", "torch"])
+    context_parallel_method: str = opt(
+        "ring", "How CP attention gets the keys and values of other ranks: ring (passed rank to rank, overlapped with "
+        "compute) or allgather (gathered at once per block; cheaper for grouped-query attention's small K/V). See "
+        "docs/context_parallel.md.", choices=["ring", "allgather"])
     enable_async_tensor_parallel: bool = opt(False, "Async TP via symmetric-memory micro-pipelining (CUDA + compile).")
     enable_compiled_autograd: bool = opt(False, "Compile the backward pass with compiled autograd.")
     custom_import: str = opt("", "Python module imported at start-up, e.g. one that registers a new model.")

@@ -98,11 +98,17 @@ def check_experts(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: P
 
 
 def check_mtp(job_config: JobConfig, train_spec: TrainSpec) -> None:
-    """model.mtp_depth > 0 needs a family with multi-token prediction modules (an `mtp_depth` field)."""
+    """model.mtp_depth > 0 needs a family with multi-token prediction modules (an `mtp_depth` field),
+    and is not computed chunked (training.loss_chunk_size)."""
     depth = job_config.model.mtp_depth
     if depth > 0 and not hasattr(train_spec.config[job_config.model.flavor], "mtp_depth"):
         raise ConfigError(f"model.mtp_depth {depth}: model {job_config.model.name!r} has no multi-token prediction "
                           "(deepseek_v3 has); leave it at -1 or 0")
+    flavor_depth = getattr(train_spec.config[job_config.model.flavor], "mtp_depth", 0)
+    if job_config.training.loss_chunk_size and (depth if depth >= 0 else flavor_depth) > 0:
+        # MTP projects its own hidden states through the shared output, whose chunked head returns a loss.
+        raise ConfigError(f"training.loss_chunk_size does not compose with multi-token prediction (model.mtp_depth "
+                          f"{depth if depth >= 0 else flavor_depth}); set model.mtp_depth 0 or training.loss_chunk_size 0")
 
 
 def check_model_shapes(train_spec: TrainSpec, model_args: Any, parallel_dims: ParallelDims,

@@ -41,6 +41,9 @@ def check_training(config: JobConfig) -> None:
     _at_least_one({"training.batch_size": training.batch_size, "training.seq_len": training.seq_len, "training.steps": training.steps,
                    "training.gradient_accumulation_steps": training.gradient_accumulation_steps,
                    "training.gc_freq": training.gc_freq, "training.ddp_bucket_cap_mb": training.ddp_bucket_cap_mb})
+    if training.loss_chunk_size < 0:
+        raise ConfigError(f"training.loss_chunk_size must be >= 0 (0 computes the loss over the whole logits), got "
+                          f"{training.loss_chunk_size}")
 
 
 def check_data(config: JobConfig) -> None:

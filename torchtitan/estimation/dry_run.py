@@ -57,7 +57,7 @@ from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.torch_compat import fake as torch_compat_fake
-from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model
+from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model, with_chunked_loss
 
 logger = logging.getLogger("torchtitan")
 GiB = 2**30
@@ -159,7 +159,10 @@ def for_this_machine(job_config: JobConfig, target: str, world_size: int) -> tup
             and not torch.cuda.is_available()):
         config.float8.emulate = True
         notes.append("float8 matmuls are emulated (the same float8 tensors are kept)")
-    if training.document_mask and target == "cuda":
+    if training.document_mask and config.experimental.context_parallel_degree > 1:
+        notes.append("document masking under context parallelism is simulated as causal attention (every block a "
+                     "document could skip is computed: an upper bound; its masks are one block's size)")
+    elif training.document_mask and target == "cuda":
         notes.append("document masking is simulated as causal attention (FlexAttention keeps what flash attention "
                      "keeps, plus a block mask of under a MiB)")
     accumulation = training.gradient_accumulation_steps
@@ -207,6 +210,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     start = time.perf_counter()
     parallel_dims, plan, spec, tokenizer, model_args, model = preflight(job_config, world_size, target,
                                                                         check_memory=False, tokenizer=tokenizer)
+    spec = with_chunked_loss(spec, job_config)  # training.loss_chunk_size, as the trainer runs it
     hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]" prefix, once per simulated rank
     if fake:
         dist.init_process_group("fake", store=torch_compat_fake.fake_store(), rank=rank, world_size=world_size)

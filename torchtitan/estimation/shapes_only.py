@@ -8,6 +8,11 @@ grouped expert matmul always grouped, as the GPUs' kernel it stands for (the loo
 groups' sizes as values). The MoE dropping mode (`moe.capacity_factor`) needs none of them: its
 sizes are Python ints, so it runs on fake tensors as it runs on real ones.
 
+Document masking under context parallelism plans which attention blocks to compute from the
+document ids' values (parallelisms/cp_block_plan.py). On fake tensors it plans plain causal
+attention: every block a document mask could skip is computed, an upper bound on time and on the
+transient memory of one block (the masks themselves are one block's size).
+
 `expert_load` (the planner's, for dropless routing under expert parallelism): the simulated rank
 is the busiest of its expert-parallel group and receives `expert_load` times its even share of
 the group's tokens (it still sends its own tokens evenly). Without expert parallelism a rank
@@ -26,7 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.moe import DEVICE_KERNELS, ExpertKernels, expert_token_counts, grouped_mm
+from torchtitan.parallelisms.context_parallel import host_document_ids
 from torchtitan.parallelisms.expert_parallel import exchange_counts
+
+
+def causal_under_cp(document_ids: torch.Tensor) -> None:
+    """The models' mask seam under CP on fake tensors: no documents, plain causal attention."""
+    return None
 
 
 def balanced_counts(total: int, n: int, device: torch.device) -> torch.Tensor:
@@ -98,3 +109,5 @@ def on_fake_tensors(modules: Iterable[nn.Module], expert_load: float = 1.0) -> N
                 module.kernels = FAKE_KERNELS
             if getattr(module, "exchange_counts", None) is exchange_counts:
                 module.exchange_counts = exchange
+            if getattr(module, "attention_mask", None) is host_document_ids:
+                module.attention_mask = causal_under_cp

@@ -28,10 +28,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
 from torchtitan.parallelisms.activation_offload import OffloadWrapper
+from torchtitan.parallelisms.chunked_loss import ChunkedLossHead
+from torchtitan.parallelisms.cp_attention import cp_attention
 from torchtitan.parallelisms.float8 import is_float8
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.ring_attention import ring_attention
 from torchtitan.runtime.torch_compat import composable as torch_compat_composable
 from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
 
@@ -96,7 +97,21 @@ def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, p
         facts["moe"] = moe
     if _mtp_modules(model_parts):
         facts["mtp_modules"] = _mtp_modules(model_parts)
+    chunks = _loss_chunk_sizes(model_parts)
+    if chunks:
+        facts["loss_chunk_size"] = chunks[0]
     return facts
+
+
+def _loss_chunk_sizes(model_parts: list[nn.Module]) -> list[int]:
+    """The chunk size of each chunked-loss head in these parts (training.loss_chunk_size; a
+    pipeline's last stage holds the head)."""
+    return [m.chunk_size for part in model_parts for m in part.modules() if isinstance(m, ChunkedLossHead)]
+
+
+def _chunked_loss(ranks: list[dict]) -> dict | None:
+    holders = [r for r in ranks if r.get("loss_chunk_size")]
+    return {"chunk_size": holders[0]["loss_chunk_size"], "ranks": [r["rank"] for r in holders]} if holders else None
 
 
 def _mtp_modules(model_parts: list[nn.Module]) -> int:
@@ -148,6 +163,8 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         # Rank 0's MoE layers, or the first rank's that holds some (a dense first pipeline stage).
         "moe": _moe(modules) or next((r["moe"] for r in ranks if r.get("moe")), None),
         "mtp": _mtp(model_parts, ranks),
+        # training.loss_chunk_size: the ranks whose output computes the loss chunk by chunk.
+        "chunked_loss": _chunked_loss(ranks),
         # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.
         "autocast": _autocast(model_parts),
     }
@@ -216,9 +233,11 @@ def _tensor_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: Parall
 def _context_parallel(modules: list[tuple[str, nn.Module]], parallel_dims: ParallelDims) -> dict | None:
     if parallel_dims.cp_mesh is None:
         return None
-    ring = sum(isinstance(k := getattr(m, "kernel", None), functools.partial) and k.func is ring_attention
-               for _, m in modules)
-    return {"mesh": _mesh(parallel_dims.cp_mesh), "ring_attention_modules": ring}
+    kernels = [k for _, m in modules if isinstance(k := getattr(m, "kernel", None), functools.partial)
+               and k.func is cp_attention]
+    methods = sorted({k.keywords.get("method", "ring") for k in kernels})
+    # "ring_attention_modules" keeps its name for records written before the all-gather method.
+    return {"mesh": _mesh(parallel_dims.cp_mesh), "ring_attention_modules": len(kernels), "methods": methods}
 
 
 def _pipeline(pipeline: Pipeline | None, ranks: list[dict]) -> dict | None:

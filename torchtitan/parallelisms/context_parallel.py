@@ -1,11 +1,15 @@
 """Context parallelism: each cp rank holds a load-balanced slice of every sequence.
 
-Three things change under cp > 1, all from outside the model:
+Four things change under cp > 1, all from outside the model:
 - the batch: inputs and labels are cut along the sequence (`shard_batch`); every cp rank of a
   data-parallel group reads the same batch first, as tp peers do;
 - RoPE: each block receives the rows of the RoPE table for the positions its rank holds, so the
   rotation is that of the original sequence (a forward pre-hook on every attention module);
-- attention: each attention module's kernel becomes ring attention over the cp group.
+- attention: each attention module's kernel becomes ring or all-gather attention over the cp group
+  (cp_attention.py, `experimental.context_parallel_method`);
+- document masking: the model's mask seam (`attention_mask`) hands every block the host copy of
+  the whole sequence's document ids (`host_document_ids`) instead of a mask of the local rows;
+  the kernel plans its blocks from it and skips those its documents mask entirely.
 
 The loss is each rank's mean over its own tokens (every rank holds the same number), so the mean
 over the dp_cp mesh is the global mean; FSDP averages gradients over `dp_shard_cp`, which
@@ -22,7 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.errors import ConfigError
-from torchtitan.parallelisms.ring_attention import ring_attention, shard_sequence
+from torchtitan.parallelisms.cp_attention import cp_attention, register_group
+from torchtitan.parallelisms.ring_attention import shard_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +47,28 @@ def _rope_rows_for_rank(module: nn.Module, args: tuple, *, rank: int, cp: int, s
     return (x, shard_sequence(rope[:seq_len], rank, cp, dim=0), *rest)
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Ring attention and rank-local RoPE rows for every transformer block of `model` (a whole
-    model or a pipeline stage). Blocks keep their parameters and names."""
+def host_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """The models' mask seam under CP: the document ids themselves (the trainer keeps them on the
+    host under CP), which every block's CP kernel takes as its `documents`."""
+    return document_ids
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str = "ring") -> None:
+    """CP attention (`method`: ring or allgather) and rank-local RoPE rows for every transformer
+    block of `model` (a whole model or a pipeline stage), and the host document ids as its blocks'
+    mask. Blocks keep their parameters and names."""
     for name, block in model.layers.items():
         if not hasattr(getattr(block, "attention", None), "kernel"):
             # Ring attention replaces a causal (q, k, v) kernel; other attention cannot be split this way.
             raise ConfigError(f"context parallelism needs each block's attention to expose a causal `kernel` "
                               f"(q, k, v) -> out to replace with ring attention; block layers.{name} has none")
     rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
-    group = cp_mesh.get_group()
+    group_name = register_group(cp_mesh.get_group())
     for block in model.layers.values():
-        block.attention.kernel = functools.partial(ring_attention, group=group)
+        block.attention.kernel = functools.partial(cp_attention, group_name=group_name, method=method)
         block.attention.register_forward_pre_hook(
             functools.partial(_rope_rows_for_rank, rank=rank, cp=cp, seq_len=seq_len))
-    logger.info(f"applied context parallelism over mesh {{'cp': {cp}}} (ring attention, load-balanced "
+    if hasattr(model, "attention_mask"):
+        model.attention_mask = host_document_ids
+    logger.info(f"applied context parallelism over mesh {{'cp': {cp}}} ({method} attention, load-balanced "
                 f"{2 * cp} chunks of {seq_len // (2 * cp)} tokens, this rank holds chunks {rank} and {2 * cp - 1 - rank})")

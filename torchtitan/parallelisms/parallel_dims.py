@@ -361,13 +361,6 @@ def check_options(config: JobConfig) -> None:
         if experimental.context_parallel_backend == "torch":
             raise ConfigError("experimental.context_parallel_backend 'torch' (PyTorch's context parallel) is not offered "
                               "yet: it has no CPU path, and this version runs only the ring backend; use 'ring'")
-        if training.compile:
-            raise ConfigError("training.compile with context parallelism is not supported yet: ring attention's "
-                              "point-to-point exchange cannot sit inside a fullgraph-compiled block")
-        if training.document_mask:
-            raise ConfigError(f"training.document_mask does not compose with context parallelism "
-                              f"(experimental.context_parallel_degree {cp}) yet: ring attention has no document mask; "
-                              "turn one of them off")
     _check_sequence_parallel(training, cp)
 
 

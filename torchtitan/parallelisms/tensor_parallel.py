@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.activation_offload import apply_offload
+from torchtitan.parallelisms.chunked_loss import ChunkedLossHead, apply_head_tp
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
 from torchtitan.runtime.torch_compat import dtensor_masks as torch_compat_dtensor_masks
 
@@ -50,6 +51,9 @@ def apply_root_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, se
     }
     if sequence_parallel:
         root_plan["norm"] = SequenceParallel()
+    if isinstance(getattr(model, "output", None), ChunkedLossHead):  # training.loss_chunk_size: its own layout
+        del root_plan["output"]
+        apply_head_tp(model.output, tp_mesh, loss_parallel, sequence_parallel, ShardedVocabMask)
     parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
     if loss_parallel and getattr(model, "vocab_mask", None) is not None:
         model.vocab_mask = ShardedVocabMask(model.vocab_mask.vocab_size)

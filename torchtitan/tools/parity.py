@@ -245,6 +245,18 @@ SUITES: dict[str, list[Layout]] = {
         L("docmask_pp2_interleaved", 2, "--experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_schedule Interleaved1F1B",
           {"pipeline.schedule": "Interleaved1F1B", "pipeline.stages": 4}, shared=DOCUMENT_MASK_8_BLOCKS),
+        # Context parallelism plans its attention blocks from the documents (skipping what they
+        # mask), with either method, compiled or not, beside FSDP, TP and PP.
+        L("docmask_cp2_compile", 2, "--experimental.context_parallel_degree 2 --training.compile",
+          {"cp.mesh": {"cp": 2}, "cp.methods": ["ring"], "compile.compiled_modules": POSITIVE}, shared=DOCUMENT_MASK),
+        L("docmask_cp2_fsdp2_allgather", 4, "--experimental.context_parallel_degree 2 "
+          "--training.data_parallel_shard_degree 2 --experimental.context_parallel_method allgather",
+          {"cp.mesh": {"cp": 2}, "cp.methods": ["allgather"], "fsdp.mesh": {"dp_shard_cp": 4}}, shared=DOCUMENT_MASK),
+        L("docmask_cp2_tp2", 4, "--experimental.context_parallel_degree 2 --training.tensor_parallel_degree 2",
+          {"cp.mesh": {"cp": 2}, "tp.mesh": {"tp": 2}}, shared=DOCUMENT_MASK),
+        L("docmask_cp2_pp2_allgather", 4, "--experimental.context_parallel_degree 2 "
+          "--experimental.pipeline_parallel_degree 2 --experimental.context_parallel_method allgather",
+          {"cp.mesh": {"cp": 2}, "cp.methods": ["allgather"], "pipeline.stages": 2}, shared=DOCUMENT_MASK),
     ],
     # bf16 compute: FSDP's mixed-precision policy, or autocast where FSDP does not shard (one
     # process, DDP, TP, PP), against one process under autocast. The 2-block `tiny` model keeps
@@ -258,6 +270,21 @@ SUITES: dict[str, list[Layout]] = {
           {"tp.mesh": {"tp": 2}, "autocast.dtype": "bfloat16"}, shared=BF16, **BF16_TOLERANCES),
         L("bf16_pp2", 2, "--experimental.pipeline_parallel_degree 2",
           {"pipeline.stages": 2, "autocast": {"dtype": "bfloat16", "parts": 1}}, shared=BF16, **BF16_TOLERANCES),
+    ],
+    # Chunked cross-entropy (training.loss_chunk_size) against the plain baseline's whole logits:
+    # the head computed inside FSDP's root unit, which reshards after forward and gathers again
+    # for backward's recomputation; vocabulary-sharded chunks under loss parallelism with a padded
+    # vocabulary (sequence parallel); on a pipeline's last stage, the labels cut into microbatches.
+    # Every run validates too, so the validation loss goes through the head as well.
+    "chunked_loss": [
+        L("chunked_loss_fsdp2", 2, "--training.data_parallel_shard_degree 2 --training.loss_chunk_size 24 "
+          "--training.fsdp_reshard_after_forward always",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "chunked_loss": {"chunk_size": 24, "ranks": [0, 1]}}),
+        L("chunked_loss_tp2_padded_vocab", 2, "--training.tensor_parallel_degree 2 --training.loss_chunk_size 24",
+          {"tp.mesh": {"tp": 2}, "tp.loss_parallel": True, "model.vocab_padding": 48,
+           "chunked_loss": {"chunk_size": 24, "ranks": [0, 1]}}, shared="--model.vocab_size_divisible_by 64"),
+        L("chunked_loss_pp2", 2, "--experimental.pipeline_parallel_degree 2 --training.loss_chunk_size 24",
+          {"pipeline.stages": 2, "chunked_loss": {"chunk_size": 24, "ranks": [1]}}),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [

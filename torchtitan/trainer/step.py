@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, ContextManager
 
@@ -16,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models import TrainSpec
 from torchtitan.models.common import document_ids
+from torchtitan.parallelisms.chunked_loss import install_chunked_loss, loss_from_forward
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.mixed_precision import apply_mixed_precision
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -44,9 +46,27 @@ def with_compiled_loss(train_spec: TrainSpec, job_config: JobConfig, parallel_di
     On CPU it is left eager: there it saved 22 ms of a 4.6 s step (debug model) and cost about 6 s
     of compilation per run, which short CPU runs never earn back. Under loss parallelism the loss
     stays eager too: DTensor's loss_parallel context dispatches its vocabulary-sharded cross-entropy."""
-    if not job_config.training.compile or parallel_dims.loss_parallel_enabled or device_type != "cuda":
+    if (not job_config.training.compile or parallel_dims.loss_parallel_enabled or device_type != "cuda"
+            or train_spec.loss_fn is loss_from_forward):  # chunked: the model's forward computes it
         return train_spec
     return dataclasses.replace(train_spec, loss_fn=torch.compile(train_spec.loss_fn))
+
+
+def with_chunked_loss(train_spec: TrainSpec, job_config: JobConfig) -> TrainSpec:
+    """The train spec under training.loss_chunk_size (parallelisms/chunked_loss.py): each model
+    part gets a ChunkedLossHead as its output before the family's own parallelize function runs
+    (TP lays it out, FSDP wraps it in the root unit), its forward takes the labels and returns
+    the loss, and the loss function passes that through. Unchanged when the option is 0."""
+    if not job_config.training.loss_chunk_size:
+        return train_spec
+    return dataclasses.replace(train_spec, loss_fn=loss_from_forward,
+                               parallelize_fn=functools.partial(_parallelize_with_chunked_loss, train_spec.parallelize_fn))
+
+
+def _parallelize_with_chunked_loss(parallelize_fn: Callable[..., torch.nn.Module], model: torch.nn.Module,
+                                   parallel_dims: ParallelDims, job_config: JobConfig) -> torch.nn.Module:
+    install_chunked_loss(model, job_config.training.loss_chunk_size)
+    return parallelize_fn(model, parallel_dims, job_config)
 
 
 def parallelize_model(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
@@ -104,14 +124,18 @@ def document_mask_eos(job_config: JobConfig, tokenizer: Any) -> int | None:
 def model_kwargs(inputs: torch.Tensor, eos_id: int | None) -> dict[str, torch.Tensor]:
     """The model's keyword inputs beside the tokens: with document masking (`eos_id` given), the
     document ids of the whole sequences, which every pipeline stage and tensor-parallel rank gets
-    alike; none otherwise, so the forward is exactly today's."""
+    alike; none otherwise, so the forward is exactly today's. Under context parallelism the callers
+    pass the host's inputs: CP attention plans its blocks from the host's ids, without waiting for
+    the device (parallelisms/cp_attention.py)."""
     return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
 
 
 def takes_labels(train_spec: TrainSpec) -> bool:
     """Whether the family's forward takes the labels as well (`labels`: DeepSeek-V3's multi-token
-    prediction needs the tokens ahead); such a model gets them in training."""
-    return "labels" in inspect.signature(train_spec.model_cls.forward).parameters
+    prediction needs the tokens ahead; a chunked loss is computed in the forward); such a model
+    gets them in training."""
+    return (train_spec.loss_fn is loss_from_forward
+            or "labels" in inspect.signature(train_spec.model_cls.forward).parameters)
 
 
 def loss_context(parallel_dims: ParallelDims) -> Callable[[], ContextManager]:
@@ -131,9 +155,9 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
     with_labels = takes_labels(train_spec)
     in_loss_context = loss_context(parallel_dims)
     step_loss = torch.zeros((), device=device)
-    for micro, (inputs, labels) in enumerate(micro_batches):
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        extra = model_kwargs(inputs, eos_id)  # (document masking does not compose with context parallelism)
+    for micro, (batch_inputs, labels) in enumerate(micro_batches):
+        inputs, labels = batch_inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        extra = model_kwargs(batch_inputs if parallel_dims.cp_enabled else inputs, eos_id)
         inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
         if with_labels:
             extra["labels"] = labels

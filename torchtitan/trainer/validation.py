@@ -31,6 +31,7 @@ from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.sources import DatasetError
 from torchtitan.datasets.text_dataset import validation_batch_size
 from torchtitan.observability.watchdog import Watchdog
+from torchtitan.parallelisms.chunked_loss import loss_from_forward
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
@@ -92,25 +93,29 @@ class Validator:
     def due(self, step: int) -> bool:
         return step % self.validation.freq == 0 or step == self.training.steps
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, ids_from: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss (on a pipeline's last stage; zero on its other stages).
 
         A batch larger than training.batch_size goes through in parts of that size: a job that
         accumulates gradients because one optimizer step's rows do not fit at once (the default
         validation batch) must not run them at once here. Under pipeline parallelism the stages
         exchange microbatches shaped by training.batch_size anyway (the config pass asks for a
-        multiple). Parts of one size weigh alike in the mean."""
+        multiple). Parts of one size weigh alike in the mean. `ids_from`: the tokens the document
+        ids are counted from (the whole sequences)."""
         parts = []
+        size = self.training.batch_size
         with self.loss_context():
-            for x, y in zip(inputs.split(self.training.batch_size), labels.split(self.training.batch_size)):
-                extra = model_kwargs(x, self.eos_id)
+            for x, y, whole in zip(inputs.split(size), labels.split(size), ids_from.split(size)):
+                extra = model_kwargs(whole, self.eos_id)
+                if self.loss_fn is loss_from_forward:  # training.loss_chunk_size: the forward computes the loss
+                    extra["labels"] = y
                 if self.pipeline is not None:
                     parts.append(self.pipeline.evaluate(x, y, self.device, self.training.gradient_accumulation_steps,
                                                         **extra))
                     continue
                 loss = self.loss_fn(self.model_parts[0](x, **extra), y)
                 parts.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-        sizes = [len(x) for x in inputs.split(self.training.batch_size)]
+        sizes = [len(x) for x in inputs.split(size)]
         return sum(p.double() * n for p, n in zip(parts, sizes)) / sum(sizes)
 
     @torch.no_grad()
@@ -141,8 +146,11 @@ class Validator:
                 if ended:
                     break
                 inputs, labels = (x.to(self.device, non_blocking=True) for x in batch)
+                # The document ids come from the whole sequences, before the cp ranks' cut (on the
+                # host under CP, as in training: trainer/step.py's forward_backward).
+                ids_from = batch[0] if self.parallel_dims.cp_enabled else inputs
                 inputs, labels = shard_batch((inputs, labels), self.parallel_dims.cp_mesh)
-                total += self._loss(inputs, labels)
+                total += self._loss(inputs, labels, ids_from)
                 n += 1
         finally:
             for part in self.model_parts:

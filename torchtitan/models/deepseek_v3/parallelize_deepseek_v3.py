@@ -103,7 +103,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     if parallel_dims.ep > 1:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)
         for block in model.layers.values():
             block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
     whole = moe_compiles_whole(parallel_dims)

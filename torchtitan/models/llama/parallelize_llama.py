@@ -54,7 +54,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, training.seq_len)  # before AC wraps the blocks
+        # Before AC wraps the blocks.
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
                          offload=ac.offload)
 

@@ -73,7 +73,7 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if parallel_dims.ep > 1:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, training.seq_len)
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)
     # Every block compiles whole, but for MoE layers that EP or TP shard on their own (moe_compiles_whole).
     whole = not moe_layers or moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
