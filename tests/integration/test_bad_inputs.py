@@ -154,6 +154,7 @@ CASES: list[Case] = [
     config("keep_latest_k negative", "--checkpoint.keep_latest_k -1", "checkpoint.keep_latest_k must be >= 0"),
     config("selective AC option bad", "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option x",
            "activation_checkpoint.selective_ac_option"),
+    config("offload option bad", "--activation_checkpoint.offload 0", "activation_checkpoint.offload must be 'none', 'all'"),
     config("load_step without checkpointing", "--checkpoint.load_step 2", "checkpoint.load_step needs checkpoint.enable_checkpoint"),
     config("export dtype without weights-only", "--checkpoint.export_dtype bfloat16", "checkpoint.export_dtype"),
     config("async TP without TP", "--experimental.enable_async_tensor_parallel", "experimental.enable_async_tensor_parallel needs"),

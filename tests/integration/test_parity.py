@@ -103,4 +103,4 @@ def test_the_records_say_what_each_run_applied_and_loaded(parity):
     assert [r["pipeline_stages"] for r in pp["ranks"]] == [
         [{"stage": 0, "blocks": ["layers.0"]}], [{"stage": 1, "blocks": ["layers.1"]}]]
     assert pp["activation_checkpoint"] == {"blocks": ["layers.0"], "wrapped": [],
-                                           "op_level": False}
+                                           "op_level": False, "offloaded": []}

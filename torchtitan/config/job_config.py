@@ -291,6 +291,9 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: str = opt("selective", "Activation checkpointing.", choices=["none", "full", "selective"])
     selective_ac_option: str = opt("2", "Selective AC: an integer k checkpoints every k-th block; 'op' is op-level.")
+    offload: str = opt("none", "Activation offload: what the chosen blocks save for backward is kept in host memory "
+                               "(pinned, copied on a side stream on CUDA) and brought back in backward; exact. 'none', "
+                               "'all', or an integer k: every k-th block. A checkpointed block offloads its saved input.")
 
 
 @dataclass

@@ -157,6 +157,9 @@ def check_activation_checkpoint(config: JobConfig) -> None:
         value = ac.selective_ac_option
         if value != "op" and (not value.isdigit() or int(value) < 1):
             raise ConfigError(f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', got {value!r}")
+    if ac.offload not in ("none", "all") and (not ac.offload.isdigit() or int(ac.offload) < 1):
+        raise ConfigError(f"activation_checkpoint.offload must be 'none', 'all' or a positive integer k (every k-th "
+                          f"block), got {ac.offload!r}")
 
 
 def check_float8(config: JobConfig) -> None:

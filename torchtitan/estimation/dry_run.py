@@ -52,6 +52,7 @@ from torchtitan.models import get_train_spec
 from torchtitan.models.common import causal_attention, document_causal_mask
 from torchtitan.observability.setup_record import describe_parallelisms
 from torchtitan.parallelisms import grad_clip, mixed_precision
+from torchtitan.parallelisms.activation_offload import count_as_host
 from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.runtime import device_setup, process_group
@@ -226,6 +227,8 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
                               "can replay (Pipeline.stage_ids, microbatch_loss, first_stage); dry-run it without "
                               "experimental.pipeline_parallel_degree")
         first_stage = pipeline.first_stage() if replayed else None
+        if fake:  # offloaded activations: on the meta device, reported as host memory
+            count_as_host([*model_parts, *([first_stage] if first_stage is not None else [])])
         with _fake_mode() if fake else contextlib.nullcontext():
             materialize(job_config, model_parts, device)
             if replayed and first_stage not in model_parts:

@@ -52,6 +52,7 @@ _CATEGORY_OF = {
 # With FSDP's CPU offload these live in host memory, not on the device (FSDP keeps the sharded
 # parameters, their gradients and so the optimizer state on the CPU).
 _OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+_TOTAL = "Total"
 
 
 @dataclass
@@ -61,7 +62,8 @@ class StepMemory:
     peak: int  # the most allocated at once, on the device
     at_peak: dict[str, int]  # category -> bytes held at that moment
     category_max: dict[str, int]  # category -> the most it held at any moment (not at once)
-    host: int = 0  # with CPU offload: what lives in host memory at the peak (not in `peak`)
+    # With FSDP's CPU offload or activation offload: what lives in host memory at its peak (not in `peak`)
+    host: int = 0
     raw: dict[str, int] = field(default_factory=dict)  # PyTorch's own reference types at the peak
     # MoE models: experts' parameters and optimizer state on the rank, one layer's dispatch buffers
     # (EXPERT_PARTS; module docstring); empty for dense models.
@@ -108,12 +110,18 @@ class StepTracker:
 
     def result(self) -> StepMemory:
         raw: dict[str, int] = {}
-        for snapshot in self.tracker.get_tracker_snapshot("peak").values():  # one device in practice
+        host = 0
+        peaks = self.tracker.get_tracker_snapshot("peak")
+        hosts = _host_devices(peaks)
+        for device, snapshot in peaks.items():  # one device, and the host where activations are offloaded
+            if device in hosts:
+                host += snapshot.get(_TOTAL, 0)
+                continue
             for kind, nbytes in snapshot.items():
                 name = getattr(kind, "value", kind)
                 raw[name] = raw.get(name, 0) + nbytes
         raw.pop("Total", None)
-        host = sum(raw.get(k, 0) for k in _OFFLOADED) if self.offload else 0
+        host += sum(raw.get(k, 0) for k in _OFFLOADED) if self.offload else 0
         at_peak = dict.fromkeys(CATEGORIES, 0)
         for name, nbytes in raw.items():
             if self.offload and name in _OFFLOADED:
@@ -148,15 +156,26 @@ class StepTracker:
         """Each reference type's largest value over the step, from the tracker's per-module
         snapshots (taken before and after every module's forward and backward)."""
         maxima: dict[str, int] = {}
+        hosts = _host_devices(self.tracker.get_tracker_snapshot("peak"))
         for stats in self.tracker.memory_tracking.values():
             for snapshots in stats.snapshots.values():
                 for snapshot in snapshots:
-                    for per_device in snapshot.values():
+                    for device, per_device in snapshot.items():
+                        if device in hosts:
+                            continue
                         for kind, nbytes in per_device.items():
                             name = getattr(kind, "value", kind)
                             if name != "Total":
                                 maxima[name] = max(maxima.get(name, 0), nbytes)
         return maxima
+
+
+def _host_devices(per_device: dict[torch.device, Any]) -> set[torch.device]:
+    """The devices of a tracker snapshot that stand for host memory: activation offload's copies
+    (parallelisms/activation_offload.py) go to the CPU from a GPU, and to the meta device in a dry
+    run, whose fake tensors stand for the GPU's on the CPU."""
+    on_gpu = any(device.type == "cuda" for device in per_device)
+    return {device for device in per_device if device.type == "meta" or (on_gpu and device.type == "cpu")}
 
 
 def is_moe_layer(module: nn.Module) -> bool:

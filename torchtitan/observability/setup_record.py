@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
+from torchtitan.parallelisms.activation_offload import OffloadWrapper
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead
 from torchtitan.parallelisms.cp_attention import cp_attention
 from torchtitan.parallelisms.float8 import is_float8
@@ -255,11 +256,16 @@ def _pipeline(pipeline: Pipeline | None, ranks: list[dict]) -> dict | None:
 
 
 def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str, nn.Module]]) -> dict:
-    wrappers = [(name, m) for name, m in modules if isinstance(m, torch_compat_composable.CheckpointWrapper)]
+    # A checkpointed block inside an offload wrapper is recorded by the block's own name.
+    offloaded = {id(torch_compat_composable.wrapped_module(m)): name for name, m in modules if isinstance(m, OffloadWrapper)}
+    wrappers = [(offloaded.get(id(m), name), m) for name, m in modules
+                if isinstance(m, torch_compat_composable.CheckpointWrapper)]
     return {"blocks": [b for part in model_parts for b in _blocks(part)],
             "wrapped": [name for name, _ in wrappers],
             # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
-            "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers)}
+            "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers),
+            # Blocks whose saved activations go to host memory (activation_checkpoint.offload).
+            "offloaded": list(offloaded.values())}
 
 
 def _in_moe(name: str) -> bool:

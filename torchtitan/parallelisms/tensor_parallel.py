@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
+from torchtitan.parallelisms.activation_offload import apply_offload
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead, apply_head_tp
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
 from torchtitan.runtime.torch_compat import dtensor_masks as torch_compat_dtensor_masks
@@ -103,13 +104,15 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
 
 
 def apply_ac_and_compile(model: nn.Module, tp_enabled: bool, ac_mode: str, selective_ac_option: str, compile: bool,
-                         compile_fn: Callable[[nn.Module], None] = apply_compile) -> None:
-    """Activation checkpointing and torch.compile of the blocks, in the order TP allows.
+                         compile_fn: Callable[[nn.Module], None] = apply_compile, offload: str = "none") -> None:
+    """Activation checkpointing, torch.compile and activation offload of the blocks, in the order TP allows.
 
     PyTorch 2.13 cannot compile a block-level checkpoint around DTensor (TP) code: AOT autograd tries
     to save the DTensor's mesh for backward. Under TP such blocks are compiled first and checkpointed
     around the compiled code (op-level AC keeps its policy inside the graph and compiles as usual).
-    `compile_fn` compiles the model's blocks (or parts of them)."""
+    `compile_fn` compiles the model's blocks (or parts of them). Offload (`offload`: none, all or
+    every k-th block) wraps last, outside both: its hooks then see what the compiled or
+    checkpointed block saves, and stay out of the compiled graph."""
     op_level = ac_mode == "selective" and selective_ac_option == "op"
     checkpoint_compiled = compile and tp_enabled and not op_level
     if ac_mode != "none" and not checkpoint_compiled:
@@ -125,4 +128,6 @@ def apply_ac_and_compile(model: nn.Module, tp_enabled: bool, ac_mode: str, selec
             model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
     if ac_mode != "none" and checkpoint_compiled:
         apply_ac(model, ac_mode, selective_ac_option)
+    if offload != "none":
+        apply_offload(model, offload)
 

@@ -161,6 +161,12 @@ SUITES: dict[str, list[Layout]] = {
           {"fsdp.mesh": {"dp_shard_cp": 2}, "fsdp.reshard_after_forward": "never"}),
         L("fsdp2_cpu_offload", 2, "--training.data_parallel_shard_degree 2 --training.enable_cpu_offload",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "fsdp.cpu_offload": True}),
+        # Activation offload (every block) beside selective AC: the checkpointed blocks offload their
+        # input, the others everything they save; FSDP gathers and frees the parameters in between.
+        L("fsdp2_activation_offload_ac", 2, "--training.data_parallel_shard_degree 2 --activation_checkpoint.mode "
+          "selective --activation_checkpoint.offload all",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "activation_checkpoint.wrapped": ["layers.0"],
+           "activation_checkpoint.offloaded": ["layers.0", "layers.1"]}),
     ],
     "tp": [
         L("tp2_padded_vocab", 2, "--training.tensor_parallel_degree 2",

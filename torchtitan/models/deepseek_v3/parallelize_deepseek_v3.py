@@ -108,7 +108,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
             block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
     whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         lambda m: apply_compile(m, moe_whole=whole))
+                         lambda m: apply_compile(m, moe_whole=whole), offload=ac.offload)
     # (The MTP modules' dense parts join the root's FSDP unit, beside the output projection they share.)
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model

@@ -56,7 +56,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if parallel_dims.cp_enabled:
         # Before AC wraps the blocks.
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)
-    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile)
+    apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
+                         offload=ac.offload)
 
     apply_data_parallel(model, parallel_dims, training)  # last: FSDP/HSDP or DDP, over the meshes ParallelDims chose
     return model

@@ -77,7 +77,7 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
     # Every block compiles whole, but for MoE layers that EP or TP shard on their own (moe_compiles_whole).
     whole = not moe_layers or moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         apply_compile if whole else apply_compile_attention)
+                         apply_compile if whole else apply_compile_attention, offload=ac.offload)
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 

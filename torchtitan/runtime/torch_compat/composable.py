@@ -23,6 +23,9 @@ PRIVATE_NAMES = (
                 ("module", "checkpoint_impl", "checkpoint_fn")),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",
                 ("mod", "checkpoint_impl", "checkpoint_fn")),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper", ("mod",)),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper._checkpoint_wrapped_module",
+                instance=True),
     PrivateName("torch.distributed.fsdp.FSDPModule._get_fsdp_state", ("self",)),
     # One of the two: a list of groups in 2.13, at most one group in 2.11 (missing there: the seam's
     # names were checked on the GPU machine's torch 2.11.0 by test_torch_compat, 2026-11-27).
@@ -47,6 +50,15 @@ replicate = _replicate
 # as every torchtitan checkpoint expects; torch.utils.checkpoint offers only the function.
 checkpoint_wrapper = _checkpoint_wrapper.checkpoint_wrapper
 CheckpointWrapper = _checkpoint_wrapper.CheckpointWrapper  # the wrapper's class, to recognise one
+# The base class of both of torch's block wrappers: a subclass's `forward` runs the wrapped module
+# (`_checkpoint_wrapped_module`) as it likes, and parameter names and state-dict keys stay those of
+# the bare module (DCP strips the same prefix), so wrappers nest in any order.
+ActivationWrapper = _checkpoint_wrapper.ActivationWrapper
+
+
+def wrapped_module(wrapper: nn.Module) -> nn.Module:
+    """The module an ActivationWrapper runs (kept under its private `_checkpoint_wrapped_module`)."""
+    return wrapper._checkpoint_wrapped_module
 
 
 def fsdp_based_replicate() -> Callable[..., Any] | None:
