@@ -8,6 +8,8 @@ Checks, in the order they run (docs/gpu_check.md says what each figure means):
   sdpa_exactness   the fused SDPA kernels (flash in bf16, memory-efficient in fp32) against the math
                    kernel, forward and backward, each against an fp64 reference.
   ring_attention_kernels  `check_block_kernels` of parallelisms/attention_blocks.py (CP's block kernels, masked too).
+  activation_offload  the debug model's loss and gradients with every block's saved activations in
+                   (pinned) host memory against without: bitwise; the bytes moved, the copies pinned.
   train_1b, train_3b      bf16 + torch.compile training of Llama 3.2 1B and 3B through the real
                    trainer (torchtitan.tools.runs.run_trainer): tokens/s, MFU, peak memory from its
                    metrics.jsonl. A model that the stack's dry run says does not fit runs with
@@ -56,7 +58,7 @@ GiB = 2**30
 SCHEMA_VERSION = 1
 LLAMA3_VOCAB = 128_256
 STATUSES = ("ok", "failed", "timeout", "skipped")
-CHECKS = ("sdpa_exactness", "ring_attention_kernels", "train_1b", "memory_snapshot", "train_3b", "float8_3b")
+CHECKS = ("sdpa_exactness", "ring_attention_kernels", "activation_offload", "train_1b", "memory_snapshot", "train_3b", "float8_3b")
 # Room the dry run does not see: the CUDA context, cuBLAS workspaces, compile's buffers, the
 # caching allocator's fragmentation.
 MEMORY_USABLE_FRACTION, MEMORY_RESERVE = 0.9, 1 * GiB
@@ -116,7 +118,8 @@ def probe(dry: bool) -> dict[str, Any]:
                       memory_bytes=memory, memory_gib=round(memory / GiB, 2), compute_capability=None,
                       multiprocessors=None, driver=None, cuda=None, cudnn=None, nccl=None, bf16_peak_tflops=None)
     checks = {"sdpa_exactness": _timed(lambda: sdpa_exactness(dry)),
-              "ring_attention_kernels": _timed(lambda: ring_kernels(dry))}
+              "ring_attention_kernels": _timed(lambda: ring_kernels(dry)),
+              "activation_offload": _timed(lambda: activation_offload(dry))}
     return {"device": device, "checks": checks}
 
 
@@ -230,6 +233,58 @@ def ring_kernels(dry: bool) -> dict[str, Any]:
     ok = all(r.get("ok", True) for r in results.values())
     return {"status": "ok" if ok else "failed", "reason": None if ok else "a block kernel is outside its tolerance",
             "device": device, "results": results}
+
+
+def activation_offload(dry: bool) -> dict[str, Any]:
+    """The Llama 3 debug model (fp32, seq 512, batch 2) on the device, its loss and gradients with
+    activation_checkpoint.offload all against without; on CUDA the copies must be pinned host
+    memory (the side-stream path), and the result bitwise the same."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from torchtitan.models.llama.flavors import llama3_configs
+    from torchtitan.models.llama.model import Transformer
+    from torchtitan.parallelisms.activation_offload import apply_offload
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=2048)
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = Transformer(args)
+        base.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 513), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step(model) -> tuple[torch.Tensor, list[torch.Tensor], float]:
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss.detach(), [p.grad for p in model.parameters()], time.perf_counter() - start
+
+    plain_loss, plain_grads, plain_s = step(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    stats = apply_offload(model, "all")
+    pinned = []
+    for block in model.layers.values():
+        pack = block.offloader.pack
+
+        def recording(t, pack=pack):
+            packed = pack(t)
+            if packed is not t:
+                pinned.append(packed.packed.host.is_pinned())
+            return packed
+
+        block.offloader.pack = recording
+    loss, grads, offload_s = step(model)
+    bitwise = bool(torch.equal(loss, plain_loss)) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    ok = bitwise and stats.tensors > 0 and (device.type != "cuda" or (bool(pinned) and all(pinned)))
+    return {"status": "ok" if ok else "failed", "reason": None if ok else "offloaded step differs or was not pinned",
+            "device": str(device), "bitwise": bitwise, "tensors_moved": stats.tensors,
+            "mib_moved": round(stats.bytes / 2**20, 1), "pinned": all(pinned) if pinned else None,
+            "seconds_plain": round(plain_s, 3), "seconds_offloaded": round(offload_s, 3)}
 
 
 def estimate(trainer_args: list[str]) -> dict[str, Any]:

@@ -68,6 +68,8 @@ def test_dry_run_writes_the_report(tmp_path):
     ring = report["checks"]["ring_attention_kernels"]
     assert ring["status"] == "ok"
     assert ring["results"]["float32"]["max_error"] < 1e-4 and "document_masked" in ring["results"]["float32"]["cases"]
+    offload = report["checks"]["activation_offload"]
+    assert offload["status"] == "ok" and offload["bitwise"] and offload["tensors_moved"] > 0 and offload["mib_moved"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
