@@ -52,7 +52,7 @@ from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.reports import attempt, mark_attempt, reporting_to_folder, say_how_it_ended
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.trainer.loop import RunRecords, TrainedModel, Trainer
-from torchtitan.trainer.step import build_model_parts, document_mask_eos, loss_context, with_chunked_loss, with_compiled_loss
+from torchtitan.trainer.step import build_model_parts, document_mask_eos, loss_context, with_training_loss
 from torchtitan.trainer.validation import ValidatedModel, Validator
 
 logger = logging.getLogger("torchtitan")
@@ -92,8 +92,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
 
         # Model: built on the meta device (no memory) by preflight, parallelized, then materialised per rank.
         n_params, flops_per_token = describe_model(job_config, model, model_args)
-        train_spec = with_chunked_loss(train_spec, job_config)  # training.loss_chunk_size: the loss in the forward
-        train_spec = with_compiled_loss(train_spec, job_config, parallel_dims, device_type)  # fused, compile on CUDA
+        train_spec = with_training_loss(train_spec, job_config, parallel_dims, device_type)  # chunked, or compiled on CUDA
         model_parts, pipeline = build_model_parts(job_config, train_spec, parallel_dims, plan, model, model_args, device)
         del model
         optimizers = train_spec.build_optimizers_fn(model_parts, job_config, parallel_dims)

@@ -26,9 +26,16 @@ COMPILED = pytest.mark.budget("a compiled point: inductor's C++ build and dynamo
 UNMEASURED = pytest.mark.unmeasured("numerics only: trains and compares losses")
 
 
+# A mixture-of-experts model pipelined over 4 ranks runs its 2 to 4 processes per core through
+# every schedule action: 15-25 s on 2 cores.
+PIPELINED_MOE = pytest.mark.budget("a mixture-of-experts model pipelined over 4 ranks: 15-25 s on 2 cores")
+
+
 def marks(point) -> list:
     compiled = point.value("compile") == "on" and not point.refused_by_design
+    moe_pipeline = point.value("moe") not in (None, "dense") and point.degrees.pp > 1 and point.nproc >= 4
     return [mark for mark, wanted in ((pytest.mark.fast, point.name in FAST), (COMPILED, compiled),
+                                      (PIPELINED_MOE, moe_pipeline and not compiled),
                                       (UNMEASURED, not point.refused_by_design)) if wanted]
 
 

@@ -488,8 +488,11 @@ def ci_points(points: tuple[Point, ...] | None = None) -> list[Point]:
         return (100 * sum(s <= active for s in pairs) + 10 * sum(s <= active for s in triples)
                 + sum(g.met_by(p) for g in variant_goals) - 0.01 * cost(p))
 
+    def goals_left() -> bool:  # variant goals only 8-rank points can still meet
+        return any(g.met_by(p) for g in variant_goals for p in eight)
+
     picked: list[Point] = []
-    while eight and (pairs or len(picked) < CI_EIGHT_RANK_POINTS):
+    while eight and (pairs or len(picked) < CI_EIGHT_RANK_POINTS or goals_left()):
         best = max(eight, key=gain)
         eight.remove(best)
         picked.append(best)

@@ -108,10 +108,10 @@ def test_generation_is_deterministic(points):
 
 
 def test_a_point_refused_against_the_plan_fails_the_check(tmp_path):
-    compile_with_cp = lm._point({"compile": "on"}, cp=2)
-    assert lm.refusal(compile_with_cp) is not None and not compile_with_cp.refused_by_design
+    op_ac_with_split_backward = lm._point({"ac": "op", "schedule": "V"}, pp=2)
+    assert lm.refusal(op_ac_with_split_backward) is not None and not op_ac_with_split_backward.refused_by_design
     with pytest.raises(ParityError, match="expected ok, got refused"):
-        lm.MatrixRunner(tmp_path).check(compile_with_cp)
+        lm.MatrixRunner(tmp_path).check(op_ac_with_split_backward)
 
 
 def test_a_point_expects_its_layout_and_variants_in_the_setup_record():

@@ -69,6 +69,13 @@ def _parallelize_with_chunked_loss(parallelize_fn: Callable[..., torch.nn.Module
     return parallelize_fn(model, parallel_dims, job_config)
 
 
+def with_training_loss(train_spec: TrainSpec, job_config: JobConfig, parallel_dims: ParallelDims,
+                       device_type: str) -> TrainSpec:
+    """The train spec's loss as a training step computes it: inside the output head under
+    training.loss_chunk_size (`with_chunked_loss`), else compiled on CUDA (`with_compiled_loss`)."""
+    return with_compiled_loss(with_chunked_loss(train_spec, job_config), job_config, parallel_dims, device_type)
+
+
 def parallelize_model(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
                       plan: PipelinePlan | None, model: torch.nn.Module, model_args: Any,
                       device: torch.device) -> tuple[list[torch.nn.Module], Pipeline | None]:

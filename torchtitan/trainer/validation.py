@@ -146,9 +146,8 @@ class Validator:
                 if ended:
                     break
                 inputs, labels = (x.to(self.device, non_blocking=True) for x in batch)
-                # The document ids come from the whole sequences, before the cp ranks' cut (on the
-                # host under CP, as in training: trainer/step.py's forward_backward).
-                ids_from = batch[0] if self.parallel_dims.cp_enabled else inputs
+                # Document ids from the whole sequences (the host's under CP, as forward_backward's).
+                ids_from = batch[0] if self.parallel_dims.cp_mesh is not None else inputs
                 inputs, labels = shard_batch((inputs, labels), self.parallel_dims.cp_mesh)
                 total += self._loss(inputs, labels, ids_from)
                 n += 1
