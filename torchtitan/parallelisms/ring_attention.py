@@ -13,8 +13,9 @@ two query chunks (i, 2cp-1-i) need from the block of rank j (chunks j, 2cp-1-j):
 Partial results are merged with their log-sum-exp (online softmax), so the output is exact.
 
 Backward. A custom autograd function recomputes each block's gradients from the final output
-and log-sum-exp (the flash-attention identity), accumulating dq locally. dk/dv accumulators
-travel around the ring with their key/value block and arrive back at the owner after cp steps.
+and log-sum-exp (the flash-attention identity), accumulating dq locally. The next key/value block
+is sent before each step's compute; the block's dk/dv accumulators follow it one exchange behind
+(they can leave only once this rank has added to them) and arrive back at the owner after cp hops.
 
 Blocks: which (query rows x key columns) each step computes is `cp_block_plan.plan_blocks`; with
 document masking it skips every block whose keys lie in earlier documents than its queries. The
