@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -69,12 +70,17 @@ def test_a_job_past_its_timeout_is_killed_and_says_so():
 
 @pytest.mark.fast
 def test_a_trainer_process_gone_before_its_rank_is_read_is_left_out(tmp_path, monkeypatch):
-    rank = subprocess.Popen(["sleep", "30"], env={**os.environ, "RANK": "1", "GROUP_RANK": "0"})
+    # The stand-in says when it runs its own code: Popen can return before the kernel has published a
+    # freshly exec'd process's environment, and /proc/<pid>/environ reads empty in that window.
+    rank = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                            env={**os.environ, "RANK": "1", "GROUP_RANK": "0"}, stdout=subprocess.PIPE, text=True)
     gone = 2**22 + 1  # above Linux's largest pid: /proc has no such entry
     try:
+        assert rank.stdout.readline() == "up\n"
         monkeypatch.setattr(trials.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
             cmd, 0, f"{gone}\n{rank.pid}\n", ""))
         assert trials.rank_pids(tmp_path) == {1: (rank.pid, 0)}
     finally:
         rank.kill()
         rank.wait()
+        rank.stdout.close()
