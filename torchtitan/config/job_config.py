@@ -114,7 +114,8 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer.", choices=["AdamW", "Adam"])
+    name: str = opt("AdamW", "Optimizer. Muon: orthogonalised momentum for the matrix parameters, AdamW (lr, betas, "
+                    "eps, weight_decay above) for the rest (docs/optimizers.md).", choices=["AdamW", "Adam", "Muon"])
     lr: float = opt(8e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "Adam beta1.")
     beta2: float = opt(0.95, "Adam beta2.")
@@ -131,6 +132,20 @@ class Optimizer:
         "reduce-scatter), and free that gradient at once: the gradients of the whole model never exist together. "
         "Same updates as the usual step. Needs training.max_norm 0 (clipping needs every gradient first) and no "
         "gradient accumulation, pipeline parallelism, ZeRO-1 or plain DDP.")
+    muon_momentum: float = opt(0.95, "Muon: momentum (an exponential average of the gradients).")
+    muon_nesterov: bool = opt(True, "Muon: orthogonalise the Nesterov blend of gradient and momentum; false: the "
+                              "momentum itself.")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations that orthogonalise each update.")
+    muon_update_scale: str = opt(
+        "match_adamw_rms", "Muon: learning-rate multiplier by matrix shape (rows, cols): match_adamw_rms = 0.2 * "
+        "sqrt(max(rows, cols)), so AdamW's lr and weight_decay carry over (Moonlight); original = "
+        "sqrt(max(1, rows / cols)) (Keller Jordan's, with a Muon lr near 0.02).", choices=["match_adamw_rms", "original"])
+    muon_ns_dtype: str = opt("auto", "Muon: dtype of the Newton-Schulz iterations; auto = bfloat16 on CUDA, float32 "
+                             "on CPU.", choices=["auto", "bfloat16", "float32"])
+    muon_exclude: list[str] = opt(
+        ["tok_embeddings", "output"], "Muon: parameters AdamW updates although they are matrices (comma-separated "
+        "name patterns: a name prefix like 'output' or 'layers.0', or an fnmatch pattern like '*.router.*'). "
+        "Parameters with fewer than 2 dims (norms, biases) always go to AdamW.")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import composable as torch_compat_composable
 from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
+from torchtitan.trainer.muon import describe as describe_muon
 
 if TYPE_CHECKING:
     from torchtitan.checkpoint.resume import ResumePoint
@@ -157,6 +158,7 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         "pipeline": _pipeline(pipeline, ranks),
         "zero1": None if zero1 is None else {"replicas": zero1.size, "parameters": len(zero1.params),
                                              "owned_parameters": sum(zero1.owns(p) for p in zero1.params)},
+        "muon": describe_muon(optimizers.optimizers),  # optimizer.name Muon: rank 0's matrices
         "activation_checkpoint": _activation_checkpoint(model_parts, modules),
         "compile": {"compiled_modules": sum(torch_compat_composable.compiled_call(m) is not None for _, m in modules)},
         "float8": _float8(modules, fsdp is not None),

@@ -44,8 +44,10 @@ def assign_owners(sizes: list[int], n_owners: int) -> list[int]:
 class ReplicaOwnership:
     """Which of the model parts' parameters this replica owns, and the broadcast after each step.
 
-    Parameters are those of `model_parts` in order; their local shapes are the same on every
-    replica (replicas differ only in their `dp_replicate` coordinate), so the owners agree.
+    Parameters are those of `model_parts` in order, weighed by their GLOBAL number of elements:
+    every rank computes the same owners, not only the replicas of one shard. Muon needs that: an
+    owner gathers each matrix's update over its FSDP/TP shard group, so every rank of that group must
+    own the same parameters, and local sizes differ between the ranks of unevenly sharded matrices.
     """
 
     def __init__(self, model_parts: list[nn.Module], replicate_mesh: DeviceMesh):
@@ -53,7 +55,7 @@ class ReplicaOwnership:
         self.size = replicate_mesh.size()
         self.rank = replicate_mesh.get_local_rank()
         self.params = [p for part in model_parts for p in part.parameters()]
-        self.owners = assign_owners([_local(p).numel() for p in self.params], self.size)
+        self.owners = assign_owners([p.numel() for p in self.params], self.size)
         self._owned = {id(p) for p, owner in zip(self.params, self.owners) if owner == self.rank}
 
     def owns(self, param: nn.Parameter) -> bool:

@@ -143,6 +143,13 @@ DOCUMENT_MASK = "--training.document_mask"
 DOCUMENT_MASK_8_BLOCKS = f"{DOCUMENT_MASK} --model.name llama3 --model.flavor debugmodel"
 
 
+# Muon (optimizer.name): the seed and the baseline (one process) run Muon too. Each layout gathers
+# the matrices' updates another way (FSDP shards rows, TP rows or columns, HSDP + ZeRO-1 owners
+# over the replicas), or needs nothing gathered (PP; EP splits the experts, orthogonalised one by one).
+MUON = "--optimizer.name Muon"
+GATHERED = Check("some matrices gathered", lambda n: n > 0)
+
+
 # Hand-picked layouts for what the layout matrix (tests/machinery/layout_matrix.py) does not vary:
 # options of one parallelism (DDP buckets, FSDP resharding and offload, vocabulary padding, CSV schedules) and
 # float8. The layouts themselves, every combination of degrees and the variants that interact
@@ -285,6 +292,18 @@ SUITES: dict[str, list[Layout]] = {
            "chunked_loss": {"chunk_size": 24, "ranks": [0, 1]}}, shared="--model.vocab_size_divisible_by 64"),
         L("chunked_loss_pp2", 2, "--experimental.pipeline_parallel_degree 2 --training.loss_chunk_size 24",
           {"pipeline.stages": 2, "chunked_loss": {"chunk_size": 24, "ranks": [1]}}),
+    ],
+    "muon": [
+        L("muon_fsdp2", 2, "--training.data_parallel_shard_degree 2",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "muon.gathered_matrices": GATHERED}, shared=MUON),
+        L("muon_tp2", 2, "--training.tensor_parallel_degree 2",
+          {"tp.mesh": {"tp": 2}, "muon.gathered_matrices": GATHERED}, shared=MUON),
+        L("muon_pp2", 2, "--experimental.pipeline_parallel_degree 2",
+          {"pipeline.stages": 2, "muon.gathered_matrices": 0}, shared=MUON),
+        L("muon_moe_ep2", 2, "--training.expert_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "muon.matrices": POSITIVE}, shared=f"{QWEN3_MOE} {MUON}"),
+        L("muon_hsdp_zero1", 4, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 2 "
+          "--optimizer.zero1", {"zero1.replicas": 2, "muon.gathered_matrices": GATHERED}, shared=MUON),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [

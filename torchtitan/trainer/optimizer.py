@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.config.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
+from torchtitan.trainer.muon import MuonSplit
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
 
 logger = logging.getLogger(__name__)
@@ -50,14 +51,22 @@ class OptimizersContainer(Stateful):
     """
 
     def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any],
-                 zero1: ReplicaOwnership | None = None):
+                 zero1: ReplicaOwnership | None = None, muon: MuonSplit | None = None):
         self.model_parts = model_parts
         self.zero1 = zero1
         keep = zero1.owns if zero1 is not None else (lambda p: True)
-        self.optimizers = [optimizer_cls(_param_groups([p for p in part.parameters() if keep(p)]), **kwargs)
-                           for part in model_parts]
-        # Each part's optimizers, for the state dict: one here, one per parameter when they step in backward.
-        self._part_optimizers = [[optimizer] for optimizer in self.optimizers]
+        # Each part's optimizers, for the state dict: one here (two with Muon: AdamW for the rest, Muon for
+        # the matrices), one per parameter when they step in backward.
+        self._part_optimizers = []
+        for part in model_parts:
+            named = [(name, p) for name, p in part.named_parameters() if keep(p)]
+            if muon is None:
+                self._part_optimizers.append([optimizer_cls(_param_groups([p for _, p in named]), **kwargs)])
+            else:
+                rest = [p for name, p in named if not muon.takes(name, p)]
+                self._part_optimizers.append([optimizer_cls(_param_groups(rest), **kwargs),
+                                              muon.build([p for name, p in named if muon.takes(name, p)])])
+        self.optimizers = [optimizer for optimizers in self._part_optimizers for optimizer in optimizers]
 
     def step(self, found_inf: torch.Tensor | None = None) -> None:
         """One update of every part. `found_inf`: a 0-dim device tensor, 1.0 to skip the update
@@ -168,6 +177,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")
         return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs)
+    muon = MuonSplit.from_config(job_config) if optimizer.name == "Muon" else None
     zero1 = None
     if optimizer.zero1:  # validated to come with dp_replicate > 1 (config/rules.py)
         zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)
@@ -175,7 +185,12 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         logger.info(f"applied ZeRO-1 over mesh {{'dp_replicate': {zero1.size}}}: this replica keeps the optimizer state "
                     f"of {len(owned)} of {len(zero1.params)} parameter tensors "
                     f"({sum(_local_numel(p) for p in owned):,} of {sum(_local_numel(p) for p in zero1.params):,} elements)")
-    return OptimizersContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs, zero1)
+    if muon is not None:
+        matrices = [name for part in model_parts for name, p in part.named_parameters() if muon.takes(name, p)]
+        logger.info(f"applied Muon to {len(matrices)} matrix parameters (Newton-Schulz in {muon.ns_dtype}, update "
+                    f"scale {optimizer.muon_update_scale}), AdamW to the rest (excluded by name: "
+                    f"{','.join(optimizer.muon_exclude) or 'none'})")
+    return OptimizersContainer(model_parts, _OPTIMIZERS["AdamW" if muon else optimizer.name], kwargs, zero1, muon)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:

@@ -1,7 +1,8 @@
 """Which optimizer options compose with the rest of the job; optimizer.py implements them.
 
 Torch-free, so the launcher's pre-check refuses a bad combination before torch starts. The
-rules registry (`config/rules.py`) names `check_options` and `check_layout` here as its early_step and optimizer_layout rules.
+rules registry (`config/rules.py`) names `check_options`, `check_muon` and `check_layout` here as its early_step,
+muon and optimizer_layout rules.
 """
 
 from __future__ import annotations
@@ -34,6 +35,22 @@ def check_options(config: JobConfig) -> None:
     if config.optimizer.zero1:
         raise ConfigError(f"{name} does not compose with optimizer.zero1 (its owners broadcast updates after the "
                           "whole step); use one or the other")
+    if config.optimizer.name == "Muon":
+        raise ConfigError(f"{name} does not compose with optimizer.name Muon (Muon orthogonalises each whole matrix "
+                          "after gathering its shards, a collective a per-parameter hook in backward cannot order); "
+                          "use one or the other")
+
+
+def check_muon(config: JobConfig) -> None:
+    """The Muon options' values (they are read only when optimizer.name is Muon)."""
+    optimizer = config.optimizer
+    if optimizer.name != "Muon":
+        return
+    if not 0 <= optimizer.muon_momentum < 1:
+        raise ConfigError(f"optimizer.muon_momentum must lie in [0, 1), got {optimizer.muon_momentum}")
+    if not 1 <= optimizer.muon_ns_steps <= 100:
+        raise ConfigError(f"optimizer.muon_ns_steps must lie in [1, 100] (5 is the published choice), got "
+                          f"{optimizer.muon_ns_steps}")
 
 
 def check_layout(config: JobConfig, dims: ParallelDims) -> None:
