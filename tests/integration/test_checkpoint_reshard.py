@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (processes, per-rank batch, overrides)
     "pp2": (2, 8, ["--experimental.pipeline_parallel_degree", "2"]),
     "fsdp2": (2, 4, ["--training.data_parallel_shard_degree", "2"]),
     "single": (1, 8, []),
+    "tp2": (2, 8, ["--training.tensor_parallel_degree", "2"]),
     # ZeRO-1: optimizer state split over the replicas (2 and then 4 owners per parameter set).
     "zero1_hsdp2x2": (4, 2, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree",
                              "2", "--optimizer.zero1"]),
@@ -127,3 +128,20 @@ def test_deepseek_mtp_embedding_copy_saved_by_the_last_stage_loads_into_one_weig
     run(pipeline, "pp2", model)
     single, _ = resume(tmp_path, "dsv3_single", "single", pipeline, 4, model)
     assert_continues(pipeline, single, 5)
+
+
+def test_muon_state_saved_under_fsdp_continues_under_tp_and_one_process_and_refuses_adamw(tmp_path):
+    """optimizer.name Muon: each matrix's momentum (and AdamW's moments of the rest) is saved by
+    parameter name from FSDP 2's row shards and loads into TP 2 (other shards) and into one process,
+    whose losses continue the FSDP run's. The same checkpoint under AdamW is refused with one line."""
+    muon = ["--optimizer.name", "Muon"]
+    fsdp = tmp_path / "muon_fsdp2"
+    run(fsdp, "fsdp2", muon)
+    for layout in ("tp2", "single"):
+        folder, _ = resume(tmp_path, f"muon_{layout}", layout, fsdp, 4, muon)
+        assert_continues(fsdp, folder, 5)
+    folder = tmp_path / "adamw_from_muon"
+    shutil.copytree(fsdp / "checkpoint" / "step-4", folder / "checkpoint" / "step-4")
+    result = run_train([*TINY_RUN, "--job.dump_folder", str(folder), "--training.steps", str(STEPS)], check=False)
+    assert result.returncode == 2
+    assert "the checkpoint has no optimizer.state" in result.stdout + result.stderr

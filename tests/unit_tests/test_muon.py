@@ -1,0 +1,195 @@
+"""Muon (torchtitan/trainer/muon.py) in this process: the Newton-Schulz output is near-orthogonal,
+a step equals a plain reference written here from the papers' formulas, the shape scale rules,
+decoupled weight decay, the on-device non-finite skip, which parameters go to Muon, one
+orthogonalisation per expert, and a DTensor parameter's step through the gather path. The parallel
+layouts are compared with one process in the parity suite "muon" (tools/parity.py)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.trainer.muon import Muon, orthogonalize, update_scale
+from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
+
+pytestmark = pytest.mark.fast
+A, B, C = 3.4445, -4.7750, 2.0315
+
+
+def reference_ns(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's quintic iteration on one matrix, X <- aX + b(XX^T)X + c(XX^T)^2 X, without
+    switching to the wide orientation (the odd polynomial gives the same matrix either way)."""
+    x = g / g.norm()
+    for _ in range(steps):
+        s = x @ x.T
+        x = A * x + B * (s @ x) + C * (s @ (s @ x))
+    return x
+
+
+def reference_steps(w0, grads, lr, wd, mu, scale, nesterov=True):
+    """The Muon paper's form: B <- mu B + g; update g + mu B (Nesterov) or B; then Moonlight's
+    W <- W - lr (scale * NS(update) + wd W). Returns the weights after each gradient."""
+    w, b = w0.clone(), torch.zeros_like(w0)
+    for g in grads:
+        b = mu * b + g
+        u = g + mu * b if nesterov else b
+        w = w - lr * (scale * reference_ns(u) + wd * w)
+    return w
+
+
+def step_muon(param, grads, **kwargs):
+    optimizer = Muon([param], **kwargs)
+    for g in grads:
+        param.grad = g.clone()
+        optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 64), (3, 24, 16)])
+def test_newton_schulz_puts_singular_values_in_the_published_band(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(orthogonalize(g, 5, torch.float32))
+    assert 0.68 <= s.min() and s.max() <= 1.2, (s.min(), s.max())
+    s_input = torch.linalg.svdvals(g)
+    assert (s_input.max(-1).values / s_input.min(-1).values > 3).all()  # the input was far from orthogonal
+
+
+@pytest.mark.parametrize("rule,nesterov", [("match_adamw_rms", True), ("original", True), ("original", False)])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_steps_equal_the_reference_from_the_formulas(shape, rule, nesterov):
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(4)]
+    lr, wd, mu = 0.02, 0.1, 0.9
+    param = nn.Parameter(w0.clone())
+    step_muon(param, grads, lr=lr, weight_decay=wd, momentum=mu, nesterov=nesterov, scale=rule)
+    expected = reference_steps(w0, grads, lr, wd, mu, update_scale(shape, rule), nesterov)
+    torch.testing.assert_close(param.detach(), expected, rtol=0, atol=2e-5)
+    assert (param.detach() - w0).abs().max() > 1e-2  # it moved far more than the tolerance
+
+
+def test_scale_rules():
+    assert update_scale(torch.Size([128, 512]), "match_adamw_rms") == pytest.approx(0.2 * math.sqrt(512))
+    assert update_scale(torch.Size([8, 512, 128]), "match_adamw_rms") == pytest.approx(0.2 * math.sqrt(512))
+    assert update_scale(torch.Size([512, 128]), "original") == pytest.approx(2.0)
+    assert update_scale(torch.Size([128, 512]), "original") == 1.0
+    with pytest.raises(ValueError, match="unknown Muon update scale"):
+        Muon([nn.Parameter(torch.zeros(2, 2))], lr=0.1, scale="rms")
+
+
+def test_weight_decay_is_decoupled():
+    """A zero gradient orthogonalises to zero: only the decay lr * weight_decay acts."""
+    w0 = torch.randn(6, 5)
+    param = nn.Parameter(w0.clone())
+    step_muon(param, [torch.zeros(6, 5)], lr=0.1, weight_decay=0.5)
+    torch.testing.assert_close(param.detach(), w0 * (1 - 0.1 * 0.5), rtol=0, atol=0)
+
+
+def test_found_inf_skips_the_step_on_the_device():
+    gen = torch.Generator().manual_seed(2)
+    w0, g0, g1 = (torch.randn(8, 4, generator=gen) for _ in range(3))
+    skipping, plain = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    optimizer, reference = step_muon(skipping, [g0], lr=0.05, weight_decay=0.1), step_muon(plain, [g0], lr=0.05, weight_decay=0.1)
+    before, momentum = skipping.detach().clone(), optimizer.state[skipping]["momentum_buffer"].clone()
+    optimizer.found_inf = torch.ones(())
+    skipping.grad = torch.full_like(g1, float("nan"))
+    optimizer.step()
+    assert torch.equal(skipping.detach(), before) and torch.equal(optimizer.state[skipping]["momentum_buffer"], momentum)
+    # found_inf 0: the same arithmetic as no flag at all, bit for bit.
+    optimizer.found_inf = torch.zeros(())
+    skipping.grad, plain.grad = g1.clone(), g1.clone()
+    optimizer.step()
+    reference.step()
+    assert torch.equal(skipping.detach(), plain.detach())
+
+
+class ToyMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.router = nn.Linear(8, 3, bias=False)
+        self.experts = nn.Parameter(torch.randn(3, 8, 8) * 0.1)
+        self.output = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens):
+        h = self.norm(self.proj(self.tok_embeddings(tokens)))
+        h = h + torch.einsum("bd,eod,be->bo", h, self.experts, self.router(h).softmax(-1))
+        return self.output(h)
+
+
+def muon_config(**options):
+    config = JobConfig()
+    config.optimizer.name, config.optimizer.lr = "Muon", 0.01
+    config.training.warmup_steps, config.training.steps = 0, 10
+    for k, v in options.items():
+        setattr(config.optimizer, k, v)
+    return config
+
+
+@pytest.mark.parametrize("exclude,muon_names", [
+    (["tok_embeddings", "output"], ["proj.weight", "router.weight", "experts"]),
+    (["tok_embeddings", "output", "*router*"], ["proj.weight", "experts"]),
+])
+def test_matrices_go_to_muon_and_the_rest_to_adamw(exclude, muon_names):
+    model = ToyMoE()
+    optimizers = build_optimizers([model], muon_config(muon_exclude=exclude))
+    adamw, muon = optimizers.optimizers
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert type(adamw) is torch.optim.AdamW and type(muon) is Muon
+    assert sorted(names[id(p)] for g in muon.param_groups for p in g["params"]) == sorted(muon_names)
+    assert sorted(names[id(p)] for g in adamw.param_groups for p in g["params"]) == sorted(set(names.values()) - set(muon_names))
+    # One LR schedule per optimizer, stepped together.
+    schedulers = build_lr_schedulers(optimizers, muon_config(muon_exclude=exclude))
+    assert len(schedulers.schedulers) == 2
+    tokens = torch.randint(0, 16, (5,))
+    model(tokens).logsumexp(-1).mean().backward()
+    optimizers.step()
+    assert set(optimizers.state_dict()) >= {"state.experts.momentum_buffer", "state.output.weight.exp_avg"}
+
+
+def test_experts_are_orthogonalised_one_by_one():
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(3, 16, 8, generator=gen)
+    grads = [torch.randn(3, 16, 8, generator=gen) for _ in range(2)]
+    stacked = nn.Parameter(w0.clone())
+    step_muon(stacked, grads, lr=0.02, weight_decay=0.1)
+    for e in range(3):
+        alone = nn.Parameter(w0[e].clone())
+        step_muon(alone, [g[e] for g in grads], lr=0.02, weight_decay=0.1)
+        torch.testing.assert_close(stacked.detach()[e], alone.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_dtensor_matrix_steps_as_the_whole_tensor():
+    """A row-sharded DTensor (one-rank gloo mesh: the gather and slice path, not its communication,
+    which the parity suite's layouts exercise) gives the plain tensor's step."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        gen = torch.Generator().manual_seed(4)
+        w0, g = torch.randn(12, 6, generator=gen), torch.randn(12, 6, generator=gen)
+        plain, sharded = nn.Parameter(w0.clone()), nn.Parameter(distribute_tensor(w0.clone(), mesh, [Shard(0)]))
+        step_muon(plain, [g], lr=0.05, weight_decay=0.1)
+        optimizer = Muon([sharded], lr=0.05, weight_decay=0.1)
+        sharded.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        optimizer.step()
+        assert torch.equal(sharded.full_tensor(), plain.detach())
+        assert optimizer.state[sharded]["momentum_buffer"].placements == (Shard(0),)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_muon_options_are_checked():
+    with pytest.raises(ConfigError, match="optimizer.muon_momentum must lie in"):
+        parse_args(["--optimizer.name", "Muon", "--optimizer.muon_momentum", "1.0"])
+    with pytest.raises(ConfigError, match="optimizer.muon_ns_steps must lie in"):
+        parse_args(["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"])
+    with pytest.raises(ConfigError, match="optimizer.early_step_in_backward does not compose with optimizer.name Muon"):
+        parse_args(["--optimizer.name", "Muon", "--optimizer.early_step_in_backward", "--training.max_norm", "0"])
