@@ -245,6 +245,15 @@ class FitCheck:
                              "saved by an older torchtitan, before data shards were byte ranges)",
                              "resume with the same data, or set checkpoint.exclude_from_loading dataloader to load "
                              "the rest and start the data over"))
+        elif missing and all(k.startswith("optimizer.") for k in missing):
+            # The weights fit and the optimizer state does not: another optimizer.name (AdamW's moments
+            # against Muon's momentum), or another split between them (optimizer.muon_exclude).
+            problems.append((f"its optimizer state is another optimizer's: the checkpoint has no "
+                             f"{_examples(sorted(missing, key=lambda k: '.param_groups.' in k), len(missing))} (another "
+                             "optimizer.name or optimizer.muon_exclude)",
+                             "resume with the optimizer settings it was saved with, or set "
+                             "checkpoint.exclude_from_loading optimizer to load the rest and start the optimizer "
+                             "state over"))
         elif missing:
             count = f"{_SHARED_KEYS}+" if any(r.get("truncated") for r in reports) else len(missing)
             problems.append((f"the checkpoint has no {_examples(missing, count)}",
