@@ -1,8 +1,8 @@
 """AdamW against Muon on the bundled corpus: a small learning-rate sweep for each, at equal tokens,
 compared by the held-out loss at the last step (docs/optimizers.md).
 
-    python scripts/optimizer_sweep.py [--steps 250] [--lrs 1e-3 2e-3 4e-3 8e-3] [--optimizers AdamW Muon]
-        [--seq-len 128] [--batch-size 8] [--workdir DIR] [--nproc 1]
+    python scripts/optimizer_sweep.py [--steps 200] [--lrs 1e-3 3e-3 1e-2] [--optimizers AdamW Muon]
+        [--seq-len 64] [--batch-size 8] [--workdir DIR] [--nproc 1]
 
 Every run trains the debug model (train_configs/debug_model.toml) from the same seed for the same
 steps and global batch, with the same warm-up and linear decay, and validates on the held-out
@@ -27,13 +27,13 @@ OPTIMIZERS = ("AdamW", "Muon")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=250, help="optimizer steps per run (equal tokens for every run)")
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3, 8e-3], help="optimizer.lr values")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (equal tokens for every run)")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2], help="optimizer.lr values")
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (the global batch)")
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--validation-steps", type=int, default=20, help="held-out batches at the end")
+    p.add_argument("--validation-steps", type=int, default=10, help="held-out batches at the end")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (FSDP over them)")
     p.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary folder)")
     p.add_argument("--extra", default="", help="more trainer overrides for every run, e.g. '--model.flavor tiny'")

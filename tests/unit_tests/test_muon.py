@@ -167,17 +167,19 @@ def test_experts_are_orthogonalised_one_by_one():
         torch.testing.assert_close(stacked.detach()[e], alone.detach(), rtol=0, atol=1e-6)
 
 
-def test_a_dtensor_matrix_steps_as_the_whole_tensor():
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_a_dtensor_matrix_steps_as_the_whole_tensor(ns_dtype):
     """A row-sharded DTensor (one-rank gloo mesh: the gather and slice path, not its communication,
-    which the parity suite's layouts exercise) gives the plain tensor's step."""
+    which the parity suite's layouts exercise) gives the plain tensor's step, also with bf16
+    iterations (gathered in bf16)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         gen = torch.Generator().manual_seed(4)
         w0, g = torch.randn(12, 6, generator=gen), torch.randn(12, 6, generator=gen)
         plain, sharded = nn.Parameter(w0.clone()), nn.Parameter(distribute_tensor(w0.clone(), mesh, [Shard(0)]))
-        step_muon(plain, [g], lr=0.05, weight_decay=0.1)
-        optimizer = Muon([sharded], lr=0.05, weight_decay=0.1)
+        step_muon(plain, [g], lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype)
+        optimizer = Muon([sharded], lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype)
         sharded.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
         optimizer.step()
         assert torch.equal(sharded.full_tensor(), plain.detach())

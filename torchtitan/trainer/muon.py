@@ -93,9 +93,11 @@ def _orthogonalize_param(param: torch.Tensor, update: torch.Tensor, steps: int, 
     if list(whole) == list(placements):  # every matrix is already whole on this rank
         return orthogonalize(update, steps, dtype)
     shaped = {"shape": param.shape, "stride": param.stride()}  # uneven shards are allowed
-    gathered = DTensor.from_local(update, mesh, placements, run_check=False, **shaped).redistribute(mesh, whole)
-    ortho = orthogonalize(gathered.to_local(), steps, dtype)
-    return DTensor.from_local(ortho, mesh, whole, run_check=False, **shaped).redistribute(mesh, placements).to_local()
+    # Gathered in the iterations' dtype: a bf16 Newton-Schulz halves the all-gather too.
+    low = DTensor.from_local(update.to(dtype), mesh, placements, run_check=False, **shaped)
+    ortho = orthogonalize(low.redistribute(mesh, whole).to_local(), steps, dtype)
+    mine = DTensor.from_local(ortho, mesh, whole, run_check=False, **shaped).redistribute(mesh, placements)
+    return mine.to_local().to(update.dtype)
 
 
 class Muon(torch.optim.Optimizer):

@@ -21,8 +21,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.config.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
-from torchtitan.trainer.muon import MuonSplit
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
+from torchtitan.trainer.muon import MuonSplit
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -45,6 +45,7 @@ def _local_numel(p: torch.Tensor) -> int:
 
 class OptimizersContainer(Stateful):
     """Steps one optimizer per model part as if they were one; checkpointed by parameter name.
+    With optimizer.name Muon, two per part: AdamW for the rest, Muon for the matrices (trainer/muon.py).
 
     With `zero1`, each optimizer holds only the parameters this replica owns (parallelisms/zero1.py),
     and every step ends by sending the owners' updates to the other replicas.
