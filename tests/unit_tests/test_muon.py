@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, parse_args
-from torchtitan.trainer.muon import Muon, orthogonalize, update_scale
+from torchtitan.trainer.muon import Muon, orthogonalize, update_scale, whole_matrices
 from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
 
 pytestmark = pytest.mark.fast
@@ -195,3 +196,13 @@ def test_muon_options_are_checked():
         parse_args(["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"])
     with pytest.raises(ConfigError, match="optimizer.early_step_in_backward does not compose with optimizer.name Muon"):
         parse_args(["--optimizer.name", "Muon", "--optimizer.early_step_in_backward", "--training.max_norm", "0"])
+
+
+def test_only_the_mesh_dims_that_split_a_matrix_dim_are_gathered():
+    # FSDP over TP's row split of the same dim: a _StridedShard (not a Shard subclass) and a Shard.
+    assert whole_matrices([_StridedShard(0, split_factor=2), Shard(0)], 2) == [Replicate(), Replicate()]
+    assert whole_matrices([Replicate(), Shard(1)], 2) == [Replicate(), Replicate()]  # HSDP replicas x TP columns
+    assert whole_matrices([Shard(-1)], 2) == [Replicate()]
+    # Experts [E, out, in]: the expert split stays, a row or column split is gathered.
+    assert whole_matrices([Shard(0), Shard(1)], 3) == [Shard(0), Replicate()]
+    assert whole_matrices([Partial(), Shard(0)], 3) == [Partial(), Shard(0)]

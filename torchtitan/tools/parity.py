@@ -144,7 +144,7 @@ DOCUMENT_MASK_8_BLOCKS = f"{DOCUMENT_MASK} --model.name llama3 --model.flavor de
 
 
 # Muon (optimizer.name): the seed and the baseline (one process) run Muon too. Each layout gathers
-# the matrices' updates another way (FSDP shards rows, TP rows or columns, HSDP + ZeRO-1 owners
+# the matrices' updates another way (FSDP shards rows, TP rows or columns, both, HSDP + ZeRO-1 owners
 # over the replicas), or needs nothing gathered (PP; EP splits the experts, orthogonalised one by one).
 MUON = "--optimizer.name Muon"
 GATHERED = Check("some matrices gathered", lambda n: n > 0)
@@ -298,6 +298,9 @@ SUITES: dict[str, list[Layout]] = {
           {"fsdp.mesh": {"dp_shard_cp": 2}, "muon.gathered_matrices": GATHERED}, shared=MUON),
         L("muon_tp2", 2, "--training.tensor_parallel_degree 2",
           {"tp.mesh": {"tp": 2}, "muon.gathered_matrices": GATHERED}, shared=MUON),
+        # FSDP over TP's row split of the same dim (a _StridedShard beside a Shard): both gathered.
+        L("muon_fsdp2_tp2", 4, "--training.data_parallel_shard_degree 2 --training.tensor_parallel_degree 2",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}, "muon.gathered_matrices": GATHERED}, shared=MUON),
         L("muon_pp2", 2, "--experimental.pipeline_parallel_degree 2",
           {"pipeline.stages": 2, "muon.gathered_matrices": 0}, shared=MUON),
         L("muon_moe_ep2", 2, "--training.expert_parallel_degree 2",

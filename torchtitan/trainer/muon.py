@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
@@ -76,11 +76,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _whole_matrices(param: DTensor) -> list:
-    """The parameter's placements with every mesh dim that splits a matrix dim (one of the last two)
-    replicated instead; a split of a leading dim (experts) is kept."""
-    matrix_dims = (param.ndim - 2, param.ndim - 1)
-    return [Replicate() if isinstance(p, Shard) and p.dim % param.ndim in matrix_dims else p for p in param.placements]
+def whole_matrices(placements: Sequence[Placement], ndim: int) -> list[Placement]:
+    """`placements` of a tensor of `ndim` dims with every mesh dim that splits a matrix dim (one of
+    the last two) replicated instead; a split of a leading dim (experts) is kept. A split is any
+    placement with a `dim`: Shard, and the _StridedShard FSDP puts over TP's Shard of the same dim
+    (which is not a Shard subclass and says False to is_shard())."""
+    matrix_dims = (ndim - 2, ndim - 1)
+    return [Replicate() if getattr(p, "dim", None) is not None and p.dim % ndim in matrix_dims else p
+            for p in placements]
+
+
+def _whole_matrices(param: DTensor) -> list[Placement]:
+    return whole_matrices(param.placements, param.ndim)
 
 
 def _orthogonalize_param(param: torch.Tensor, update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
