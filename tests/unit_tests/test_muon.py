@@ -206,3 +206,17 @@ def test_only_the_mesh_dims_that_split_a_matrix_dim_are_gathered():
     # Experts [E, out, in]: the expert split stays, a row or column split is gathered.
     assert whole_matrices([Shard(0), Shard(1)], 3) == [Shard(0), Replicate()]
     assert whole_matrices([Partial(), Shard(0)], 3) == [Partial(), Shard(0)]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "10", "--warmup-steps", "20"], "--steps must be >= 1 and >= --warmup-steps"),
+    (["--batch-size", "6", "--nproc", "4"], "--batch-size 6 must divide by --nproc 4"),
+    (["--lrs", "1e-3", "0"], "every --lrs value must be > 0"),
+])
+def test_the_sweep_script_refuses_bad_arguments(argv, message, capsys):
+    from scripts.optimizer_sweep import parse_args as sweep_args
+
+    with pytest.raises(SystemExit):
+        sweep_args(argv)
+    assert message in capsys.readouterr().err
+    assert sweep_args(["--steps", "20", "--warmup-steps", "2"]).optimizers == ["AdamW", "Muon"]
