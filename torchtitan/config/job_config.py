@@ -157,7 +157,12 @@ class Training:
         "The data and its resume position do not depend on it.")
     document_mask: bool = opt(
         False, "Keep attention inside each packed document: a token attends only to earlier tokens after the last "
-        "end-of-text token (block-causal). FlexAttention on CUDA, a masked SDPA on CPU; not with context parallelism.")
+        "end-of-text token (block-causal). FlexAttention on CUDA, a masked SDPA on CPU, per-document blocks under "
+        "context parallelism.")
+    mask_loss_after_eos: bool = opt(
+        False, "No loss where the input is the end-of-text token: the next document's first token is not a target "
+        "(Megatron's eod_mask_loss). The loss is then the mean over the tokens that carry one, counted over the "
+        "whole step (every micro-batch and data-parallel rank), so layouts and accumulation do not change it.")
     batch_size: int = opt(8, "Batch size per data-parallel rank and micro-step.")
     seq_len: int = opt(2048, "Tokens per sequence.")
     warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.")

@@ -37,6 +37,10 @@ from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.runtime.signals import StopRequests
 
 logger = logging.getLogger(__name__)
+
+# A label that carries no loss (F.cross_entropy's default ignore_index): what the losses skip and
+# the trainer leaves out of the step's token count (trainer/loss_tokens.py).
+IGNORE_INDEX = -100
 # torchdata's loader calls a deprecated torch function at every start; nothing for users to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
@@ -208,11 +212,13 @@ class PackedTextDataset(IterableDataset, Stateful):
     """Yields (inputs, labels) batches of shape (batch_size, seq_len): forever when infinite (each
     shard starts a new epoch at its end), else until a shard cannot fill its part of a batch.
 
-    `source` is one source (files, pre-tokenized shards, a hub dataset) or a Mixture of several."""
+    `source` is one source (files, pre-tokenized shards, a hub dataset) or a Mixture of several.
+    `ignore_after`: a token id (end-of-text) whose next token is no target: the label at each
+    position whose input is that token is IGNORE_INDEX (training.mask_loss_after_eos)."""
 
     def __init__(self, source: Any, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
                  num_shards: int, infinite: bool = True, skip_bad_lines: bool = False, split: Split | None = None,
-                 num_workers: int = 0):
+                 num_workers: int = 0, ignore_after: int | None = None):
         if batch_size % len(shards):
             option = "validation.batch_size" if split is not None and split.validation else "training.batch_size"
             raise DatasetError(
@@ -226,6 +232,7 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.packers = {s: [_Packer(ShardItems(src, s, num_shards, tokenizer, infinite, skip_bad_lines, split), seq_len,
                                     num_workers, min_tokens) for src in self.mixture.sources] for s in shards}
         self.rows = dict.fromkeys(shards, 0)  # rows drawn in each shard: the mixture's draw counter
+        self.ignore_after = ignore_after
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -240,7 +247,10 @@ class PackedTextDataset(IterableDataset, Stateful):
                     self.rows[shard] += 1
                     rows.append(row)
             batch = torch.stack(rows).long()
-            yield batch[:, :-1], batch[:, 1:]
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            if self.ignore_after is not None:
+                labels = labels.masked_fill(inputs == self.ignore_after, IGNORE_INDEX)
+            yield inputs, labels
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens (labels) this rank took from each source so far."""
@@ -291,13 +301,20 @@ def _check_tokenized(source: Any, tokenizer: Tokenizer) -> None:
             s.check_tokenizer(tokenizer)
 
 
+def loss_mask_token(job_config: JobConfig, tokenizer: Tokenizer) -> int | None:
+    """The end-of-text id under training.mask_loss_after_eos (the preflight refused a tokenizer
+    without one), else None: no label is ignored."""
+    return tokenizer.eos_id if job_config.training.mask_loss_after_eos else None
+
+
 def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
     training = job_config.training
     source = training_source(job_config)
     _check_tokenized(source, tokenizer)
     dataset = PackedTextDataset(source, tokenizer, training.seq_len, training.batch_size, shards.owned, shards.count,
                                 infinite=training.dataset_infinite, skip_bad_lines=training.dataset_skip_bad_lines,
-                                split=held_out_split(job_config, validation=False), num_workers=training.dataset_num_workers)
+                                split=held_out_split(job_config, validation=False), num_workers=training.dataset_num_workers,
+                                ignore_after=loss_mask_token(job_config, tokenizer))
     # batch_size=None: the dataset yields whole batches (each assembled from its shards). Any worker
     # processes belong to the dataset's shard readers; packing runs here.
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
@@ -323,5 +340,6 @@ def build_validation_dataloader(job_config: JobConfig, tokenizer: Tokenizer, sha
         split = held_out_split(job_config, validation=True)
     _check_tokenized(source, tokenizer)
     dataset = PackedTextDataset(source, tokenizer, training.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
-                                infinite=False, skip_bad_lines=training.dataset_skip_bad_lines, split=split)
+                                infinite=False, skip_bad_lines=training.dataset_skip_bad_lines, split=split,
+                                ignore_after=loss_mask_token(job_config, tokenizer))
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
