@@ -155,6 +155,10 @@ class Training:
     dataset_num_workers: int = opt(
         0, "Worker processes that read and tokenize each of the rank's data shards (0: in the training process). "
         "The data and its resume position do not depend on it.")
+    dataset_shuffle: bool = opt(
+        False, "Read each data shard's chunks (~1 MiB of JSON lines, a Parquet row group, ~256 Ki pre-tokenized "
+        "tokens) in a new seeded order every epoch, and each chunk's documents in a seeded order (seed: "
+        "training.seed). Off: file order. Layout, workers and resume are unaffected; validation is not shuffled.")
     document_mask: bool = opt(
         False, "Keep attention inside each packed document: a token attends only to earlier tokens after the last "
         "end-of-text token (block-causal). FlexAttention on CUDA, a masked SDPA on CPU, per-document blocks under "

@@ -10,7 +10,9 @@ A shard's range is cut into chunks (about 1 MiB of JSON lines, one Parquet row g
 pre-tokenized tokens, one plain-text file). Item k of a shard's stream is chunk k mod n of epoch
 k div n, tokenized: the item number is the whole reading position, so a resumed run starts at an
 item without reading anything before it, and worker processes (text_dataset.py) can each take
-every W-th item and still deliver the same stream.
+every W-th item and still deliver the same stream. With a Shuffle (shuffle.py) an epoch reads the
+chunks in a seeded order and each item its documents in a seeded order; the item number stays the
+whole position.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from torchtitan.datasets import sources
+from torchtitan.datasets.shuffle import Shuffle
 from torchtitan.datasets.sources import BadLineCounter, ByteCount, DatasetError, HFSource
 from torchtitan.datasets.tokenized import TokenFiles, TokenizedSource
 
@@ -160,16 +163,21 @@ class ShardItems:
     """
 
     def __init__(self, source: Any, shard: int, num_shards: int, tokenizer: Any, infinite: bool = True,
-                 skip_bad_lines: bool = False, split: Split | None = None, lengths: bool = False):
+                 skip_bad_lines: bool = False, split: Split | None = None, lengths: bool = False,
+                 shuffle: Shuffle | None = None):
         self.source = [source] if isinstance(source, Path) else source
         self.shard, self.num_shards = shard, num_shards
         self.tokenizer, self.infinite, self.split = tokenizer, infinite, split
         self.lengths = lengths  # items also list their documents' token counts (for writing token shards)
+        self.shuffle = shuffle  # None: the files' order
         self.counter = BadLineCounter(skip_bad_lines)
         self.plan = None if isinstance(source, HFSource) else plan_shard(self.source, shard, num_shards)
         self.digest = source_digest(self.source)  # of the files the plan was made from
         self._token_files = TokenFiles(source) if isinstance(source, TokenizedSource) else None
         self._parquet: dict[Path, Any] = {}  # open Parquet files (their footers read)
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its chunk order) of the last shuffled read
+        if shuffle is not None and self.plan is None:
+            logger.warning(f"training.dataset_shuffle: {describe(self.source)} is a stream, read in its own order")
 
     def items(self, start: int = 0, step: int = 1) -> Iterator[dict[str, Any]]:
         """Items start, start + step, ...: forever when infinite, else to the end of the first epoch."""
@@ -180,7 +188,7 @@ class ShardItems:
         k, n = start, len(self.plan)
         while self.infinite or k < n:
             try:
-                tokens, lengths, read = self._read(self.plan[k % n])
+                tokens, lengths, read = self._read(self.plan[self._chunk_index(k, n)], k)
             except DatasetError as e:
                 yield {"k": k, "error": str(e)}
                 return
@@ -191,12 +199,19 @@ class ShardItems:
             yield item
             k += step
 
-    def _read(self, chunk: Chunk) -> tuple[torch.Tensor, list[int], int]:
-        """The chunk's tokens, its documents' token counts, and the bytes read."""
+    def _chunk_index(self, k: int, n: int) -> int:
+        if self.shuffle is None:
+            return k % n
+        if self._order is None or self._order[0] != k // n:  # one permutation per epoch, made once per process
+            self._order = (k // n, self.shuffle.chunk_order(self.shard, k // n, n))
+        return self._order[1][k % n]
+
+    def _read(self, chunk: Chunk, k: int = 0) -> tuple[torch.Tensor, list[int], int]:
+        """Item k's tokens (chunk `chunk`), its documents' token counts, and the bytes read."""
         if chunk.file < 0:
             return torch.empty(0, dtype=torch.int32), [], 0
         if self._token_files is not None:
-            return self._read_tokens(chunk)
+            return self._read_tokens(chunk, k)
         path, read = self.source[chunk.file], ByteCount()
         if path.suffix == ".jsonl":
             documents = sources.read_jsonl(path, chunk.begin, chunk.end, self.counter, read)
@@ -207,6 +222,8 @@ class ShardItems:
         else:
             text = sources.read_text_file(path, self.counter, read)
             documents = iter([(text, 0)] if text else [])
+        if self.shuffle is not None:
+            documents = iter(self.shuffle.documents(list(documents), self.shard, k))
         ids: list[int] = []
         lengths: list[int] = []
         for text, position in documents:
@@ -216,17 +233,20 @@ class ShardItems:
                 lengths.append(len(doc))
         return torch.tensor(ids, dtype=torch.int32), lengths, read.bytes
 
-    def _read_tokens(self, chunk: Chunk) -> tuple[torch.Tensor, list[int], int]:
+    def _read_tokens(self, chunk: Chunk, k: int) -> tuple[torch.Tensor, list[int], int]:
         tokens, starts = self._token_files(chunk.file)
         itemsize = tokens.element_size()
         bounds = starts[chunk.begin:chunk.end + 1].tolist()
         index_bytes = len(bounds) * 8
-        if self.split is None:
+        if self.split is None and self.shuffle is None:  # the documents in order: one slice
             lengths = [b - a for a, b in zip(bounds, bounds[1:])]
             ids = tokens[bounds[0]:bounds[-1]].to(torch.int32)
             self._token_files.check_ids(chunk.file, ids, [(bounds[0], len(ids))])
             return ids, lengths, (bounds[-1] - bounds[0]) * itemsize + index_bytes
-        kept = [d for d in range(chunk.end - chunk.begin) if self.split.reads(document_key(chunk.file, chunk.begin + d))]
+        kept = [d for d in range(chunk.end - chunk.begin)
+                if self.split is None or self.split.reads(document_key(chunk.file, chunk.begin + d))]
+        if self.shuffle is not None:
+            kept = self.shuffle.documents(kept, self.shard, k)
         pieces = [tokens[bounds[d]:bounds[d + 1]] for d in kept]
         read = sum(len(p) for p in pieces) * itemsize + index_bytes
         ids = torch.cat(pieces).to(torch.int32) if pieces else torch.empty(0, dtype=torch.int32)

@@ -12,6 +12,10 @@ source): worker w of W reads items w, w + W, ... of the shard's stream and the l
 over in turn, so the stream, and every batch, is the same with any number of workers. Packing
 stays in the training process, and the position it saves (the item its buffer starts with and
 the tokens already used from it) is worker-independent too.
+
+With `training.dataset_shuffle` each shard reads its chunks, and each chunk its documents, in a
+seeded order (shuffle.py) that depends on the seed and the shard only, so all of the above holds;
+validation reads in file order.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.chunks import ShardItems, Split, describe
 from torchtitan.datasets.mixture import Mixture, build_mixture
 from torchtitan.datasets.shards import DataShards
+from torchtitan.datasets.shuffle import Shuffle
 from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
 from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
@@ -192,11 +197,23 @@ class _Packer:
 
     def state_dict(self) -> dict[str, Any]:
         first = self.parts[0][0] if self.parts else self.next_item
-        return {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
-                "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
-                "files": self.items.digest}
+        state = {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
+                 "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
+                 "files": self.items.digest}
+        if self.items.shuffle is not None:  # item k means another chunk under another order
+            state["shuffle_seed"] = self.items.shuffle.seed
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, now = state.get("shuffle_seed"), self.items.shuffle.seed if self.items.shuffle is not None else None
+        if saved != now:
+            def order(seed: int | None) -> str:
+                return "file order" if seed is None else f"the shuffled order of seed {seed}"
+
+            raise DatasetError(f"the checkpoint's data position is for {order(saved)}, but this run reads "
+                               f"{describe(self.items.source)} in {order(now)} (training.dataset_shuffle, "
+                               "training.seed); resume with the same, or start the data over with "
+                               "--checkpoint.exclude_from_loading dataloader")
         if state["files"] != self.items.digest:
             logger.warning(f"the files of {describe(self.items.source)} changed since this data position was saved "
                            f"(data shard {self.items.shard} of {self.items.num_shards}); reading goes on at its chunk "
@@ -218,7 +235,7 @@ class PackedTextDataset(IterableDataset, Stateful):
 
     def __init__(self, source: Any, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
                  num_shards: int, infinite: bool = True, skip_bad_lines: bool = False, split: Split | None = None,
-                 num_workers: int = 0, ignore_after: int | None = None):
+                 num_workers: int = 0, ignore_after: int | None = None, shuffle: Shuffle | None = None):
         if batch_size % len(shards):
             option = "validation.batch_size" if split is not None and split.validation else "training.batch_size"
             raise DatasetError(
@@ -229,8 +246,9 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.seq_len, self.rows_per_shard = seq_len, batch_size // len(shards)
         # Validation reads its data once, as far as it goes: no minimum.
         min_tokens = self.rows_per_shard * seq_len + 1 if split is None or not split.validation else 0
-        self.packers = {s: [_Packer(ShardItems(src, s, num_shards, tokenizer, infinite, skip_bad_lines, split), seq_len,
-                                    num_workers, min_tokens) for src in self.mixture.sources] for s in shards}
+        self.packers = {s: [_Packer(ShardItems(src, s, num_shards, tokenizer, infinite, skip_bad_lines, split,
+                                               shuffle=shuffle), seq_len, num_workers, min_tokens)
+                            for src in self.mixture.sources] for s in shards}
         self.rows = dict.fromkeys(shards, 0)  # rows drawn in each shard: the mixture's draw counter
         self.ignore_after = ignore_after
 
@@ -295,6 +313,12 @@ def training_source(job_config: JobConfig) -> Any:
     return resolve_source(training.dataset, training.dataset_path)
 
 
+def training_shuffle(job_config: JobConfig) -> Shuffle | None:
+    """training.dataset_shuffle's order, seeded by training.seed (0 when unset), as the mixture is."""
+    training = job_config.training
+    return Shuffle(training.seed if training.seed >= 0 else 0) if training.dataset_shuffle else None
+
+
 def _check_tokenized(source: Any, tokenizer: Tokenizer) -> None:
     for s in source.sources if isinstance(source, Mixture) else [source]:
         if isinstance(s, TokenizedSource):
@@ -314,7 +338,7 @@ def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: D
     dataset = PackedTextDataset(source, tokenizer, training.seq_len, training.batch_size, shards.owned, shards.count,
                                 infinite=training.dataset_infinite, skip_bad_lines=training.dataset_skip_bad_lines,
                                 split=held_out_split(job_config, validation=False), num_workers=training.dataset_num_workers,
-                                ignore_after=loss_mask_token(job_config, tokenizer))
+                                ignore_after=loss_mask_token(job_config, tokenizer), shuffle=training_shuffle(job_config))
     # batch_size=None: the dataset yields whole batches (each assembled from its shards). Any worker
     # processes belong to the dataset's shard readers; packing runs here.
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
