@@ -7,7 +7,7 @@ import pytest
 
 from tests.unit_tests.test_text_dataset import CharTokenizer, _corpus
 from torchtitan.datasets import chunks
-from torchtitan.datasets.chunks import ShardItems
+from torchtitan.datasets.chunks import ShardItems, Split
 from torchtitan.datasets.mixture import Mixture
 from torchtitan.datasets.pretokenize import pretokenize
 from torchtitan.datasets.shuffle import Shuffle, rank_correlation
@@ -88,6 +88,21 @@ def test_an_epoch_reads_every_document_once_in_an_order_unrelated_to_the_files(t
             assert in_order == sorted(in_order) and rank_correlation(in_order) == 1.0  # off: the files' order
             assert sorted(shuffled) == in_order  # the same documents, each once: the shard reads only its share
             assert abs(rank_correlation(shuffled)) < 0.15, (num_shards, shard, rank_correlation(shuffled))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_held_out_split_holds_under_the_shuffle(tmp_path, small_chunks, fmt):
+    """Training reads the same documents shuffled as in file order, and none that validation holds out."""
+    source = FORMATS[fmt](tmp_path)
+
+    def read(split, shuffle):
+        items = ShardItems(source, 0, 1, NumberTokenizer(), infinite=False, split=split, shuffle=shuffle)
+        return [t for item in items.items() for t in item["tokens"].tolist()]
+
+    train = read(Split(0.3, False), Shuffle(0))
+    held_out = read(Split(0.3, True), None)
+    assert sorted(train) == read(Split(0.3, False), None) and train != sorted(train)
+    assert sorted(train + held_out) == list(range(N)) and 0.2 < len(held_out) / N < 0.4
 
 
 def test_documents_are_shuffled_inside_a_chunk(tmp_path):
