@@ -204,13 +204,22 @@ def test_resume_does_not_read_the_consumed_chunks(tmp_path, small_chunks):
         list(make())
 
 
+def _keys(state, prefix=""):
+    return {k for key, v in state.items() for k in (_keys(v, f"{prefix}{key}.") if isinstance(v, dict) else [prefix + key])}
+
+
 def test_resuming_with_another_order_is_refused(tmp_path):
+    """A checkpoint loads into this run's keys (DCP): the shuffle changes a value, never the keys,
+    so older checkpoints still fit, and a position saved shuffled cannot be read as file order."""
     path = _corpus(tmp_path, _docs(100))
 
     def saved(shuffle):
         ds = PackedTextDataset(path, CharTokenizer(), 12, 2, [0], 1, shuffle=shuffle)
         next(iter(ds))
         return ds.state_dict()
+
+    assert _keys(saved(None)) == _keys(saved(Shuffle(0)))
+    assert saved(None)["shard_0"]["mix"] == ":1"  # file order: the position of before the option
 
     for save, load, words in [(None, Shuffle(0), "file order, but .* in the shuffled order of seed 0"),
                               (Shuffle(0), Shuffle(1), "the shuffled order of seed 0, but .* of seed 1"),

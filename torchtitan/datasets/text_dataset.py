@@ -49,6 +49,8 @@ IGNORE_INDEX = -100
 # torchdata's loader calls a deprecated torch function at every start; nothing for users to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
+SHUFFLED = "|shuffled, seed "  # in a saved position's "mix" when training.dataset_shuffle is on
+
 __all__ = ["PackedTextDataset", "Split", "build_text_dataloader", "build_validation_dataloader"]
 
 
@@ -197,23 +199,11 @@ class _Packer:
 
     def state_dict(self) -> dict[str, Any]:
         first = self.parts[0][0] if self.parts else self.next_item
-        state = {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
-                 "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
-                 "files": self.items.digest}
-        if self.items.shuffle is not None:  # item k means another chunk under another order
-            state["shuffle_seed"] = self.items.shuffle.seed
-        return state
+        return {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
+                "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
+                "files": self.items.digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved, now = state.get("shuffle_seed"), self.items.shuffle.seed if self.items.shuffle is not None else None
-        if saved != now:
-            def order(seed: int | None) -> str:
-                return "file order" if seed is None else f"the shuffled order of seed {seed}"
-
-            raise DatasetError(f"the checkpoint's data position is for {order(saved)}, but this run reads "
-                               f"{describe(self.items.source)} in {order(now)} (training.dataset_shuffle, "
-                               "training.seed); resume with the same, or start the data over with "
-                               "--checkpoint.exclude_from_loading dataloader")
         if state["files"] != self.items.digest:
             logger.warning(f"the files of {describe(self.items.source)} changed since this data position was saved "
                            f"(data shard {self.items.shard} of {self.items.num_shards}); reading goes on at its chunk "
@@ -250,6 +240,7 @@ class PackedTextDataset(IterableDataset, Stateful):
                                                shuffle=shuffle), seq_len, num_workers, min_tokens)
                             for src in self.mixture.sources] for s in shards}
         self.rows = dict.fromkeys(shards, 0)  # rows drawn in each shard: the mixture's draw counter
+        self.shuffle = shuffle
         self.ignore_after = ignore_after
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -278,19 +269,36 @@ class PackedTextDataset(IterableDataset, Stateful):
     def bytes_read(self) -> int:
         return sum(p.bytes_read for packers in self.packers.values() for p in packers)
 
+    def _order(self) -> str:
+        return "" if self.shuffle is None else str(self.shuffle.seed)
+
     def state_dict(self) -> dict[str, Any]:
-        return {f"shard_{s}": {"rows": self.rows[s], "mix": self.mixture.describe(),
+        # The shuffle rides in "mix" (sources and weights, then SHUFFLED and the seed when on), not in a
+        # key of its own: a checkpoint is loaded into this run's keys, so a new key would make every
+        # older checkpoint incomplete, and one absent here would be dropped unread.
+        mix = self.mixture.describe() + (SHUFFLED + self._order() if self.shuffle is not None else "")
+        return {f"shard_{s}": {"rows": self.rows[s], "mix": mix,
                                **{f"source_{i}": p.state_dict() for i, p in enumerate(packers)}}
                 for s, packers in self.packers.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for s, packers in self.packers.items():
             state = state_dict[f"shard_{s}"]
-            if state["mix"] != self.mixture.describe():
-                raise DatasetError(f"the checkpoint's data position is for the sources {state['mix']!r}, but this run "
+            mix, _, order = state["mix"].partition(SHUFFLED)
+            if mix != self.mixture.describe():
+                raise DatasetError(f"the checkpoint's data position is for the sources {mix!r}, but this run "
                                    f"reads {self.mixture.describe()!r} (training.dataset_mix); resume with the same "
                                    "sources and weights, or start the data over with --checkpoint.exclude_from_loading "
                                    "dataloader")
+            if order != self._order():  # the same item number is another chunk in another order
+                def named(seed: str) -> str:
+                    return f"the shuffled order of seed {seed}" if seed else "file order"
+
+                raise DatasetError(f"the checkpoint's data position is for {named(order)}, but this run reads "
+                                   f"{', '.join(describe(src) for src in self.mixture.sources)} in {named(self._order())} "
+                                   "(training.dataset_shuffle, "
+                                   "training.seed); resume with the same, or start the data over with "
+                                   "--checkpoint.exclude_from_loading dataloader")
             self.rows[s] = int(state["rows"])
             for i, packer in enumerate(packers):
                 packer.load_state_dict(state[f"source_{i}"])
