@@ -16,12 +16,11 @@ from torchtitan.config.manager import JobConfig
 from torchtitan.errors import ConfigError
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
+from torchtitan.observability.host_reads import HostReadAudit
 from torchtitan.trainer.low_precision_adamw import LowPrecisionAdam
 from torchtitan.trainer.optimizer import build_optimizers
 from torchtitan.trainer.optimizer_options import check_state
 from torchtitan.trainer.rounding import rounding_generator, store_rounded
-
-pytestmark = pytest.mark.fast
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 TORCH = {True: torch.optim.AdamW, False: torch.optim.Adam}  # by decoupled weight decay
@@ -104,6 +103,18 @@ def test_found_inf_skips_the_step_on_the_device_like_torchs_fused_adamw(state_dt
             assert all(torch.equal(opt.state[ours][k], v) for k, v in before.items())
         assert opt.state[ours]["step"].item() == ref_opt.state[ref]["step"].item()
         torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=atol)
+
+
+def test_a_step_reads_nothing_on_the_host():
+    parts = tiny_parts()
+    optimizers = build_optimizers(parts, job_config(rounding="stochastic"))
+    train(parts, optimizers, 1)  # the state exists
+    for found in (0.0, 1.0):
+        for p in parts[0].parameters():
+            p.grad = torch.randn_like(p)
+        with HostReadAudit() as audit:
+            optimizers.step(torch.tensor(found))
+        assert audit.reads == []
 
 
 def job_config(state_dtype="bfloat16", rounding="nearest", name="AdamW", early=False):
