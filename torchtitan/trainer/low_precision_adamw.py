@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.trainer.rounding import rounding_generator, store_rounded
+from torchtitan.trainer.rounding import RoundingStream, store_rounded
 
 # Elements updated at once; larger local tensors go through their flat view in pieces.
 _CHUNK = 1 << 24
@@ -48,8 +48,8 @@ class LowPrecisionAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, *,
-                 state_dtype: torch.dtype = torch.bfloat16, stochastic_rounding: bool = False, seed: int = 0,
-                 fused: bool | None = None, foreach: bool | None = None):
+                 state_dtype: torch.dtype = torch.bfloat16, stochastic_rounding: bool = False,
+                 rounding_stream: RoundingStream | None = None, fused: bool | None = None, foreach: bool | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
                         foreach=foreach, capturable=False, differentiable=False, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
@@ -58,19 +58,11 @@ class LowPrecisionAdam(torch.optim.Optimizer):
             raise ValueError(f"stochastic rounding stores bf16; the state dtype is {state_dtype}")
         self.state_dtype = state_dtype
         self.stochastic_rounding = stochastic_rounding
-        self.seed = seed
+        self.rounding_stream = rounding_stream if rounding_stream is not None else RoundingStream(0)
         # Steps taken (skipped ones too), counted on the host: each step's rounding noise is drawn
         # from (seed, count), so a run repeats and a resumed one continues the same stream.
         self.rounding_calls = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
         self.register_load_state_dict_post_hook(LowPrecisionAdam._after_load)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = rounding_generator(device, self.seed)
-        # Reseeding is a host-side operation on the generator: no device read.
-        self._generators[device].manual_seed((self.seed * 1_000_003 + self.rounding_calls) % (1 << 63))
-        return self._generators[device]
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -101,7 +93,12 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         state = self._init_state(p)
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         decoupled = group["decoupled_weight_decay"]
-        param, grad = _local(p), _local(p.grad)
+        grad = p.grad
+        if isinstance(grad, DTensor) and grad.placements != p.placements:
+            # A gradient laid out otherwise (TP's replicated embedding gradient for a sharded weight):
+            # to the parameter's layout, as DTensor's dispatch does for torch's kernels.
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        param, grad = _local(p), _local(grad)
         exp_avg, exp_avg_sq, step = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"]
         step.add_(1)
         # Device scalars: the step count is on the device. A skipped step (found_inf 1.0) must leave
@@ -118,7 +115,7 @@ class LowPrecisionAdam(torch.optim.Optimizer):
             neg_step_size, weight1 = neg_step_size * keep, weight1 * keep
             decay = torch.where(skip, 1.0, decay)
             beta2_now = torch.where(skip, 1.0, beta2)
-        generator = self._generator(param.device) if self.stochastic_rounding else None
+        generator = self.rounding_stream.generator(param.device, self.rounding_calls) if self.stochastic_rounding else None
         for piece_p, piece_g, piece_m, piece_v in _pieces(param, grad, exp_avg, exp_avg_sq):
             g = piece_g.float()
             if wd != 0 and not decoupled:
@@ -154,3 +151,4 @@ class LowPrecisionAdam(torch.optim.Optimizer):
             # One host read at load time (not in a step). A run that skipped steps counted more
             # calls than this; it then continues from another (equally good) point of the stream.
             self.rounding_calls = int(steps[0].item())
+            self.rounding_stream.restart()

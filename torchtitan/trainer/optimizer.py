@@ -23,6 +23,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
 from torchtitan.trainer.low_precision_adamw import LowPrecisionAdam
+from torchtitan.trainer.rounding import RoundingStream
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -169,7 +170,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
     if optimizer.state_dtype == "bfloat16":  # moments in bf16, the update in fp32 (low_precision_adamw.py)
         optimizer_cls = functools.partial(LowPrecisionAdam, decoupled_weight_decay=optimizer.name == "AdamW",
                                           stochastic_rounding=optimizer.state_rounding == "stochastic",
-                                          seed=max(job_config.training.seed, 0))
+                                          rounding_stream=RoundingStream(max(job_config.training.seed, 0)))
     if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config/rules.py)
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")

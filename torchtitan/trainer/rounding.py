@@ -15,11 +15,28 @@ _LOW_BITS = 1 << 16
 _HIGH_MASK = -_LOW_BITS
 
 
-def rounding_generator(device: torch.device, seed: int) -> torch.Generator:
-    """A generator on `device` for `store_rounded`: drawing the noise there reads nothing on the host."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+class RoundingStream:
+    """The random bits of `store_rounded`: a generator per device (drawing there reads nothing on the
+    host), reseeded from (seed, step) at the first draw of each step, so a run repeats and a resumed
+    one continues where it was. Share one among the optimizers of a job (one per parameter when they
+    step in backward) so each tensor draws its own bits instead of the same ones."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seeded_for: dict[torch.device, int] = {}
+
+    def generator(self, device: torch.device, step: int) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        if self._seeded_for.get(device) != step:  # reseeding is host-side: no device read
+            self._generators[device].manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
+            self._seeded_for[device] = step
+        return self._generators[device]
+
+    def restart(self) -> None:
+        """After a checkpoint load: the next draw reseeds, whatever step was drawn for before."""
+        self._seeded_for.clear()
 
 
 def store_rounded(dst: torch.Tensor, src: torch.Tensor, stochastic: bool = False,
