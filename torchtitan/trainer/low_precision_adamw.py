@@ -95,8 +95,8 @@ class LowPrecisionAdam(torch.optim.Optimizer):
         decoupled = group["decoupled_weight_decay"]
         grad = p.grad
         if isinstance(grad, DTensor) and grad.placements != p.placements:
-            # A gradient laid out otherwise (TP's replicated embedding gradient for a sharded weight):
-            # to the parameter's layout, as DTensor's dispatch does for torch's kernels.
+            # A gradient laid out otherwise than its parameter (met under TP): to the parameter's
+            # layout, as DTensor's dispatch does for torch's kernels.
             grad = grad.redistribute(p.device_mesh, p.placements)
         param, grad = _local(p), _local(grad)
         exp_avg, exp_avg_sq, step = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"]
