@@ -1,6 +1,6 @@
 """bf16 optimizer state (trainer/low_precision_adamw.py, trainer/rounding.py): the update against
 torch's Adam/AdamW, stochastic rounding, the found_inf skip, checkpoints between fp32 and bf16 state,
-DTensor (FSDP) parameters, and the loss band against fp32 state."""
+DTensor (FSDP) parameters, the dry run's count, and the loss band against fp32 state."""
 
 import copy
 
@@ -12,8 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config.manager import JobConfig
+from torchtitan.config.manager import JobConfig, parse_args
 from torchtitan.errors import ConfigError
+from torchtitan.estimation.dry_run import dry_run
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.observability.host_reads import HostReadAudit
@@ -286,3 +287,17 @@ def test_bf16_state_trains_within_the_band_of_fp32_state():
         diffs = [abs(a - b) for a, b in zip(losses, reference)]
         assert max(diffs) < LOSS_BAND, (rounding, max(diffs))
         assert diffs != [0.0] * len(diffs)  # the state really was bf16
+
+
+def test_the_dry_run_counts_half_the_optimizer_state():
+    """The dry run's fake-tensor tracker sees the bf16 moments: an FSDP rank's optimizer state halves,
+    its parameters stay (a tiny flavor, 8 ranks)."""
+    def rank_memory(state_dtype):
+        args = ["--job.config_file", "bundled:train_configs/debug_model.toml", "--model.flavor", "tiny",
+                "--training.seq_len", "128", "--job.dry_run", "--job.dry_run_device", "cpu",
+                "--job.dry_run_world_size", "8", "--optimizer.state_dtype", state_dtype]
+        return dry_run(parse_args(args)).ranks[0].memory.raw
+
+    fp32, bf16 = rank_memory("float32"), rank_memory("bfloat16")
+    assert bf16["OptState"] == pytest.approx(fp32["OptState"] / 2, rel=0.01)
+    assert bf16["Sharded Param"] == fp32["Sharded Param"]
