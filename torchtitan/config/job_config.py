@@ -131,6 +131,13 @@ class Optimizer:
         "reduce-scatter), and free that gradient at once: the gradients of the whole model never exist together. "
         "Same updates as the usual step. Needs training.max_norm 0 (clipping needs every gradient first) and no "
         "gradient accumulation, pipeline parallelism, ZeRO-1 or plain DDP.")
+    state_dtype: str = opt(
+        "float32", "Dtype of Adam/AdamW's two moments. bfloat16 halves the optimizer state (8 -> 4 bytes per "
+        "parameter); the update is still computed in fp32 and the parameters stay fp32 (docs/memory.md).",
+        choices=["float32", "bfloat16"])
+    state_rounding: str = opt(
+        "nearest", "How bfloat16 moments are rounded when stored: to nearest, or stochastic (unbiased; seeded by "
+        "training.seed). Only with state_dtype bfloat16.", choices=["nearest", "stochastic"])
 
 
 @dataclass

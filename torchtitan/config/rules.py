@@ -100,6 +100,8 @@ RULES: tuple[Rule, ...] = (
     Rule("early_step", "options", ("optimizer.early_step_in_backward", "optimizer.zero1", "training.max_norm",
                                    "training.gradient_accumulation_steps", *_PP),
          "torchtitan.trainer.optimizer_options:check_options"),
+    Rule("optimizer_state", "options", ("optimizer.state_dtype", "optimizer.state_rounding"),
+         "torchtitan.trainer.optimizer_options:check_state"),
     Rule("fault_tolerance", "options", ("fault_tolerance.*", "optimizer.early_step_in_backward", "moe.bias_update_rate",
                                         "checkpoint.enable_checkpoint", "checkpoint.interval"),
          "torchtitan.config.sections:check_fault_tolerance"),

@@ -22,6 +22,8 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
+from torchtitan.trainer.low_precision_adamw import LowPrecisionAdam
+from torchtitan.trainer.rounding import RoundingStream
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -164,10 +166,15 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         "fused": optimizer.fused,
         "foreach": not optimizer.fused,
     }
+    optimizer_cls = _OPTIMIZERS[optimizer.name]
+    if optimizer.state_dtype == "bfloat16":  # moments in bf16, the update in fp32 (low_precision_adamw.py)
+        optimizer_cls = functools.partial(LowPrecisionAdam, decoupled_weight_decay=optimizer.name == "AdamW",
+                                          stochastic_rounding=optimizer.state_rounding == "stochastic",
+                                          rounding_stream=RoundingStream(max(job_config.training.seed, 0)))
     if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config/rules.py)
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")
-        return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs)
+        return OptimizersInBackwardContainer(model_parts, optimizer_cls, kwargs)
     zero1 = None
     if optimizer.zero1:  # validated to come with dp_replicate > 1 (config/rules.py)
         zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)
@@ -175,7 +182,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         logger.info(f"applied ZeRO-1 over mesh {{'dp_replicate': {zero1.size}}}: this replica keeps the optimizer state "
                     f"of {len(owned)} of {len(zero1.params)} parameter tensors "
                     f"({sum(_local_numel(p) for p in owned):,} of {sum(_local_numel(p) for p in zero1.params):,} elements)")
-    return OptimizersContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs, zero1)
+    return OptimizersContainer(model_parts, optimizer_cls, kwargs, zero1)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:

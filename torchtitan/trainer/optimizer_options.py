@@ -1,7 +1,8 @@
 """Which optimizer options compose with the rest of the job; optimizer.py implements them.
 
 Torch-free, so the launcher's pre-check refuses a bad combination before torch starts. The
-rules registry (`config/rules.py`) names `check_options` and `check_layout` here as its early_step and optimizer_layout rules.
+rules registry (`config/rules.py`) names `check_options`, `check_state` and `check_layout` here as its
+early_step, optimizer_state and optimizer_layout rules.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def check_options(config: JobConfig) -> None:
     if config.optimizer.zero1:
         raise ConfigError(f"{name} does not compose with optimizer.zero1 (its owners broadcast updates after the "
                           "whole step); use one or the other")
+
+
+def check_state(config: JobConfig) -> None:
+    """optimizer.state_rounding says how bfloat16 moments are stored; fp32 moments are not rounded."""
+    optimizer = config.optimizer
+    if optimizer.state_rounding != "nearest" and optimizer.state_dtype != "bfloat16":
+        raise ConfigError(f"optimizer.state_rounding {optimizer.state_rounding!r} rounds bfloat16 moments; set "
+                          f"optimizer.state_dtype bfloat16 (got {optimizer.state_dtype!r}) or leave it 'nearest'")
 
 
 def check_layout(config: JobConfig, dims: ParallelDims) -> None:
