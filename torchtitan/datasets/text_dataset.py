@@ -11,7 +11,8 @@ Reading and tokenizing can run in worker processes (`training.dataset_num_worker
 source): worker w of W reads items w, w + W, ... of the shard's stream and the loader hands them
 over in turn, so the stream, and every batch, is the same with any number of workers. Packing
 stays in the training process, and the position it saves (the item its buffer starts with and
-the tokens already used from it) is worker-independent too.
+the tokens already used from it) is worker-independent too. A stream's items also carry their
+position in the stream (streams.py), saved beside the item number.
 
 With `training.dataset_shuffle` each shard reads its chunks, and each chunk its documents, in a
 seeded order (shuffle.py) that depends on the seed and the shard only, so all of the above holds;
@@ -36,7 +37,7 @@ from torchtitan.datasets.chunks import ShardItems, Split, describe
 from torchtitan.datasets.mixture import Mixture, build_mixture
 from torchtitan.datasets.shards import DataShards
 from torchtitan.datasets.shuffle import Shuffle
-from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
+from torchtitan.datasets.sources import DatasetError, resolve_source
 from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.runtime.signals import StopRequests
@@ -97,6 +98,9 @@ class _Packer:
         self.exhausted = False  # a finite source came to its end
         self._stream: Iterator[dict[str, Any]] | None = None
         self._available = 0
+        # A stream's positions (streams.py) of the buffered items, and of the item after the last fetched.
+        self.positions: dict[int, list[int]] = {}
+        self.next_position: list[int] | None = None
 
     def _fetch(self) -> bool:
         """One more item into the buffer; False when a finite source is used up."""
@@ -117,6 +121,8 @@ class _Packer:
         if len(item["tokens"]):
             self.parts.append((item["k"], item["tokens"]))
             self._available += len(item["tokens"])
+        if "at" in item:
+            self._keep_position(item)
         if item["k"] >= self.counted:
             self.counted = item["k"] + 1
             self.epoch_tokens += len(item["tokens"])
@@ -130,12 +136,17 @@ class _Packer:
     def _open(self, start: int) -> Iterator[dict[str, Any]]:
         if self.workers == 0:
             return self.items.items(start)
-        if isinstance(self.items.source, HFSource):
-            raise DatasetError(f"training.dataset_num_workers {self.workers}: the hub stream "
-                               f"{self.items.source.path} is read in order by the training process; set it to 0")
         loader = StatefulDataLoader(_WorkerItems(self.items, start), batch_size=None, num_workers=self.workers,
                                     prefetch_factor=2, worker_init_fn=_ignore_stop_signals)
         return iter(loader)
+
+    def _keep_position(self, item: dict[str, Any]) -> None:
+        if len(item["tokens"]):
+            self.positions[item["k"]] = item["at"]
+        self.next_position = item["next"]
+        if len(self.positions) > 2 * len(self.parts) + 8:  # forget the items packing has used up
+            first = self.parts[0][0] if self.parts else self.next_item
+            self.positions = {k: at for k, at in self.positions.items() if k >= first}
 
     def _end_epoch(self) -> None:
         where = f"data shard {self.items.shard} of {self.items.num_shards}"
@@ -201,7 +212,14 @@ class _Packer:
         first = self.parts[0][0] if self.parts else self.next_item
         return {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
                 "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
-                "files": self.items.digest}
+                "files": self.items.digest, **self._stream_position(first)}
+
+    def _stream_position(self, first: int) -> dict[str, Any]:
+        """A stream's item `first` cannot be found by its number: its position is saved with it."""
+        if self.items.stream is None:
+            return {}
+        at = self.positions.get(first, self.next_position) if (self.parts or self.next_position) else self.items.stream.at
+        return {"at": list(at)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["files"] != self.items.digest:
@@ -213,6 +231,13 @@ class _Packer:
         self.next_item, self.head, self.counted = int(state["item"]), int(state["offset"]), int(state["counted"])
         self.epoch, self.epoch_tokens = int(state["epoch"]), int(state["epoch_tokens"])
         self.epoch_documents, self.rows = int(state["epoch_documents"]), int(state["rows"])
+        self.positions, self.next_position = {}, None
+        if self.items.stream is not None:
+            if "at" not in state:
+                raise DatasetError(f"the checkpoint's data position in {describe(self.items.source)} has no stream "
+                                   "position (it predates streams split by file); start the data over with "
+                                   "--checkpoint.exclude_from_loading dataloader")
+            self.items.stream.seek(self.next_item, state["at"])
 
 
 class PackedTextDataset(IterableDataset, Stateful):
