@@ -140,7 +140,7 @@ class StreamItems:
             if i == len(self.shards):  # the epoch's end
                 if k >= start and (k - start) % step == 0:
                     yield self._item(k, epoch, -1, 0, [], read, [epoch + 1, self.shards[0], 0], last=True)
-                    read = ByteCount()
+                    read.bytes = 0
                 if not self.infinite:
                     return
                 k, epoch, i, record = k + 1, epoch + 1, 0, 0
@@ -158,7 +158,7 @@ class StreamItems:
                             yield item
                             if "error" in item:
                                 return
-                            read, mine = ByteCount(), []
+                            read.bytes, mine = 0, []
                         k, first, count = k + 1, first + count, 0
             except DatasetError as e:
                 yield {"k": k, "error": str(e)}
@@ -169,7 +169,7 @@ class StreamItems:
                     yield item
                     if "error" in item:
                         return
-                    read = ByteCount()
+                    read.bytes = 0
                 k += 1
             i, record = i + 1, 0
 
