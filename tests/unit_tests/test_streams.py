@@ -79,7 +79,7 @@ def test_gzip_files_are_a_stream(tmp_path):
     rng = random.Random(0)
     big = _gz(tmp_path / "big.jsonl.gz", [{"text": "".join(rng.choices("abcdefgh ", k=400))} for _ in range(1200)])
     items = list(ShardItems(resolve_source("", str(big)), 0, 1, CharTokenizer(), infinite=False).items())
-    assert len(items) > 20 and sum(i["bytes"] for i in items) == big.stat().st_size > 150_000
+    assert len(items) > 10 and sum(i["bytes"] for i in items) == big.stat().st_size > 150_000
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])
