@@ -144,7 +144,8 @@ class Optimizer:
 class Training:
     dataset: str = opt("stdlib_docs", "Registered text source name.")
     dataset_path: str = opt(
-        "", "Local data overriding training.dataset: a .jsonl ('text' field), .txt or .parquet file, a folder or a glob."
+        "", "Local data overriding training.dataset: a .jsonl ('text' field), .txt or .parquet file, gzip-compressed "
+        "JSON lines (.jsonl.gz / .json.gz, read as a stream), a folder or a glob."
     )
     dataset_infinite: bool = opt(True, "Loop over the data in epochs; false ends training cleanly when the data runs out.")
     dataset_skip_bad_lines: bool = opt(False, "Skip and count malformed lines (bad JSON, invalid UTF-8) instead of stopping.")
