@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/data_benchmark.py corpus DIR --gb 2      # JSON lines, Parquet, token shards
     .venv/bin/python scripts/data_benchmark.py amplification DIR      # bytes read by all shards / corpus bytes
+    .venv/bin/python scripts/data_benchmark.py order DIR              # rank correlation of shuffled reading
     .venv/bin/python scripts/data_benchmark.py throughput DIR         # loader tokens/s of one rank's share
 
 `corpus` writes about --gb GB of each format: 4 JSON-lines files of documents cut at random from
@@ -9,7 +10,10 @@ the bundled corpus (100 to 20,000 characters), the same documents as one Parquet
 of 2,048 rows), and token shards of random ids (4 parts, documents of 50 to 5,000 tokens) with a
 manifest naming the bundled tokenizer. `amplification` reads every data shard of 1, 2, 4 and 8 as
 the trainer's readers do (parsing, not tokenizing) and sums the bytes taken from the operating
-system (cross-checked with /proc/self/io for file reads). `throughput` packs one rank's share
+system (cross-checked with /proc/self/io for file reads); `--shuffle` reads them shuffled (seed 0).
+`order` reads one epoch of one rank's share (shard 0 of 8) in file order and shuffled, and prints
+Spearman's rank correlation between each document's place in the files and its place in the
+reading order (documents told apart by a checksum). `throughput` packs one rank's share
 (shard 0 of 8) into batches of 8 x 2048 tokens with the bundled tokenizer, with 0 and 2 worker
 processes, and prints tokens/s next to what a trainer consumes: the debug model on this machine
 (--trainer-tps, from a run's metrics) and, by arithmetic, Llama 3 8B on one H100.
@@ -24,6 +28,8 @@ import os
 import random
 import sys
 import time
+import zlib
+from collections import defaultdict, deque
 from pathlib import Path
 
 import torch
@@ -32,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's t
 
 from torchtitan.assets import resolve_path  # noqa: E402 - after the path above
 from torchtitan.datasets.chunks import ShardItems  # noqa: E402
+from torchtitan.datasets.shuffle import Shuffle, rank_correlation  # noqa: E402
 from torchtitan.datasets.sources import resolve_source  # noqa: E402
 from torchtitan.datasets.text_dataset import PackedTextDataset  # noqa: E402
 from torchtitan.datasets.tokenized import TokenFile, write_manifest  # noqa: E402
@@ -114,7 +121,15 @@ def corpus_bytes(source) -> int:
     return sum((source.folder / f.tokens).stat().st_size + (source.folder / f.index).stat().st_size for f in source.files)
 
 
-def amplification(folder: Path) -> None:
+class _ChecksumTokenizer:
+    """A document is one token, its checksum: the stream says which documents came in which order."""
+
+    def encode(self, text, bos, eos):
+        return [zlib.crc32(text.encode()) >> 1]
+
+
+def amplification(folder: Path, shuffle: bool) -> None:
+    print(f"data shards read {'shuffled (seed 0)' if shuffle else 'in file order'}")
     print("| format | corpus | shards | bytes read (all shards) | amplification | largest shard's share | rchar check | s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, source in sources(folder).items():
@@ -123,7 +138,8 @@ def amplification(folder: Path) -> None:
             start, rchar = time.perf_counter(), _rchar()
             read, largest = 0, 0
             for shard in range(count):
-                items = ShardItems(source, shard, count, _NoTokenizer(), infinite=False)
+                items = ShardItems(source, shard, count, _NoTokenizer(), infinite=False,
+                                   shuffle=Shuffle(0) if shuffle else None)
                 shard_bytes = sum(item["bytes"] for item in items.items())
                 read += shard_bytes
                 largest = max(largest, shard_bytes)
@@ -131,6 +147,40 @@ def amplification(folder: Path) -> None:
             check = f"{rchar / total:.4f}" if name != "token shards" else "(mmap)"
             print(f"| {name} | {total / 1e9:.2f} GB | {count} | {read / 1e9:.3f} GB | {read / total:.4f} | "
                   f"{largest * count / read:.3f} x 1/{count} | {check} | {time.perf_counter() - start:.0f} |", flush=True)
+
+
+def _document_checksums(source, shuffle: Shuffle | None) -> list[int]:
+    """Shard 0 of 8's documents over one epoch, in reading order, each as a checksum of its tokens."""
+    items = ShardItems(source, 0, 8, _ChecksumTokenizer(), infinite=False, lengths=True, shuffle=shuffle)
+    out = []
+    for item in items.items():  # the generated corpus has no bad line (an item with "error")
+        at = 0
+        for length in item["lengths"]:
+            out.append(zlib.crc32(item["tokens"][at:at + length].numpy().tobytes()))
+            at += length
+    return out
+
+
+def order(folder: Path) -> None:
+    print("one rank's share (data shard 0 of 8), one epoch; Spearman's rank correlation between the documents' "
+          "places in the files and in the reading order")
+    print("| format | chunks | documents | file order | shuffled (seed 0) | shuffled (seed 1) | s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, source in sources(folder).items():
+        start = time.perf_counter()
+        in_order = _document_checksums(source, None)
+        places = defaultdict(deque)  # checksum -> its places in the files (a repeated document has several)
+        for place, checksum in enumerate(in_order):
+            places[checksum].append(place)
+        row = []
+        for shuffle in (None, Shuffle(0), Shuffle(1)):
+            read = in_order if shuffle is None else _document_checksums(source, shuffle)
+            assert sorted(read) == sorted(in_order), "a shuffled epoch must read every document once"
+            left = {c: deque(p) for c, p in places.items()}
+            row.append(rank_correlation([left[c].popleft() for c in read]))
+        chunks = len(ShardItems(source, 0, 8, _NoTokenizer()).plan)
+        print(f"| {name} | {chunks} | {len(in_order):,} | {row[0]:.4f} | {row[1]:.4f} | {row[2]:.4f} | "
+              f"{time.perf_counter() - start:.0f} |", flush=True)
 
 
 def throughput(folder: Path, seconds: float, trainer_tps: float) -> None:
@@ -170,9 +220,10 @@ def throughput(folder: Path, seconds: float, trainer_tps: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["corpus", "amplification", "throughput"])
+    parser.add_argument("mode", choices=["corpus", "amplification", "order", "throughput"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--gb", type=float, default=2.0, help="corpus: size of each format")
+    parser.add_argument("--shuffle", action="store_true", help="amplification: read the shards shuffled")
     parser.add_argument("--seconds", type=float, default=10.0, help="throughput: time per measurement")
     parser.add_argument("--trainer-tps", type=float, default=1.0,
                         help="throughput: the trainer's tokens/s per rank to compare with (from a run's metrics)")
@@ -180,7 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "corpus":
         make_corpus(args.folder, args.gb)
     elif args.mode == "amplification":
-        amplification(args.folder)
+        amplification(args.folder, args.shuffle)
+    elif args.mode == "order":
+        order(args.folder)
     else:
         throughput(args.folder, args.seconds, args.trainer_tps)
 

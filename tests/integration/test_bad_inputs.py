@@ -324,8 +324,8 @@ CASES: list[Case] = [
     case("token shards of another format", "data", "--training.dataset_path {in}/tokens",
          "{in}/tokens/manifest.json is not a manifest of pre-tokenized shards",
          files={"tokens/manifest.json": json.dumps({**TOKEN_MANIFEST, "format": "megatron"})}),
-    case("hub stream with worker processes", "data", "--training.dataset c4 --training.dataset_num_workers 2",
-         "training.dataset_num_workers 2: the hub stream allenai/c4 is read in order by the training process; set it to 0"),
+    case("gzip stream that is not gzip", "data", "--training.dataset_path {in}/data.jsonl.gz --training.dataset_num_workers 2",
+         "{in}/data.jsonl.gz is not a readable gzip file", files={"data.jsonl.gz": b"plain text, not gzip\n"}),
     case("shards do not divide the batch", "data", "--training.dataset_shards 3", "training.batch_size 8 must be divisible by the 3 data shards"),
 
     # --- tokenizer -----------------------------------------------------------------------------------

@@ -64,13 +64,20 @@ def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
     assert folders.problem_with(str(tmp_path / "checkpoint" / f"step-{STEPS}")) is None
 
 
-def test_a_job_reading_with_worker_processes_resumes_exactly_with_any_number_of_them(tmp_path, uninterrupted):
-    """Two data-loading workers per rank deliver the batches the training process reads itself,
-    and their data position resumes without them (the position is worker-independent)."""
-    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "5"}, "--training.dataset_num_workers", "2")
-    resumed(tmp_path, FSDP2, 2)
+def test_a_shuffled_job_reading_with_worker_processes_resumes_exactly_with_any_number_of_them(tmp_path, uninterrupted):
+    """Shuffled data (training.dataset_shuffle) read by two workers per rank, killed after step 5,
+    resumed without workers: step 5, trained again from the step-4 checkpoint's data position, is
+    bitwise the step the killed job trained (the shuffled position is worker-independent), and the
+    shuffle did change the data. (In file order, test_shuffle.py and the unit tests of workers show
+    the batches equal for any worker count.)"""
+    shuffled = ("--training.dataset_shuffle",)
+    killed(tmp_path, FSDP2, 2, {"TT_KILL_AFTER_STEP": "5"}, *shuffled, "--training.dataset_num_workers", "2")
+    before = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
+    resumed(tmp_path, FSDP2, 2, *shuffled)
     assert resumed_after(tmp_path) == 4
-    assert losses(tmp_path) == uninterrupted
+    after = losses(tmp_path)
+    assert after[:5] == [before[step] for step in range(1, 6)]
+    assert after != uninterrupted
 
 
 def test_a_job_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, uninterrupted):

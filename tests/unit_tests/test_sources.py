@@ -32,7 +32,7 @@ def test_missing_and_unmatched_locations(tmp_path):
     with pytest.raises(DatasetError, match="dataset file not found: .*nope"):
         resolve_source("", str(tmp_path / "nope"))
     (tmp_path / "readme.md").write_text("x")
-    with pytest.raises(DatasetError, match=r"no \.jsonl, \.txt, \.parquet files in"):
+    with pytest.raises(DatasetError, match=r"no \.jsonl, \.txt, \.parquet, \.jsonl\.gz, \.json\.gz files in"):
         resolve_source("", str(tmp_path))
     with pytest.raises(DatasetError, match="no .* files in .*\\*.jsonl"):
         resolve_source("", str(tmp_path / "*.jsonl"))
@@ -56,8 +56,7 @@ def test_optional_backends_missing_give_install_hints(tmp_path, monkeypatch):
 
 def test_a_hub_stream_that_breaks_off_is_one_line(monkeypatch):
     """The network gone mid-stream (a stand-in for `datasets`, which CI does not install): the line
-    names the dataset; the trainer's shard reader hands it on as an item's error, which its data
-    loader raises."""
+    names the dataset (the trainer's stream reader: test_streams.py)."""
 
     def load_dataset(path, name, split, streaming):
         assert (path, name, split, streaming) == ("allenai/c4", "en", "train", True)
@@ -72,8 +71,6 @@ def test_a_hub_stream_that_breaks_off_is_one_line(monkeypatch):
     with pytest.raises(DatasetError) as e:
         next(documents)
     assert str(e.value) == expected
-    items = list(ShardItems(resolve_source("c4", ""), 0, 1, CharTokenizer(), infinite=False).items())
-    assert items == [{"k": 0, "error": expected}]
 
 
 @pytest.mark.parametrize(

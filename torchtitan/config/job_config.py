@@ -146,13 +146,21 @@ class Optimizer:
         ["tok_embeddings", "output"], "Muon: parameters AdamW updates although they are matrices (comma-separated "
         "name patterns: a name prefix like 'output' or 'layers.0', or an fnmatch pattern like '*.router.*'). "
         "Parameters with fewer than 2 dims (norms, biases) always go to AdamW.")
+    state_dtype: str = opt(
+        "float32", "Dtype of Adam/AdamW's two moments. bfloat16 halves the optimizer state (8 -> 4 bytes per "
+        "parameter); the update is still computed in fp32 and the parameters stay fp32 (docs/memory.md).",
+        choices=["float32", "bfloat16"])
+    state_rounding: str = opt(
+        "nearest", "How bfloat16 moments are rounded when stored: to nearest, or stochastic (unbiased; seeded by "
+        "training.seed). Only with state_dtype bfloat16.", choices=["nearest", "stochastic"])
 
 
 @dataclass
 class Training:
     dataset: str = opt("stdlib_docs", "Registered text source name.")
     dataset_path: str = opt(
-        "", "Local data overriding training.dataset: a .jsonl ('text' field), .txt or .parquet file, a folder or a glob."
+        "", "Local data overriding training.dataset: a .jsonl ('text' field), .txt or .parquet file, gzip-compressed "
+        "JSON lines (.jsonl.gz / .json.gz, read as a stream), a folder or a glob."
     )
     dataset_infinite: bool = opt(True, "Loop over the data in epochs; false ends training cleanly when the data runs out.")
     dataset_skip_bad_lines: bool = opt(False, "Skip and count malformed lines (bad JSON, invalid UTF-8) instead of stopping.")
@@ -170,9 +178,18 @@ class Training:
     dataset_num_workers: int = opt(
         0, "Worker processes that read and tokenize each of the rank's data shards (0: in the training process). "
         "The data and its resume position do not depend on it.")
+    dataset_shuffle: bool = opt(
+        False, "Read each data shard's chunks (~1 MiB of JSON lines, a Parquet row group, ~256 Ki pre-tokenized "
+        "tokens) in a new seeded order every epoch, and each chunk's documents in a seeded order (seed: "
+        "training.seed). Off: file order. Layout, workers and resume are unaffected; validation is not shuffled.")
     document_mask: bool = opt(
         False, "Keep attention inside each packed document: a token attends only to earlier tokens after the last "
-        "end-of-text token (block-causal). FlexAttention on CUDA, a masked SDPA on CPU; not with context parallelism.")
+        "end-of-text token (block-causal). FlexAttention on CUDA, a masked SDPA on CPU, per-document blocks under "
+        "context parallelism.")
+    mask_loss_after_eos: bool = opt(
+        False, "No loss where the input is the end-of-text token: the next document's first token is not a target "
+        "(Megatron's eod_mask_loss). The loss is then the mean over the tokens that carry one, counted over the "
+        "whole step (every micro-batch and data-parallel rank), so layouts and accumulation do not change it.")
     batch_size: int = opt(8, "Batch size per data-parallel rank and micro-step.")
     seq_len: int = opt(2048, "Tokens per sequence.")
     warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.")

@@ -49,15 +49,21 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
 
 
 def check_document_mask(job_config: JobConfig, tokenizer: Any, model_cls: type | None = None) -> None:
-    """training.document_mask cuts windows at end-of-text tokens, so the tokenizer must have one,
-    and hands the model `document_ids`, so its forward must take them."""
-    if not job_config.training.document_mask:
+    """training.document_mask cuts windows at end-of-text tokens, and training.mask_loss_after_eos
+    ignores the labels after them, so the tokenizer must have one; document masking hands the model
+    `document_ids`, so its forward must take them."""
+    training = job_config.training
+    options = [name for name, on in (("training.document_mask", training.document_mask),
+                                     ("training.mask_loss_after_eos", training.mask_loss_after_eos)) if on]
+    if not options:
         return
     eos_id = getattr(tokenizer, "eos_id", None)
     if eos_id is None or eos_id < 0:
-        raise ConfigError(f"training.document_mask needs an end-of-text token to tell where documents end; the "
+        raise ConfigError(f"{options[0]} needs an end-of-text token to tell where documents end; the "
                           f"tokenizer {job_config.model.tokenizer_path} has none (eos_id {eos_id}); use a tokenizer "
-                          "with one, or leave training.document_mask off")
+                          f"with one, or leave {options[0]} off")
+    if not training.document_mask:
+        return
     if model_cls is not None and "document_ids" not in inspect.signature(model_cls.forward).parameters:
         raise ConfigError(f"training.document_mask: model {job_config.model.name!r} takes no document_ids in its "
                           "forward (see torchtitan/models/llama/model.py); leave training.document_mask off for it")

@@ -10,7 +10,11 @@ A shard's range is cut into chunks (about 1 MiB of JSON lines, one Parquet row g
 pre-tokenized tokens, one plain-text file). Item k of a shard's stream is chunk k mod n of epoch
 k div n, tokenized: the item number is the whole reading position, so a resumed run starts at an
 item without reading anything before it, and worker processes (text_dataset.py) can each take
-every W-th item and still deliver the same stream.
+every W-th item and still deliver the same stream. With a Shuffle (shuffle.py) an epoch reads the
+chunks in a seeded order and each item its documents in a seeded order; the item number stays the
+whole position.
+Streams (gzip-compressed JSON lines, hub datasets) cannot be planned: they are split by stream
+shard and read in order (streams.py).
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ from typing import Any, Iterator
 import torch
 
 from torchtitan.datasets import sources
-from torchtitan.datasets.sources import BadLineCounter, ByteCount, DatasetError, HFSource
+from torchtitan.datasets.shuffle import Shuffle
+from torchtitan.datasets.sources import BadLineCounter, ByteCount, DatasetError, GzipFiles, HFSource
+from torchtitan.datasets.streams import StreamItems, is_stream
 from torchtitan.datasets.tokenized import TokenFiles, TokenizedSource
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # of JSON lines per chunk
 CHUNK_TOKENS = 1 << 18  # of pre-tokenized data per chunk
-HF_CHUNK_DOCUMENTS = 64  # of a hub stream (which cannot be planned: it is read in order)
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,8 @@ def mix64(x: int) -> int:
 
 def plan_shard(source: Any, shard: int, num_shards: int) -> list[Chunk]:
     """The chunks of data shard `shard` of `num_shards`, in reading order ([EMPTY] when it owns
-    no document); a hub stream has no plan (it is read in order)."""
-    assert not isinstance(source, HFSource)
+    no document); a stream has no plan (it is read in order: streams.py)."""
+    assert not is_stream(source)
     chunks = _plan_tokens(source, shard, num_shards) if isinstance(source, TokenizedSource) else \
         _plan_files(source, shard, num_shards)
     return chunks or [EMPTY]
@@ -132,6 +137,8 @@ def source_digest(source: Any) -> str:
     """Names and sizes of a source's files: a saved position refers to the plan of those files."""
     if isinstance(source, HFSource):
         parts = [source.path, str(source.name), source.split]
+    elif isinstance(source, GzipFiles):
+        parts = [f"{p.name}:{p.stat().st_size}" for p in source.files]
     elif isinstance(source, TokenizedSource):
         parts = [f"{f.tokens}:{f.num_tokens}" for f in source.files]
     else:
@@ -142,6 +149,9 @@ def source_digest(source: Any) -> str:
 def describe(source: Any) -> str:
     if isinstance(source, HFSource):
         return f"hub dataset {source.path}"
+    if isinstance(source, GzipFiles):
+        files = source.files
+        return str(files[0]) if len(files) == 1 else f"{len(files)} gzip files from {files[0].parent}"
     if isinstance(source, TokenizedSource):
         return f"pre-tokenized shards in {source.folder}"
     if isinstance(source, list):
@@ -160,27 +170,34 @@ class ShardItems:
     """
 
     def __init__(self, source: Any, shard: int, num_shards: int, tokenizer: Any, infinite: bool = True,
-                 skip_bad_lines: bool = False, split: Split | None = None, lengths: bool = False):
+                 skip_bad_lines: bool = False, split: Split | None = None, lengths: bool = False,
+                 shuffle: Shuffle | None = None):
         self.source = [source] if isinstance(source, Path) else source
         self.shard, self.num_shards = shard, num_shards
         self.tokenizer, self.infinite, self.split = tokenizer, infinite, split
         self.lengths = lengths  # items also list their documents' token counts (for writing token shards)
+        self.shuffle = shuffle  # None: the files' order
         self.counter = BadLineCounter(skip_bad_lines)
-        self.plan = None if isinstance(source, HFSource) else plan_shard(self.source, shard, num_shards)
+        # A stream (gzip files, a hub dataset) is read in order, by stream shard (streams.py).
+        self.stream = StreamItems(source, shard, num_shards, tokenizer, infinite, split, document_key, self.counter,
+                                  lengths) if is_stream(source) else None
+        self.plan = None if self.stream is not None else plan_shard(self.source, shard, num_shards)
         self.digest = source_digest(self.source)  # of the files the plan was made from
         self._token_files = TokenFiles(source) if isinstance(source, TokenizedSource) else None
         self._parquet: dict[Path, Any] = {}  # open Parquet files (their footers read)
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its chunk order) of the last shuffled read
+        if shuffle is not None and self.plan is None:
+            logger.warning(f"training.dataset_shuffle: {describe(self.source)} is a stream, read in its own order")
 
     def items(self, start: int = 0, step: int = 1) -> Iterator[dict[str, Any]]:
         """Items start, start + step, ...: forever when infinite, else to the end of the first epoch."""
-        if self.plan is None:
-            assert step == 1, "a hub stream is read in order, by one process"
-            yield from self._stream_items(start)
+        if self.stream is not None:
+            yield from self.stream.items(start, step)
             return
         k, n = start, len(self.plan)
         while self.infinite or k < n:
             try:
-                tokens, lengths, read = self._read(self.plan[k % n])
+                tokens, lengths, read = self._read(self.plan[self._chunk_index(k, n)], k)
             except DatasetError as e:
                 yield {"k": k, "error": str(e)}
                 return
@@ -191,12 +208,19 @@ class ShardItems:
             yield item
             k += step
 
-    def _read(self, chunk: Chunk) -> tuple[torch.Tensor, list[int], int]:
-        """The chunk's tokens, its documents' token counts, and the bytes read."""
+    def _chunk_index(self, k: int, n: int) -> int:
+        if self.shuffle is None:
+            return k % n
+        if self._order is None or self._order[0] != k // n:  # one permutation per epoch, made once per process
+            self._order = (k // n, self.shuffle.chunk_order(self.shard, k // n, n))
+        return self._order[1][k % n]
+
+    def _read(self, chunk: Chunk, k: int = 0) -> tuple[torch.Tensor, list[int], int]:
+        """Item k's tokens (chunk `chunk`), its documents' token counts, and the bytes read."""
         if chunk.file < 0:
             return torch.empty(0, dtype=torch.int32), [], 0
         if self._token_files is not None:
-            return self._read_tokens(chunk)
+            return self._read_tokens(chunk, k)
         path, read = self.source[chunk.file], ByteCount()
         if path.suffix == ".jsonl":
             documents = sources.read_jsonl(path, chunk.begin, chunk.end, self.counter, read)
@@ -207,6 +231,8 @@ class ShardItems:
         else:
             text = sources.read_text_file(path, self.counter, read)
             documents = iter([(text, 0)] if text else [])
+        if self.shuffle is not None:
+            documents = iter(self.shuffle.documents(list(documents), self.shard, k))
         ids: list[int] = []
         lengths: list[int] = []
         for text, position in documents:
@@ -216,49 +242,22 @@ class ShardItems:
                 lengths.append(len(doc))
         return torch.tensor(ids, dtype=torch.int32), lengths, read.bytes
 
-    def _read_tokens(self, chunk: Chunk) -> tuple[torch.Tensor, list[int], int]:
+    def _read_tokens(self, chunk: Chunk, k: int) -> tuple[torch.Tensor, list[int], int]:
         tokens, starts = self._token_files(chunk.file)
         itemsize = tokens.element_size()
         bounds = starts[chunk.begin:chunk.end + 1].tolist()
         index_bytes = len(bounds) * 8
-        if self.split is None:
+        if self.split is None and self.shuffle is None:  # the documents in order: one slice
             lengths = [b - a for a, b in zip(bounds, bounds[1:])]
             ids = tokens[bounds[0]:bounds[-1]].to(torch.int32)
             self._token_files.check_ids(chunk.file, ids, [(bounds[0], len(ids))])
             return ids, lengths, (bounds[-1] - bounds[0]) * itemsize + index_bytes
-        kept = [d for d in range(chunk.end - chunk.begin) if self.split.reads(document_key(chunk.file, chunk.begin + d))]
+        kept = [d for d in range(chunk.end - chunk.begin)
+                if self.split is None or self.split.reads(document_key(chunk.file, chunk.begin + d))]
+        if self.shuffle is not None:
+            kept = self.shuffle.documents(kept, self.shard, k)
         pieces = [tokens[bounds[d]:bounds[d + 1]] for d in kept]
         read = sum(len(p) for p in pieces) * itemsize + index_bytes
         ids = torch.cat(pieces).to(torch.int32) if pieces else torch.empty(0, dtype=torch.int32)
         self._token_files.check_ids(chunk.file, ids, [(bounds[d], len(p)) for d, p in zip(kept, pieces)])
         return ids, [len(p) for p in pieces], read
-
-    def _stream_items(self, start: int) -> Iterator[dict[str, Any]]:
-        """A hub stream: document i belongs to shard i mod S; item k holds the shard's documents
-        64k to 64k + 63, and an empty item ends each epoch. Resuming skips by reading."""
-        k, epoch = 0, 0
-        while True:
-            group: list[int] = []
-            count = 0
-            try:
-                for i, text in enumerate(sources.read_hf(self.source)):
-                    if i % self.num_shards != self.shard or (self.split is not None and not self.split.reads(i)):
-                        continue
-                    if k >= start:
-                        group += self.tokenizer.encode(text, bos=True, eos=True)
-                    count += 1
-                    if count == HF_CHUNK_DOCUMENTS:
-                        if k >= start:
-                            yield {"k": k, "epoch": epoch, "last": False, "tokens": torch.tensor(group, dtype=torch.int32),
-                                   "documents": count, "bytes": 0}
-                        k, group, count = k + 1, [], 0
-            except DatasetError as e:
-                yield {"k": k, "error": str(e)}
-                return
-            if k >= start:
-                yield {"k": k, "epoch": epoch, "last": True, "tokens": torch.tensor(group, dtype=torch.int32),
-                       "documents": count, "bytes": 0}
-            k += 1
-            if not self.infinite:
-                return
-            epoch += 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.datasets.chunks import ShardItems
-from torchtitan.datasets.sources import DatasetError, HFSource
+from torchtitan.datasets.sources import DatasetError, GzipFiles, HFSource
 from torchtitan.datasets.tokenized import MANIFEST, TokenFile, TokenFileWriter, TokenizedSource, token_dtype, write_manifest
 
 PART_BYTES = 512 << 20  # default size of a part, in source bytes
@@ -33,6 +33,9 @@ def source_bytes(source: Any) -> int:
         raise DatasetError(f"{source.folder} is already a folder of token shards; give --input the text they came from")
     if isinstance(source, HFSource):
         raise DatasetError(f"{source.path} is a hub stream; tokenize_dataset reads local files (.jsonl, .txt, .parquet)")
+    if isinstance(source, GzipFiles):
+        raise DatasetError(f"{source.files[0]} is gzip-compressed (a stream, read by the trainer as it is); "
+                           "tokenize_dataset reads .jsonl, .txt and .parquet: gunzip the files first")
     return sum(f.stat().st_size for f in source)
 
 

@@ -2,16 +2,20 @@
 optional HF streaming), and the readers that take one piece of a file at a time.
 
 Local files: JSON lines (`text` field), plain text (one document per file), Parquet (`text` column,
-needs pyarrow) and folders of pre-tokenized shards (tokenized.py), given as a file, a folder or a
-glob. Which pieces a data shard reads is decided in chunks.py; packing happens in text_dataset.py.
+needs pyarrow), folders of pre-tokenized shards (tokenized.py) and gzip-compressed JSON lines (a
+stream: read in order, streams.py), given as a file, a folder or a glob. Which pieces a data shard
+reads is decided in chunks.py (streams.py for streams); packing happens in text_dataset.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
+import gzip
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -25,6 +29,7 @@ __all__ = ["DatasetError", "resolve_source", "read_documents"]
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
+STREAM_SUFFIXES = (".jsonl.gz", ".json.gz")  # gzip-compressed JSON lines: streams (streams.py)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,14 @@ class HFSource:
     split: str = "train"
     text_field: str = "text"
     option: str = "training"  # the config section that named it, for the error lines
+
+
+@dataclass(frozen=True)
+class GzipFiles:
+    """Gzip-compressed JSON-lines files (C4's format). A gzip file cannot be entered at a byte
+    offset, so these are streams: each file is one stream shard, read from its start (streams.py)."""
+
+    files: tuple[Path, ...]
 
 
 # Registered sources: short name -> local path (`bundled:` for a file the package ships) or hub dataset.
@@ -86,7 +99,7 @@ def local_source(dataset_path: str):
     return _local_files(dataset_path)
 
 
-def _local_files(dataset_path: str) -> list[Path]:
+def _local_files(dataset_path: str) -> list[Path] | GzipFiles:
     path = Path(dataset_path)
     if any(c in dataset_path for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(dataset_path, recursive=True) if Path(p).is_file())
@@ -96,10 +109,16 @@ def _local_files(dataset_path: str) -> list[Path]:
         files = [path]
     else:
         raise DatasetError(f"dataset file not found: {dataset_path}")
+    streams = [f for f in files if f.name.endswith(STREAM_SUFFIXES)]
     files = [f for f in files if f.suffix in SUPPORTED_SUFFIXES]
+    if streams and files:
+        raise DatasetError(f"{dataset_path} holds both gzip-compressed streams ({streams[0].name}) and other files "
+                           f"({files[0].name}), which are split differently; give them as two sources of training.dataset_mix")
+    if streams:
+        return GzipFiles(tuple(streams))
     if not files:
-        raise DatasetError(f"no {', '.join(SUPPORTED_SUFFIXES)} files in {dataset_path} (nor a folder of "
-                           "pre-tokenized shards: scripts/tokenize_dataset.py)")
+        raise DatasetError(f"no {', '.join(SUPPORTED_SUFFIXES + STREAM_SUFFIXES)} files in {dataset_path} (nor a "
+                           "folder of pre-tokenized shards: scripts/tokenize_dataset.py)")
     return files
 
 
@@ -109,6 +128,13 @@ def read_documents(source, counter: BadLineCounter | None = None) -> Iterator[st
     counter = counter or BadLineCounter()
     if isinstance(source, HFSource):
         yield from read_hf(source)
+        return
+    if isinstance(source, GzipFiles):
+        for path in source.files:
+            for number, line in enumerate(read_gzip_lines(path, 0)):
+                text = json_text(line, counter, path, number + 1)
+                if text is not None:
+                    yield text
         return
     for path in [source] if isinstance(source, Path) else source:
         if path.suffix == ".jsonl":
@@ -275,7 +301,8 @@ def read_parquet(table, group: int, read: ByteCount | None = None) -> Iterator[t
             yield text, row
 
 
-def read_hf(source: HFSource) -> Iterator[str]:
+def hub_dataset(source: HFSource):
+    """The hub dataset as a `datasets` IterableDataset (streamed: rows are fetched as they are read)."""
     try:
         import datasets
     except ImportError:
@@ -283,9 +310,57 @@ def read_hf(source: HFSource) -> Iterator[str]:
             f"dataset {source.path} streams from the Hugging Face hub and needs the optional `datasets` "
             f"package (pip install datasets) plus network access; or set {source.option}.dataset_path to local files"
         ) from None
+    with hub_errors(source):
+        return datasets.load_dataset(source.path, source.name, split=source.split, streaming=True)
+
+
+@contextlib.contextmanager
+def hub_errors(source: HFSource) -> Iterator[None]:
+    """The network gone (at the start or mid-stream) as one line naming the dataset."""
     try:
-        stream = datasets.load_dataset(source.path, source.name, split=source.split, streaming=True)
-        for row in stream:
-            yield row[source.text_field]
+        yield
     except (ConnectionError, OSError) as e:
         raise DatasetError(f"cannot stream {source.path} from the Hugging Face hub (offline?): {e}") from None
+
+
+def read_hf(source: HFSource) -> Iterator[str]:
+    with hub_errors(source):
+        for row in hub_dataset(source):
+            yield row[source.text_field]
+
+
+def read_gzip_lines(path: Path, skip: int, read: ByteCount | None = None) -> Iterator[bytes]:
+    """The lines of a gzip-compressed file from line number `skip` on. gzip cannot be entered in
+    the middle: the lines before `skip` are decompressed and counted, not parsed. `read` counts
+    the compressed bytes taken from the file."""
+    counted = 0
+    try:
+        with path.open("rb") as raw, gzip.GzipFile(fileobj=raw) as f:
+            for number, line in enumerate(f):
+                if number >= skip:
+                    if read is not None:
+                        read.bytes, counted = read.bytes + raw.tell() - counted, raw.tell()
+                    yield line
+            if read is not None:
+                read.bytes += raw.tell() - counted
+    except (OSError, EOFError, zlib.error) as e:  # gzip's errors: not gzip, truncated, damaged; or the file gone
+        raise DatasetError(f"{path} is not a readable gzip file ({e}); re-download or re-compress it") from None
+
+
+def json_text(line: bytes, counter: BadLineCounter, path: Path, line_number: int) -> str | None:
+    """The `text` of one JSON line (line `line_number` of `path`, counted from 1, for the error
+    lines); None for a blank line or a bad one that `counter` skips."""
+    if not line.strip():
+        return None
+    try:
+        text = json.loads(line.decode("utf-8"))["text"]
+    except UnicodeDecodeError as e:
+        counter.bad(f"{path}:{line_number}", f"invalid UTF-8 at byte {e.start} of the line")
+        return None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        counter.bad(f"{path}:{line_number}", "not a JSON object with a 'text' field")
+        return None
+    if not isinstance(text, str):
+        counter.bad(f"{path}:{line_number}", f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string")
+        return None
+    return text

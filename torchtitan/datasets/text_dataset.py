@@ -11,7 +11,12 @@ Reading and tokenizing can run in worker processes (`training.dataset_num_worker
 source): worker w of W reads items w, w + W, ... of the shard's stream and the loader hands them
 over in turn, so the stream, and every batch, is the same with any number of workers. Packing
 stays in the training process, and the position it saves (the item its buffer starts with and
-the tokens already used from it) is worker-independent too.
+the tokens already used from it) is worker-independent too. A stream's items also carry their
+position in the stream (streams.py), saved beside the item number.
+
+With `training.dataset_shuffle` each shard reads its chunks, and each chunk its documents, in a
+seeded order (shuffle.py) that depends on the seed and the shard only, so all of the above holds;
+validation reads in file order.
 """
 
 from __future__ import annotations
@@ -31,14 +36,21 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.chunks import ShardItems, Split, describe
 from torchtitan.datasets.mixture import Mixture, build_mixture
 from torchtitan.datasets.shards import DataShards
-from torchtitan.datasets.sources import DatasetError, HFSource, resolve_source
+from torchtitan.datasets.shuffle import Shuffle
+from torchtitan.datasets.sources import DatasetError, resolve_source
 from torchtitan.datasets.tokenized import TokenizedSource
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.runtime.signals import StopRequests
 
 logger = logging.getLogger(__name__)
+
+# A label that carries no loss (F.cross_entropy's default ignore_index): what the losses skip and
+# the trainer leaves out of the step's token count (trainer/loss_tokens.py).
+IGNORE_INDEX = -100
 # torchdata's loader calls a deprecated torch function at every start; nothing for users to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+SHUFFLED = "|shuffled, seed "  # in a saved position's "mix" when training.dataset_shuffle is on
 
 __all__ = ["PackedTextDataset", "Split", "build_text_dataloader", "build_validation_dataloader"]
 
@@ -86,6 +98,9 @@ class _Packer:
         self.exhausted = False  # a finite source came to its end
         self._stream: Iterator[dict[str, Any]] | None = None
         self._available = 0
+        # A stream's positions (streams.py) of the buffered items, and of the item after the last fetched.
+        self.positions: dict[int, list[int]] = {}
+        self.next_position: list[int] | None = None
 
     def _fetch(self) -> bool:
         """One more item into the buffer; False when a finite source is used up."""
@@ -106,6 +121,8 @@ class _Packer:
         if len(item["tokens"]):
             self.parts.append((item["k"], item["tokens"]))
             self._available += len(item["tokens"])
+        if "at" in item:
+            self._keep_position(item)
         if item["k"] >= self.counted:
             self.counted = item["k"] + 1
             self.epoch_tokens += len(item["tokens"])
@@ -119,12 +136,17 @@ class _Packer:
     def _open(self, start: int) -> Iterator[dict[str, Any]]:
         if self.workers == 0:
             return self.items.items(start)
-        if isinstance(self.items.source, HFSource):
-            raise DatasetError(f"training.dataset_num_workers {self.workers}: the hub stream "
-                               f"{self.items.source.path} is read in order by the training process; set it to 0")
         loader = StatefulDataLoader(_WorkerItems(self.items, start), batch_size=None, num_workers=self.workers,
                                     prefetch_factor=2, worker_init_fn=_ignore_stop_signals)
         return iter(loader)
+
+    def _keep_position(self, item: dict[str, Any]) -> None:
+        if len(item["tokens"]):
+            self.positions[item["k"]] = item["at"]
+        self.next_position = item["next"]
+        if len(self.positions) > 2 * len(self.parts) + 8:  # forget the items packing has used up
+            first = self.parts[0][0] if self.parts else self.next_item
+            self.positions = {k: at for k, at in self.positions.items() if k >= first}
 
     def _end_epoch(self) -> None:
         where = f"data shard {self.items.shard} of {self.items.num_shards}"
@@ -190,7 +212,14 @@ class _Packer:
         first = self.parts[0][0] if self.parts else self.next_item
         return {"item": first, "offset": self.head, "counted": self.counted, "epoch": self.epoch,
                 "epoch_tokens": self.epoch_tokens, "epoch_documents": self.epoch_documents, "rows": self.rows,
-                "files": self.items.digest}
+                "files": self.items.digest, **self._stream_position(first)}
+
+    def _stream_position(self, first: int) -> dict[str, Any]:
+        """A stream's item `first` cannot be found by its number: its position is saved with it."""
+        if self.items.stream is None:
+            return {}
+        at = self.positions.get(first, self.next_position) if (self.parts or self.next_position) else self.items.stream.at
+        return {"at": list(at)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["files"] != self.items.digest:
@@ -202,17 +231,26 @@ class _Packer:
         self.next_item, self.head, self.counted = int(state["item"]), int(state["offset"]), int(state["counted"])
         self.epoch, self.epoch_tokens = int(state["epoch"]), int(state["epoch_tokens"])
         self.epoch_documents, self.rows = int(state["epoch_documents"]), int(state["rows"])
+        self.positions, self.next_position = {}, None
+        if self.items.stream is not None:
+            if "at" not in state:
+                raise DatasetError(f"the checkpoint's data position in {describe(self.items.source)} has no stream "
+                                   "position (it predates streams split by file); start the data over with "
+                                   "--checkpoint.exclude_from_loading dataloader")
+            self.items.stream.seek(self.next_item, state["at"])
 
 
 class PackedTextDataset(IterableDataset, Stateful):
     """Yields (inputs, labels) batches of shape (batch_size, seq_len): forever when infinite (each
     shard starts a new epoch at its end), else until a shard cannot fill its part of a batch.
 
-    `source` is one source (files, pre-tokenized shards, a hub dataset) or a Mixture of several."""
+    `source` is one source (files, pre-tokenized shards, a hub dataset) or a Mixture of several.
+    `ignore_after`: a token id (end-of-text) whose next token is no target: the label at each
+    position whose input is that token is IGNORE_INDEX (training.mask_loss_after_eos)."""
 
     def __init__(self, source: Any, tokenizer: Tokenizer, seq_len: int, batch_size: int, shards: list[int],
                  num_shards: int, infinite: bool = True, skip_bad_lines: bool = False, split: Split | None = None,
-                 num_workers: int = 0):
+                 num_workers: int = 0, ignore_after: int | None = None, shuffle: Shuffle | None = None):
         if batch_size % len(shards):
             option = "validation.batch_size" if split is not None and split.validation else "training.batch_size"
             raise DatasetError(
@@ -223,9 +261,12 @@ class PackedTextDataset(IterableDataset, Stateful):
         self.seq_len, self.rows_per_shard = seq_len, batch_size // len(shards)
         # Validation reads its data once, as far as it goes: no minimum.
         min_tokens = self.rows_per_shard * seq_len + 1 if split is None or not split.validation else 0
-        self.packers = {s: [_Packer(ShardItems(src, s, num_shards, tokenizer, infinite, skip_bad_lines, split), seq_len,
-                                    num_workers, min_tokens) for src in self.mixture.sources] for s in shards}
+        self.packers = {s: [_Packer(ShardItems(src, s, num_shards, tokenizer, infinite, skip_bad_lines, split,
+                                               shuffle=shuffle), seq_len, num_workers, min_tokens)
+                            for src in self.mixture.sources] for s in shards}
         self.rows = dict.fromkeys(shards, 0)  # rows drawn in each shard: the mixture's draw counter
+        self.shuffle = shuffle
+        self.ignore_after = ignore_after
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -240,7 +281,10 @@ class PackedTextDataset(IterableDataset, Stateful):
                     self.rows[shard] += 1
                     rows.append(row)
             batch = torch.stack(rows).long()
-            yield batch[:, :-1], batch[:, 1:]
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            if self.ignore_after is not None:
+                labels = labels.masked_fill(inputs == self.ignore_after, IGNORE_INDEX)
+            yield inputs, labels
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens (labels) this rank took from each source so far."""
@@ -250,19 +294,36 @@ class PackedTextDataset(IterableDataset, Stateful):
     def bytes_read(self) -> int:
         return sum(p.bytes_read for packers in self.packers.values() for p in packers)
 
+    def _order(self) -> str:
+        return "" if self.shuffle is None else str(self.shuffle.seed)
+
     def state_dict(self) -> dict[str, Any]:
-        return {f"shard_{s}": {"rows": self.rows[s], "mix": self.mixture.describe(),
+        # The shuffle rides in "mix" (sources and weights, then SHUFFLED and the seed when on), not in a
+        # key of its own: a checkpoint is loaded into this run's keys, so a new key would make every
+        # older checkpoint incomplete, and one absent here would be dropped unread.
+        mix = self.mixture.describe() + (SHUFFLED + self._order() if self.shuffle is not None else "")
+        return {f"shard_{s}": {"rows": self.rows[s], "mix": mix,
                                **{f"source_{i}": p.state_dict() for i, p in enumerate(packers)}}
                 for s, packers in self.packers.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for s, packers in self.packers.items():
             state = state_dict[f"shard_{s}"]
-            if state["mix"] != self.mixture.describe():
-                raise DatasetError(f"the checkpoint's data position is for the sources {state['mix']!r}, but this run "
+            mix, _, order = state["mix"].partition(SHUFFLED)
+            if mix != self.mixture.describe():
+                raise DatasetError(f"the checkpoint's data position is for the sources {mix!r}, but this run "
                                    f"reads {self.mixture.describe()!r} (training.dataset_mix); resume with the same "
                                    "sources and weights, or start the data over with --checkpoint.exclude_from_loading "
                                    "dataloader")
+            if order != self._order():  # the same item number is another chunk in another order
+                def named(seed: str) -> str:
+                    return f"the shuffled order of seed {seed}" if seed else "file order"
+
+                raise DatasetError(f"the checkpoint's data position is for {named(order)}, but this run reads "
+                                   f"{', '.join(describe(src) for src in self.mixture.sources)} in {named(self._order())} "
+                                   "(training.dataset_shuffle, "
+                                   "training.seed); resume with the same, or start the data over with "
+                                   "--checkpoint.exclude_from_loading dataloader")
             self.rows[s] = int(state["rows"])
             for i, packer in enumerate(packers):
                 packer.load_state_dict(state[f"source_{i}"])
@@ -285,10 +346,22 @@ def training_source(job_config: JobConfig) -> Any:
     return resolve_source(training.dataset, training.dataset_path)
 
 
+def training_shuffle(job_config: JobConfig) -> Shuffle | None:
+    """training.dataset_shuffle's order, seeded by training.seed (0 when unset), as the mixture is."""
+    training = job_config.training
+    return Shuffle(training.seed if training.seed >= 0 else 0) if training.dataset_shuffle else None
+
+
 def _check_tokenized(source: Any, tokenizer: Tokenizer) -> None:
     for s in source.sources if isinstance(source, Mixture) else [source]:
         if isinstance(s, TokenizedSource):
             s.check_tokenizer(tokenizer)
+
+
+def loss_mask_token(job_config: JobConfig, tokenizer: Tokenizer) -> int | None:
+    """The end-of-text id under training.mask_loss_after_eos (the preflight refused a tokenizer
+    without one), else None: no label is ignored."""
+    return tokenizer.eos_id if job_config.training.mask_loss_after_eos else None
 
 
 def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: DataShards) -> StatefulDataLoader:
@@ -297,7 +370,8 @@ def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: D
     _check_tokenized(source, tokenizer)
     dataset = PackedTextDataset(source, tokenizer, training.seq_len, training.batch_size, shards.owned, shards.count,
                                 infinite=training.dataset_infinite, skip_bad_lines=training.dataset_skip_bad_lines,
-                                split=held_out_split(job_config, validation=False), num_workers=training.dataset_num_workers)
+                                split=held_out_split(job_config, validation=False), num_workers=training.dataset_num_workers,
+                                ignore_after=loss_mask_token(job_config, tokenizer), shuffle=training_shuffle(job_config))
     # batch_size=None: the dataset yields whole batches (each assembled from its shards). Any worker
     # processes belong to the dataset's shard readers; packing runs here.
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
@@ -323,5 +397,6 @@ def build_validation_dataloader(job_config: JobConfig, tokenizer: Tokenizer, sha
         split = held_out_split(job_config, validation=True)
     _check_tokenized(source, tokenizer)
     dataset = PackedTextDataset(source, tokenizer, training.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
-                                infinite=False, skip_bad_lines=training.dataset_skip_bad_lines, split=split)
+                                infinite=False, skip_bad_lines=training.dataset_skip_bad_lines, split=split,
+                                ignore_after=loss_mask_token(job_config, tokenizer))
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)

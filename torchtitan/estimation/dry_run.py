@@ -57,7 +57,14 @@ from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.torch_compat import fake as torch_compat_fake
-from torchtitan.trainer.step import document_mask_eos, forward_backward, materialize, parallelize_model, with_chunked_loss
+from torchtitan.trainer.step import (
+    document_mask_eos,
+    forward_backward,
+    materialize,
+    parallelize_model,
+    with_chunked_loss,
+    with_token_weights,
+)
 
 logger = logging.getLogger("torchtitan")
 GiB = 2**30
@@ -210,7 +217,8 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     start = time.perf_counter()
     parallel_dims, plan, spec, tokenizer, model_args, model = preflight(job_config, world_size, target,
                                                                         check_memory=False, tokenizer=tokenizer)
-    spec = with_chunked_loss(spec, job_config)  # training.loss_chunk_size, as the trainer runs it
+    # training.loss_chunk_size and the token-weighted loss, as the trainer runs them
+    spec = with_token_weights(with_chunked_loss(spec, job_config), parallel_dims)
     hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]" prefix, once per simulated rank
     if fake:
         dist.init_process_group("fake", store=torch_compat_fake.fake_store(), rank=rank, world_size=world_size)

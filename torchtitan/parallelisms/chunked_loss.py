@@ -33,9 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from torchtitan.datasets.text_dataset import IGNORE_INDEX
 from torchtitan.errors import ConfigError
-
-IGNORE_INDEX = -100  # F.cross_entropy's default, the one models/loss.py's mean skips
 
 
 class ChunkedLossHead(nn.Linear):
@@ -63,8 +62,8 @@ class ChunkedLossHead(nn.Linear):
         sums = [checkpoint(self._loss_sum, h_chunk, self.weight, labels_chunk, use_reentrant=False)
                 if torch.is_grad_enabled() else self._loss_sum(h_chunk, self.weight, labels_chunk)
                 for h_chunk, labels_chunk in zip(h.split(self.chunk_size, dim=1), labels.split(self.chunk_size, dim=1))]
-        # A device-side count: no host read (an all-ignored batch gives NaN, as the plain mean does).
-        return torch.stack(sums).sum() / (labels != IGNORE_INDEX).sum()
+        # A device-side count (no host read), clamped as models/loss.py's: an all-ignored batch gives 0.
+        return torch.stack(sums).sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, weight)

@@ -111,14 +111,10 @@ def build_decoder_pipeline(model: nn.Module, *, n_layers: int, starts: list[int]
                                     embedding_on_last_stage)
         modules.append(parallelize_fn(module, parallel_dims, job_config))
     stages = make_stages(modules, stage_ids, plan, pp_mesh.get_group(), device)
-    scale = plan.microbatches * job_config.training.gradient_accumulation_steps
-
-    def microbatch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # The mean over a microbatch, pre-divided so that the gradients summed over microbatches
-        # and accumulation steps are those of the mean over the whole batch (the schedule does
-        # not rescale them).
-        return loss_fn(output, target) / scale
-
+    # The trainer's loss function is already weighted by each microbatch's share of the step's
+    # valid tokens (trainer/loss_tokens.py), so that the gradients the schedule sums over
+    # microbatches (it does not rescale them) are those of the mean over the whole step.
+    microbatch_loss = loss_fn
     # Every rank passes the loss function: a schedule without one runs forward only.
     schedule = build_schedule(plan, stages, microbatch_loss)
     tied = None

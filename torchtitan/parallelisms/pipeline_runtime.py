@@ -163,12 +163,12 @@ class Pipeline:
             return torch.zeros((), device=device)
         return torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]).sum()
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device,
-                 loss_scale: float, /, **kwargs: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device, /,
+                 **kwargs: torch.Tensor) -> torch.Tensor:
         """Runs one batch forward only (the schedule's `eval`, microbatched like a training step)
-        and returns its mean loss on the last stage, zero elsewhere. `loss_scale` undoes the
-        division the schedule's loss function applies for gradient accumulation; `kwargs` as in
-        `forward_backward`."""
+        and returns the sum of its microbatches' losses on the last stage, zero elsewhere (the
+        validator runs it with the loss function summing: the batch's summed loss); `kwargs` as
+        in `forward_backward`."""
         if self.make_eval_schedule is None:
             raise NotImplementedError("this pipeline was built without a forward-only schedule (make_eval_schedule)")
         if self._eval_schedule is None:
@@ -182,5 +182,4 @@ class Pipeline:
             self._evaluating, self.timer.busy = False, busy
         if not self.has_last_stage:
             return torch.zeros((), device=device)
-        return loss_scale * torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss
-                                         for loss in losses]).sum()
+        return torch.stack([loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]).sum()

@@ -150,6 +150,8 @@ MUON = "--optimizer.name Muon"
 GATHERED = Check("some matrices gathered", lambda n: n > 0)
 
 
+# No loss after each end-of-text token (training.mask_loss_after_eos): seed and baseline too.
+MASK_AFTER_EOS = "--training.mask_loss_after_eos"
 # Hand-picked layouts for what the layout matrix (tests/machinery/layout_matrix.py) does not vary:
 # options of one parallelism (DDP buckets, FSDP resharding and offload, vocabulary padding, CSV schedules) and
 # float8. The layouts themselves, every combination of degrees and the variants that interact
@@ -307,6 +309,18 @@ SUITES: dict[str, list[Layout]] = {
           {"moe.ep_mesh": {"ep": 2}, "muon.matrices": POSITIVE}, shared=f"{QWEN3_MOE} {MUON}"),
         L("muon_hsdp_zero1", 4, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 2 "
           "--optimizer.zero1", {"zero1.replicas": 2, "muon.gathered_matrices": GATHERED}, shared=MUON),
+    ],
+    # Labels that carry no loss (training.mask_loss_after_eos, the seed and baseline too): the
+    # step's loss is the sum over valid tokens divided by their count over the whole step, so
+    # micro-batches, data-parallel and context-parallel ranks holding different counts, and a
+    # pipeline's microbatches, weigh each token as one process does; validation too.
+    "loss_tokens": [
+        L("masked_fsdp2_accum2_chunked", 2, "--training.data_parallel_shard_degree 2 "
+          "--training.gradient_accumulation_steps 2 --training.loss_chunk_size 24",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "chunked_loss": {"chunk_size": 24, "ranks": [0, 1]}}, shared=MASK_AFTER_EOS),
+        L("masked_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=MASK_AFTER_EOS),
+        L("masked_pp2_accum2", 2, "--experimental.pipeline_parallel_degree 2 --training.gradient_accumulation_steps 2",
+          {"pipeline.stages": 2}, shared=MASK_AFTER_EOS),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [

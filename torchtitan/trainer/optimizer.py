@@ -22,7 +22,9 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
+from torchtitan.trainer.low_precision_adamw import LowPrecisionAdam
 from torchtitan.trainer.muon import MuonSplit
+from torchtitan.trainer.rounding import RoundingStream
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -174,10 +176,16 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         "fused": optimizer.fused,
         "foreach": not optimizer.fused,
     }
+    # Muon: AdamW for what is not a matrix (trainer/muon.py).
+    optimizer_cls = _OPTIMIZERS["AdamW" if optimizer.name == "Muon" else optimizer.name]
+    if optimizer.state_dtype == "bfloat16":  # moments in bf16, the update in fp32 (low_precision_adamw.py)
+        optimizer_cls = functools.partial(LowPrecisionAdam, decoupled_weight_decay=optimizer.name in ("AdamW", "Muon"),
+                                          stochastic_rounding=optimizer.state_rounding == "stochastic",
+                                          rounding_stream=RoundingStream(max(job_config.training.seed, 0)))
     if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config/rules.py)
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")
-        return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[optimizer.name], kwargs)
+        return OptimizersInBackwardContainer(model_parts, optimizer_cls, kwargs)
     muon = MuonSplit.from_config(job_config) if optimizer.name == "Muon" else None
     zero1 = None
     if optimizer.zero1:  # validated to come with dp_replicate > 1 (config/rules.py)
@@ -191,7 +199,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         logger.info(f"applied Muon to {len(matrices)} matrix parameters (Newton-Schulz in {muon.ns_dtype}, update "
                     f"scale {optimizer.muon_update_scale}), AdamW to the rest (excluded by name: "
                     f"{','.join(optimizer.muon_exclude) or 'none'})")
-    return OptimizersContainer(model_parts, _OPTIMIZERS["AdamW" if muon else optimizer.name], kwargs, zero1, muon)
+    return OptimizersContainer(model_parts, optimizer_cls, kwargs, zero1, muon)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_type: str, lr_min: float) -> float:

@@ -1,8 +1,8 @@
 """Which optimizer options compose with the rest of the job; optimizer.py implements them.
 
 Torch-free, so the launcher's pre-check refuses a bad combination before torch starts. The
-rules registry (`config/rules.py`) names `check_options`, `check_muon` and `check_layout` here as its early_step,
-muon and optimizer_layout rules.
+rules registry (`config/rules.py`) names `check_options`, `check_muon`, `check_state` and `check_layout` here as
+its early_step, muon, optimizer_state and optimizer_layout rules.
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ def check_muon(config: JobConfig) -> None:
     if not 1 <= optimizer.muon_ns_steps <= 100:
         raise ConfigError(f"optimizer.muon_ns_steps must lie in [1, 100] (5 is the published choice), got "
                           f"{optimizer.muon_ns_steps}")
+
+
+def check_state(config: JobConfig) -> None:
+    """optimizer.state_rounding says how bfloat16 moments are stored; fp32 moments are not rounded."""
+    optimizer = config.optimizer
+    if optimizer.state_rounding != "nearest" and optimizer.state_dtype != "bfloat16":
+        raise ConfigError(f"optimizer.state_rounding {optimizer.state_rounding!r} rounds bfloat16 moments; set "
+                          f"optimizer.state_dtype bfloat16 (got {optimizer.state_dtype!r}) or leave it 'nearest'")
 
 
 def check_layout(config: JobConfig, dims: ParallelDims) -> None:

@@ -23,6 +23,7 @@ from torchtitan.parallelisms.mixed_precision import apply_mixed_precision
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
+from torchtitan.trainer.loss_tokens import TokenWeightedLoss
 
 
 def build_model_parts(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
@@ -72,8 +73,16 @@ def _parallelize_with_chunked_loss(parallelize_fn: Callable[..., torch.nn.Module
 def with_training_loss(train_spec: TrainSpec, job_config: JobConfig, parallel_dims: ParallelDims,
                        device_type: str) -> TrainSpec:
     """The train spec's loss as a training step computes it: inside the output head under
-    training.loss_chunk_size (`with_chunked_loss`), else compiled on CUDA (`with_compiled_loss`)."""
-    return with_compiled_loss(with_chunked_loss(train_spec, job_config), job_config, parallel_dims, device_type)
+    training.loss_chunk_size (`with_chunked_loss`), else compiled on CUDA (`with_compiled_loss`);
+    either way weighted by its micro-batch's share of the step's valid tokens (`with_token_weights`)."""
+    return with_token_weights(with_compiled_loss(with_chunked_loss(train_spec, job_config), job_config, parallel_dims,
+                                                 device_type), parallel_dims)
+
+
+def with_token_weights(train_spec: TrainSpec, parallel_dims: ParallelDims) -> TrainSpec:
+    """The train spec whose loss is a TokenWeightedLoss (trainer/loss_tokens.py): the step's loss
+    is the mean over its valid tokens across micro-batches and the loss mesh's ranks."""
+    return dataclasses.replace(train_spec, loss_fn=TokenWeightedLoss(train_spec.loss_fn, parallel_dims))
 
 
 def parallelize_model(job_config: JobConfig, train_spec: TrainSpec, parallel_dims: ParallelDims,
@@ -141,7 +150,7 @@ def takes_labels(train_spec: TrainSpec) -> bool:
     """Whether the family's forward takes the labels as well (`labels`: DeepSeek-V3's multi-token
     prediction needs the tokens ahead; a chunked loss is computed in the forward); such a model
     gets them in training."""
-    return (train_spec.loss_fn is loss_from_forward
+    return (getattr(train_spec.loss_fn, "loss_fn", train_spec.loss_fn) is loss_from_forward
             or "labels" in inspect.signature(train_spec.model_cls.forward).parameters)
 
 
@@ -156,16 +165,21 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
                      defer_sharded_reduction: bool = False, eos_id: int | None = None) -> torch.Tensor:
     """One optimizer step's forwards and backwards over its micro-batches (gradient accumulation);
     returns the step's loss on this rank (a pipeline's last stage holds it, the others zero).
-    `defer_sharded_reduction`: training.defer_sharded_gradient_reduction. `eos_id`: document
-    masking's separator (`document_mask_eos`), None without it."""
+    `train_spec.loss_fn`: a TokenWeightedLoss (`with_token_weights`), which counts the step's valid
+    tokens first. `defer_sharded_reduction`: training.defer_sharded_gradient_reduction. `eos_id`:
+    document masking's separator (`document_mask_eos`), None without it."""
     accum = len(micro_batches)
     with_labels = takes_labels(train_spec)
     in_loss_context = loss_context(parallel_dims)
     step_loss = torch.zeros((), device=device)
-    for micro, (batch_inputs, labels) in enumerate(micro_batches):
-        inputs, labels = batch_inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    on_device = [(batch_inputs, *shard_batch((batch_inputs.to(device, non_blocking=True),
+                                              labels.to(device, non_blocking=True)), parallel_dims.cp_mesh))
+                 for batch_inputs, labels in micro_batches]
+    train_spec.loss_fn.start_step([labels for _, _, labels in on_device])
+    for micro, (batch_inputs, inputs, labels) in enumerate(on_device):
+        # Document ids from the whole sequences: the host's under CP (cp_attention plans from them),
+        # else the device's (unsharded without CP).
         extra = model_kwargs(batch_inputs if parallel_dims.cp_enabled else inputs, eos_id)
-        inputs, labels = shard_batch((inputs, labels), parallel_dims.cp_mesh)
         if with_labels:
             extra["labels"] = labels
         if accum > 1:
@@ -174,7 +188,7 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
             if pipeline is not None:
                 loss = pipeline.forward_backward(inputs, labels, device, **extra)
             else:
-                loss = train_spec.loss_fn(model_parts[0](inputs, **extra), labels) / accum
+                loss = train_spec.loss_fn(model_parts[0](inputs, **extra), labels)
                 loss.backward()
         step_loss += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
     return step_loss

@@ -9,7 +9,7 @@ optimizer are untouched, and a resumed run trains exactly as an uninterrupted on
 It works under every layout the training step does: data-parallel ranks read different batches,
 tensor/context/pipeline peers the same ones (context parallelism cuts each sequence as in
 training; pipeline parallelism runs the schedule forward only), and the loss is the mean over
-every token of every batch, as the training loss is.
+every token that carries a loss (label not ignored) of every batch, as the training loss is.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torchtitan.parallelisms.context_parallel import shard_batch
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.runtime import collectives
+from torchtitan.trainer.loss_tokens import TokenWeightedLoss, valid_count
 from torchtitan.trainer.step import document_mask_eos, model_kwargs
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ class Validator:
                  model: ValidatedModel, shards: DataShards):
         self.validation, self.training = job_config.validation, job_config.training
         self.job_config, self.build_dataloader, self.tokenizer = job_config, build_dataloader, tokenizer
-        self.parallel_dims, self.model_parts, self.loss_fn = model.parallel_dims, model.parts, model.loss_fn
+        self.parallel_dims, self.model_parts = model.parallel_dims, model.parts
+        # Summed over valid tokens, then divided by their count over every batch and rank.
+        self.loss_fn = model.loss_fn if isinstance(model.loss_fn, TokenWeightedLoss) else TokenWeightedLoss(model.loss_fn, None)
         self.loss_context, self.pipeline, self.device = model.loss_context, model.pipeline, model.device
         # The validation data is cut into as many shards as the training data (training.dataset_shards),
         # so that, like a training batch, a validation batch depends only on the shard count and the
@@ -94,29 +97,27 @@ class Validator:
         return step % self.validation.freq == 0 or step == self.training.steps
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, ids_from: torch.Tensor) -> torch.Tensor:
-        """The batch's mean loss (on a pipeline's last stage; zero on its other stages).
+        """The batch's loss summed over its valid tokens (on a pipeline's last stage; zero on its
+        other stages).
 
         A batch larger than training.batch_size goes through in parts of that size: a job that
         accumulates gradients because one optimizer step's rows do not fit at once (the default
         validation batch) must not run them at once here. Under pipeline parallelism the stages
         exchange microbatches shaped by training.batch_size anyway (the config pass asks for a
-        multiple). Parts of one size weigh alike in the mean. `ids_from`: the tokens the document
-        ids are counted from (the whole sequences)."""
+        multiple). `ids_from`: the tokens the document ids are counted from (the whole sequences)."""
         parts = []
         size = self.training.batch_size
-        with self.loss_context():
+        with self.loss_context(), self.loss_fn.summing():
             for x, y, whole in zip(inputs.split(size), labels.split(size), ids_from.split(size)):
                 extra = model_kwargs(whole, self.eos_id)
-                if self.loss_fn is loss_from_forward:  # training.loss_chunk_size: the forward computes the loss
+                if self.loss_fn.loss_fn is loss_from_forward:  # training.loss_chunk_size: the forward computes it
                     extra["labels"] = y
                 if self.pipeline is not None:
-                    parts.append(self.pipeline.evaluate(x, y, self.device, self.training.gradient_accumulation_steps,
-                                                        **extra))
+                    parts.append(self.pipeline.evaluate(x, y, self.device, **extra))
                     continue
                 loss = self.loss_fn(self.model_parts[0](x, **extra), y)
                 parts.append(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-        sizes = [len(x) for x in inputs.split(size)]
-        return sum(p.double() * n for p, n in zip(parts, sizes)) / sum(sizes)
+        return torch.stack(parts).double().sum()
 
     @torch.no_grad()
     def run(self, step: int, stops: Any = None, watchdog: Watchdog | None = None) -> ValidationResult | None:
@@ -132,7 +133,8 @@ class Validator:
             part.eval()
         for m in counters:  # routing statistics (MoE load balancing) count training tokens only
             m.count_step_stats = False
-        total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
+        # The summed loss and the count of valid tokens (labels that carry a loss).
+        total, count, n = torch.zeros((), device=self.device, dtype=torch.float64), 0, 0
         try:
             while self.validation.steps < 0 or n < self.validation.steps:
                 if watchdog is not None:
@@ -150,6 +152,7 @@ class Validator:
                 ids_from = batch[0] if self.parallel_dims.cp_mesh is not None else inputs
                 inputs, labels = shard_batch((inputs, labels), self.parallel_dims.cp_mesh)
                 total += self._loss(inputs, labels, ids_from)
+                count += valid_count(labels)
                 n += 1
         finally:
             for part in self.model_parts:
@@ -162,10 +165,16 @@ class Validator:
                         module.reshard()
             for m, counting in counters.items():
                 m.count_step_stats = counting
+        return self._result(step, total, count, n, start)
+
+    def _result(self, step: int, total: torch.Tensor, count: Any, n: int, start: float) -> ValidationResult:
+        """The loss summed over every rank's `n` batches, divided by their valid tokens' `count`."""
         if n == 0:
             raise DatasetError(self._too_small())
         if self.pipeline is not None:  # only the last stage holds the loss; the others add zero
             total = collectives.sum_across(total, self.parallel_dims.pp_mesh)
-        loss = collectives.mean_across(total / n, self.parallel_dims.loss_mesh)
+        summed, tokens_with_loss = collectives.sum_across(torch.stack([total, count.double()]),
+                                                          self.parallel_dims.loss_mesh).tolist()
+        loss = summed / tokens_with_loss if tokens_with_loss else math.nan
         tokens = n * self.batch_size * self.training.seq_len * self.shards.dp_degree
         return ValidationResult(step, loss, n, tokens, time.perf_counter() - start)

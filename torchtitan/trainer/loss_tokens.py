@@ -1,0 +1,77 @@
+"""The training loss as the mean over the step's tokens that carry a loss, whatever the layout.
+
+A label of IGNORE_INDEX carries no loss (training.mask_loss_after_eos, or any dataset that marks
+positions so). A micro-batch's loss function returns the mean over its own labels that do carry
+one; averaging those means would weigh a token by how many others share its micro-batch and rank,
+so accumulation, data parallelism and context parallelism would each change the loss. Instead the
+step's loss is the sum over every valid token of every micro-batch on every rank, divided by their
+global count G: each micro-batch's mean is weighted by count x N / G, where N is the number of
+ranks whose gradients the data-parallel reductions average (the loss mesh: dp_replicate x dp_shard
+x cp), so that the average they take is the sum over ranks. Without ignored labels the weight is
+exactly 1 / accumulation steps, as before.
+
+G is counted on the device from the labels (no host read) and summed over the loss mesh with one
+scalar all-reduce per step, before the first forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.datasets.text_dataset import IGNORE_INDEX
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+
+def valid_count(labels: torch.Tensor) -> torch.Tensor:
+    """Labels that carry a loss, as an int64 device scalar."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+class TokenWeightedLoss:
+    """The train spec's loss function (a mean over a micro-batch's valid labels) weighted by the
+    micro-batch's share of the step's valid tokens; what a training step and the pipeline's
+    schedule call. `summing()`: weighted by the count alone, so that validation adds up sums."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 parallel_dims: ParallelDims | None):
+        self.loss_fn = loss_fn
+        # Its loss mesh is read at the first step: the dry run wraps the loss before its (fake)
+        # process group and meshes exist.
+        self.parallel_dims = parallel_dims
+        self.ranks = 1
+        self.step_tokens: torch.Tensor | None = None  # G of the current step
+        self._summing = False
+
+    def start_step(self, labels: Sequence[torch.Tensor]) -> None:
+        """Counts G over this rank's micro-batches (their local labels, after any context-parallel
+        sharding) and every rank of the loss mesh."""
+        total = torch.stack([valid_count(y) for y in labels]).sum()
+        mesh = self.parallel_dims.loss_mesh if self.parallel_dims is not None else None
+        if mesh is not None:
+            self.ranks = mesh.size()
+            dist.all_reduce(total, group=mesh.get_group())
+        # A step with no valid label anywhere weighs every loss 0 (no NaN from 0 / 0).
+        self.step_tokens = total.clamp(min=1).double()
+
+    @contextlib.contextmanager
+    def summing(self) -> Iterator[None]:
+        self._summing = True
+        try:
+            yield
+        finally:
+            self._summing = False
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        count = valid_count(labels)
+        if self._summing:
+            weight = count.float()
+        elif self.step_tokens is None:
+            raise RuntimeError("TokenWeightedLoss: start_step(labels) must count the step's tokens before its losses")
+        else:
+            # In float64: G reaches 2**24 (16M-token batches) and the weight must stay exact.
+            weight = ((count * self.ranks).double() / self.step_tokens).float()
+        return self.loss_fn(output, labels) * weight
