@@ -220,3 +220,33 @@ def test_the_sweep_script_refuses_bad_arguments(argv, message, capsys):
         sweep_args(argv)
     assert message in capsys.readouterr().err
     assert sweep_args(["--steps", "20", "--warmup-steps", "2"]).optimizers == ["AdamW", "Muon"]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_a_bf16_momentum_steps_like_fp32_within_its_rounding_and_resumes_exactly(stochastic):
+    """optimizer.state_dtype bfloat16 with Muon: the momentum is held in bf16 (half the bytes) and
+    each step equals the fp32-state step from the bf16-rounded momentum; a state dict round trip
+    (the momentum and the param groups' rounding_step) continues bitwise, stochastic noise included."""
+    gen = torch.Generator().manual_seed(4)
+    w0, *grads = (torch.randn(16, 8, generator=gen) for _ in range(4))
+    state = {"state_dtype": torch.bfloat16, "stochastic_rounding": stochastic}
+    low, full = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    optimizer = step_muon(low, grads[:2], lr=0.05, weight_decay=0.1, **state)
+    buf = optimizer.state[low]["momentum_buffer"]
+    assert buf.dtype == torch.bfloat16
+    reference = Muon([full], lr=0.05, weight_decay=0.1)
+    for g in grads[:2]:
+        full.grad = g.clone()
+        reference.step()
+    torch.testing.assert_close(low.detach(), full.detach(), atol=2e-3, rtol=0)  # bf16's ulp at the momentum's size
+    torch.testing.assert_close(buf.float(), reference.state[full]["momentum_buffer"], atol=1e-2, rtol=1e-2)
+    # Resumed from a state dict into a new optimizer: the third step is bitwise the uninterrupted one.
+    resumed_param = nn.Parameter(low.detach().clone())
+    resumed = Muon([resumed_param], lr=0.05, weight_decay=0.1, **state)
+    resumed.load_state_dict(optimizer.state_dict())
+    low.grad, resumed_param.grad = grads[2].clone(), grads[2].clone()
+    optimizer.step()
+    resumed.step()
+    assert torch.equal(low.detach(), resumed_param.detach())
+    assert torch.equal(optimizer.state[low]["momentum_buffer"], resumed.state[resumed_param]["momentum_buffer"])
+    assert resumed.state[resumed_param]["momentum_buffer"].dtype == torch.bfloat16

@@ -147,8 +147,9 @@ class Optimizer:
         "name patterns: a name prefix like 'output' or 'layers.0', or an fnmatch pattern like '*.router.*'). "
         "Parameters with fewer than 2 dims (norms, biases) always go to AdamW.")
     state_dtype: str = opt(
-        "float32", "Dtype of Adam/AdamW's two moments. bfloat16 halves the optimizer state (8 -> 4 bytes per "
-        "parameter); the update is still computed in fp32 and the parameters stay fp32 (docs/memory.md).",
+        "float32", "Dtype of Adam/AdamW's two moments and Muon's momentum. bfloat16 halves the optimizer state "
+        "(8 -> 4 bytes per parameter); the update is still computed in fp32 and the parameters stay fp32 "
+        "(docs/memory.md).",
         choices=["float32", "bfloat16"])
     state_rounding: str = opt(
         "nearest", "How bfloat16 moments are rounded when stored: to nearest, or stochastic (unbiased; seeded by "

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
+from torchtitan.trainer.rounding import RoundingStream, store_rounded
 
 # Keller Jordan's quintic coefficients (kellerjordan.github.io/posts/muon): the steepest slope at
 # zero that still keeps every singular value within about [0.7, 1.2] after five iterations.
@@ -114,16 +115,22 @@ class Muon(torch.optim.Optimizer):
     (1 - momentum) * grad + momentum * buf (or buf itself); O = NS(update); then
     param <- param * (1 - lr * weight_decay) - lr * update_scale(shape) * O.
     Set `found_inf` (a 0-dim tensor on the parameters' device, 1.0 = skip) to make a step a no-op.
+    `state_dtype` bfloat16 (optimizer.state_dtype): the momentum is kept in bf16 and updated in fp32,
+    stored rounded to nearest or stochastically (trainer/rounding.py); the steps taken are counted in
+    the param groups (`rounding_step`, checkpointed), so the rounding noise resumes exactly.
     """
 
     def __init__(self, params: Iterable, lr: float, weight_decay: float = 0.0, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, scale: str = "match_adamw_rms",
-                 ns_dtype: torch.dtype = torch.float32):
+                 ns_dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32,
+                 stochastic_rounding: bool = False, rounding_stream: RoundingStream | None = None):
         if scale not in UPDATE_SCALES:
             raise ValueError(f"unknown Muon update scale {scale!r}; one of {UPDATE_SCALES}")
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
-                    "ns_steps": ns_steps, "scale": scale}
+                    "ns_steps": ns_steps, "scale": scale, "rounding_step": 0}
         super().__init__(params, defaults)
+        self.state_dtype, self.stochastic_rounding = state_dtype, stochastic_rounding
+        self.rounding_stream = rounding_stream if rounding_stream is not None else RoundingStream(0)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim < 2:
@@ -148,19 +155,27 @@ class Muon(torch.optim.Optimizer):
                     grad = grad.redistribute(p.device_mesh, p.placements)
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype,
+                                                                memory_format=torch.preserve_format)
+                elif state["momentum_buffer"].dtype != self.state_dtype:  # loaded from another state dtype
+                    state["momentum_buffer"] = state["momentum_buffer"].to(self.state_dtype)
                 buf, g, weight = _local(state["momentum_buffer"]), _local(grad), _local(p)
-                new_buf = buf.lerp(g, 1 - momentum)
+                new_buf = buf.float().lerp(g.float(), 1 - momentum) if buf.dtype != g.dtype else buf.lerp(g, 1 - momentum)
                 update = g.lerp(new_buf, momentum) if group["nesterov"] else new_buf
                 ortho = _orthogonalize_param(p, update, group["ns_steps"], self.ns_dtype)
                 alpha = -lr * update_scale(p.shape, group["scale"])
                 new_weight = weight.mul(1 - lr * group["weight_decay"]).add_(ortho, alpha=alpha)
-                if skip is None:
+                if skip is not None:  # on the device: a skipped step leaves both as they were, even if not finite
+                    new_buf = torch.where(skip, buf, new_buf)
+                    new_weight = torch.where(skip, weight, new_weight)
+                if buf.dtype == new_buf.dtype:
                     buf.copy_(new_buf)
-                    weight.copy_(new_weight)
-                else:  # on the device: a skipped step leaves both as they were, even if the gradient was not finite
-                    buf.copy_(torch.where(skip, buf, new_buf))
-                    weight.copy_(torch.where(skip, weight, new_weight))
+                else:
+                    generator = (self.rounding_stream.generator(buf.device, group["rounding_step"])
+                                 if self.stochastic_rounding else None)
+                    store_rounded(buf, new_buf, self.stochastic_rounding, generator)
+                weight.copy_(new_weight)
+            group["rounding_step"] += 1
         return loss
 
 
@@ -190,10 +205,13 @@ class MuonSplit:
     ns_dtype: str  # auto, bfloat16 or float32
 
     @classmethod
-    def from_config(cls, job_config: JobConfig) -> MuonSplit:
+    def from_config(cls, job_config: JobConfig, rounding_stream: RoundingStream | None = None) -> MuonSplit:
+        """`rounding_stream`: the job's (shared with a bf16-state AdamW), for optimizer.state_dtype bfloat16."""
         o = job_config.optimizer
         kwargs = {"lr": o.lr, "weight_decay": o.weight_decay, "momentum": o.muon_momentum, "nesterov": o.muon_nesterov,
-                  "ns_steps": o.muon_ns_steps, "scale": o.muon_update_scale}
+                  "ns_steps": o.muon_ns_steps, "scale": o.muon_update_scale,
+                  "state_dtype": torch.bfloat16 if o.state_dtype == "bfloat16" else torch.float32,
+                  "stochastic_rounding": o.state_rounding == "stochastic", "rounding_stream": rounding_stream}
         return cls(tuple(o.muon_exclude), kwargs, o.muon_ns_dtype)
 
     def takes(self, name: str, param: nn.Parameter) -> bool:

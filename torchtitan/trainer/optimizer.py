@@ -178,15 +178,16 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
     }
     # Muon: AdamW for what is not a matrix (trainer/muon.py).
     optimizer_cls = _OPTIMIZERS["AdamW" if optimizer.name == "Muon" else optimizer.name]
+    rounding_stream = RoundingStream(max(job_config.training.seed, 0))  # bf16 state's stochastic rounding
     if optimizer.state_dtype == "bfloat16":  # moments in bf16, the update in fp32 (low_precision_adamw.py)
         optimizer_cls = functools.partial(LowPrecisionAdam, decoupled_weight_decay=optimizer.name in ("AdamW", "Muon"),
                                           stochastic_rounding=optimizer.state_rounding == "stochastic",
-                                          rounding_stream=RoundingStream(max(job_config.training.seed, 0)))
+                                          rounding_stream=rounding_stream)
     if optimizer.early_step_in_backward:  # validated: no clipping, accumulation, PP, ZeRO-1 or DDP (config/rules.py)
         logger.info("applied optimizer steps in backward: each parameter is updated as soon as its gradient is "
                     "final, and the gradient freed")
         return OptimizersInBackwardContainer(model_parts, optimizer_cls, kwargs)
-    muon = MuonSplit.from_config(job_config) if optimizer.name == "Muon" else None
+    muon = MuonSplit.from_config(job_config, rounding_stream) if optimizer.name == "Muon" else None
     zero1 = None
     if optimizer.zero1:  # validated to come with dp_replicate > 1 (config/rules.py)
         zero1 = ReplicaOwnership(model_parts, parallel_dims.replicate_mesh)
