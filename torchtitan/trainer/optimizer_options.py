@@ -51,6 +51,12 @@ def check_muon(config: JobConfig) -> None:
     if not 1 <= optimizer.muon_ns_steps <= 100:
         raise ConfigError(f"optimizer.muon_ns_steps must lie in [1, 100] (5 is the published choice), got "
                           f"{optimizer.muon_ns_steps}")
+    if config.training.enable_cpu_offload:
+        # FSDP's offloaded parameters are host tensors, and Muon gathers each matrix's update over
+        # the device mesh (NCCL on GPUs), which cannot carry them.
+        raise ConfigError("optimizer.name Muon does not compose with training.enable_cpu_offload (Muon gathers "
+                          "whole matrices over the device mesh; offloaded shards live in host memory); use AdamW "
+                          "with offload, or Muon without it")
 
 
 def check_state(config: JobConfig) -> None:
