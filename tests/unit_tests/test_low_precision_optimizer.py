@@ -1,4 +1,4 @@
-"""bf16 optimizer state (trainer/low_precision_adamw.py, trainer/rounding.py): the update against
+"""bf16 optimizer state (optimizers/low_precision_adamw.py, optimizers/rounding.py): the update against
 torch's Adam/AdamW, stochastic rounding, the found_inf skip, checkpoints between fp32 and bf16 state,
 DTensor (FSDP) parameters, the dry run's count, and the loss band against fp32 state."""
 
@@ -18,10 +18,10 @@ from torchtitan.estimation.dry_run import dry_run
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.observability.host_reads import HostReadAudit
-from torchtitan.trainer.low_precision_adamw import LowPrecisionAdam
+from torchtitan.optimizers.low_precision_adamw import LowPrecisionAdam
+from torchtitan.optimizers.rounding import RoundingStream, store_rounded
 from torchtitan.trainer.optimizer import build_optimizers
 from torchtitan.trainer.optimizer_options import check_state
-from torchtitan.trainer.rounding import RoundingStream, store_rounded
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 TORCH = {True: torch.optim.AdamW, False: torch.optim.Adam}  # by decoupled weight decay

@@ -1,4 +1,4 @@
-"""Muon (torchtitan/trainer/muon.py) in this process: the Newton-Schulz output is near-orthogonal,
+"""Muon (torchtitan/optimizers/muon.py) in this process: the Newton-Schulz output is near-orthogonal,
 a step equals a plain reference written here from the papers' formulas, the shape scale rules,
 decoupled weight decay, the on-device non-finite skip, which parameters go to Muon, one
 orthogonalisation per expert, and a DTensor parameter's step through the gather path. The parallel
@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, parse_args
-from torchtitan.trainer.muon import Muon, orthogonalize, update_scale, whole_matrices
+from torchtitan.optimizers.muon import Muon, orthogonalize, update_scale, whole_matrices
 from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
 
 pytestmark = pytest.mark.fast

@@ -66,15 +66,15 @@ class HubStream:
 
     def __init__(self, source: HFSource):
         self.source = source
-        self._dataset: Any = None  # loaded once per process (a worker loads its own)
+        self._hub: Any = None  # loaded once per process (a worker loads its own)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"source": self.source, "_dataset": None}
+        return {"source": self.source, "_hub": None}
 
     def dataset(self) -> Any:
-        if self._dataset is None:
-            self._dataset = sources.hub_dataset(self.source)
-        return self._dataset
+        if self._hub is None:
+            self._hub = sources.hub_dataset(self.source)
+        return self._hub
 
     def count(self) -> int:
         return self.dataset().n_shards

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.observability.metrics import MetricsLogger, local_state_bytes
+from torchtitan.optimizers.muon import describe as describe_muon
 from torchtitan.parallelisms.activation_offload import OffloadWrapper
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead
 from torchtitan.parallelisms.cp_attention import cp_attention
@@ -35,7 +36,6 @@ from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import composable as torch_compat_composable
 from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelining
-from torchtitan.trainer.muon import describe as describe_muon
 
 if TYPE_CHECKING:
     from torchtitan.checkpoint.resume import ResumePoint

@@ -19,12 +19,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.optimizers.low_precision_adamw import LowPrecisionAdam
+from torchtitan.optimizers.muon import MuonSplit
+from torchtitan.optimizers.rounding import RoundingStream
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
-from torchtitan.trainer.low_precision_adamw import LowPrecisionAdam
-from torchtitan.trainer.muon import MuonSplit
-from torchtitan.trainer.rounding import RoundingStream
 
 logger = logging.getLogger(__name__)
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -47,7 +47,7 @@ def _local_numel(p: torch.Tensor) -> int:
 
 class OptimizersContainer(Stateful):
     """Steps one optimizer per model part as if they were one; checkpointed by parameter name.
-    With optimizer.name Muon, two per part: AdamW for the rest, Muon for the matrices (trainer/muon.py).
+    With optimizer.name Muon, two per part: AdamW for the rest, Muon for the matrices (optimizers/muon.py).
 
     With `zero1`, each optimizer holds only the parameters this replica owns (parallelisms/zero1.py),
     and every step ends by sending the owners' updates to the other replicas.
@@ -176,7 +176,7 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
         "fused": optimizer.fused,
         "foreach": not optimizer.fused,
     }
-    # Muon: AdamW for what is not a matrix (trainer/muon.py).
+    # Muon: AdamW for what is not a matrix (optimizers/muon.py).
     optimizer_cls = _OPTIMIZERS["AdamW" if optimizer.name == "Muon" else optimizer.name]
     rounding_stream = RoundingStream(max(job_config.training.seed, 0))  # bf16 state's stochastic rounding
     if optimizer.state_dtype == "bfloat16":  # moments in bf16, the update in fp32 (low_precision_adamw.py)

@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.optimizers.rounding import RoundingStream, store_rounded
 from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
-from torchtitan.trainer.rounding import RoundingStream, store_rounded
 
 # Keller Jordan's quintic coefficients (kellerjordan.github.io/posts/muon): the steepest slope at
 # zero that still keeps every singular value within about [0.7, 1.2] after five iterations.
@@ -116,7 +116,7 @@ class Muon(torch.optim.Optimizer):
     param <- param * (1 - lr * weight_decay) - lr * update_scale(shape) * O.
     Set `found_inf` (a 0-dim tensor on the parameters' device, 1.0 = skip) to make a step a no-op.
     `state_dtype` bfloat16 (optimizer.state_dtype): the momentum is kept in bf16 and updated in fp32,
-    stored rounded to nearest or stochastically (trainer/rounding.py); the steps taken are counted in
+    stored rounded to nearest or stochastically (optimizers/rounding.py); the steps taken are counted in
     the param groups (`rounding_step`, checkpointed), so the rounding noise resumes exactly.
     """
 

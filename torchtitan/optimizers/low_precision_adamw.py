@@ -1,7 +1,7 @@
 """Adam/AdamW whose two moments are stored in bf16 (optimizer.state_dtype = "bfloat16").
 
 Each step loads a moment, upcasts it, updates it and computes the parameter's step in fp32, then
-writes the moment back rounded (trainer/rounding.py: to nearest, or stochastically). That halves
+writes the moment back rounded (optimizers/rounding.py: to nearest, or stochastically). That halves
 the optimizer state (8 -> 4 bytes per parameter) while the parameters stay fp32 master weights.
 torch's fused and foreach kernels need the state in the parameter's dtype, hence this step of our
 own: per tensor, in chunks, so the fp32 temporaries stay bounded (about 5 x 4 bytes x _CHUNK).
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.trainer.rounding import RoundingStream, store_rounded
+from torchtitan.optimizers.rounding import RoundingStream, store_rounded
 
 # Elements updated at once; larger local tensors go through their flat view in pieces.
 _CHUNK = 1 << 24
