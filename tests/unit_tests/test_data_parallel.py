@@ -6,9 +6,7 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.data_parallel import apply_fsdp, apply_fsdp_replicate
@@ -23,15 +21,6 @@ def test_ddp_with_tp_or_pp_on_a_pytorch_without_fsdp_replicate_says_what_to_do(m
     assert str(e.value) == (f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
                             f"which torch {torch.__version__} lacks; shard instead "
                             "(training.data_parallel_shard_degree > 1)")
-
-
-@pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-    finally:
-        dist.destroy_process_group()
 
 
 class _Blocks(nn.Module):

@@ -6,9 +6,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -210,15 +208,6 @@ def test_stochastic_rounding_of_fp32_state_is_refused():
     with pytest.raises(ConfigError, match="optimizer.state_rounding 'stochastic' rounds bfloat16 moments"):
         check_state(job_config(state_dtype="float32", rounding="stochastic"))
     check_state(job_config(rounding="stochastic"))
-
-
-@pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_parameters_get_dtensor_state_and_the_plain_update(one_rank_mesh):
