@@ -68,6 +68,14 @@ def test_dry_run_writes_the_report(tmp_path):
     ring = report["checks"]["ring_attention_kernels"]
     assert ring["status"] == "ok"
     assert ring["results"]["float32"]["max_error"] < 1e-4 and "document_masked" in ring["results"]["float32"]["cases"]
+    optimizers = report["checks"]["optimizers"]
+    assert optimizers["status"] == "ok", optimizers
+    assert set(optimizers["results"]) == {"adamw_fused", "adamw_bf16_nearest", "adamw_bf16_stochastic", "muon_ns_bf16",
+                                          "muon_ns_fp32"}
+    # bf16 moments hold half of fused AdamW's state; Muon's single momentum as much as that.
+    results = optimizers["results"]
+    assert results["adamw_bf16_nearest"]["state_mib"] == pytest.approx(results["adamw_fused"]["state_mib"] / 2, rel=0.05)
+    assert results["muon_ns_fp32"]["state_mib"] == pytest.approx(results["adamw_fused"]["state_mib"] / 2, rel=0.05)
     offload = report["checks"]["activation_offload"]
     assert offload["status"] == "ok" and offload["bitwise"] and offload["tensors_moved"] > 0 and offload["mib_moved"] > 0
 
