@@ -22,6 +22,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.optimizers.low_precision_adamw import LowPrecisionAdam
 from torchtitan.optimizers.muon import MuonSplit
 from torchtitan.optimizers.rounding import RoundingStream
+from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.zero1 import ReplicaOwnership
 from torchtitan.runtime.torch_compat import optim as torch_compat_optim
@@ -197,7 +198,9 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
                     f"({sum(_local_numel(p) for p in owned):,} of {sum(_local_numel(p) for p in zero1.params):,} elements)")
     if muon is not None:
         matrices = [name for part in model_parts for name, p in part.named_parameters() if muon.takes(name, p)]
-        logger.info(f"applied Muon to {len(matrices)} matrix parameters (Newton-Schulz in {muon.ns_dtype}, update "
+        device_type = next((p.device.type for part in model_parts for p in part.parameters()), "cpu")
+        ns_dtype = str(resolve_param_dtype(muon.ns_dtype, device_type)).removeprefix("torch.")
+        logger.info(f"applied Muon to {len(matrices)} matrix parameters (Newton-Schulz in {ns_dtype}, update "
                     f"scale {optimizer.muon_update_scale}), AdamW to the rest (excluded by name: "
                     f"{','.join(optimizer.muon_exclude) or 'none'})")
     return OptimizersContainer(model_parts, optimizer_cls, kwargs, zero1, muon)
