@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from tests.tolerances import reordered_sums
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.expert_parallel import moe_after_step
 from torchtitan.runtime.torch_compat.fake import FakeTensorMode
@@ -136,13 +137,16 @@ def test_the_later_pairs_beyond_each_sequences_capacity_are_dropped(use_grouped_
 
 def test_capacity_is_per_sequence_whatever_the_batch():
     """A sequence gives the same output alone as beside others (other ranks, microbatches)."""
-    x = torch.randn(4, 12, DIM)
     moe = make_moe(capacity_factor=0.5)
+    x = torch.randn(4, 12, DIM)  # after make_moe's seed: the same input on every run
     with torch.no_grad():
         whole = moe(x)
         parts = torch.cat([moe(x[:1]), moe(x[1:3]), moe(x[3:])])
     assert moe.take_step_stats().dropped_tokens > 0
-    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-7)
+    # The routing must be the same (a dropped pair would differ by a whole expert's output); the
+    # values only by rounding: the batch size changes how the CPU's matmul kernels order their sums
+    # (AVX2 and AMX differently), over the router's and the experts' dims.
+    torch.testing.assert_close(parts, whole, **reordered_sums(torch.float32, DIM + HIDDEN + DIM))
 
 
 def test_the_router_gradient_of_a_dropped_choice_is_zero():
