@@ -97,7 +97,11 @@ def _cp_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               scale: float, kernel: str, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids, plan = _on_device(documents, q)
     dq, dk, dv = METHODS[method][1](dout, q, k, v, out, lse, _group(group_name), scale, kernel, ids, plan, tile)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # An operator's outputs may not alias each other: the all-gather method's key and value
+    # gradients are two views of one reduce-scattered buffer, which `to` would return as they are
+    # when the dtype already matches (fp32). `copy=True` gives each its own memory in one copy,
+    # the one a cast to bf16 makes anyway.
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
 
 
 @_cp_attention_backward_op.register_fake
