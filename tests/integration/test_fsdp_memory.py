@@ -13,7 +13,7 @@ from tests.machinery.layout_matrix import ci_points
 
 MIB = 2**20
 # Data-parallel points only: TP and PP split the model itself, by other rules.
-DATA_PARALLEL = [p for p in ci_points() if p.nproc > 1 and not p.refused_by_design
+DATA_PARALLEL = [p for p in ci_points() if p.nproc > 1 and not p.refused_by_design and not p.on("groups")
                  and set(p.degrees.active) <= {"dp_replicate", "dp_shard", "cp"}]
 
 
@@ -36,7 +36,7 @@ def test_the_points_cover_fsdp_hsdp_and_zero1():
                          ids=[p.name for p in DATA_PARALLEL])
 def test_each_rank_holds_its_share(matrix, point):
     outcome = matrix.check(point)
-    (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared()).setup).values()
+    (total_params, total_state), = held_per_rank(matrix.harness.baseline(point.shared(), point.model_args()).setup).values()
     held = held_per_rank(outcome.comparison.run.setup)
     assert sorted(held) == list(range(point.nproc)), held
     d = point.degrees

@@ -161,22 +161,39 @@ class WarmLauncher:
             self._server.wait(timeout=30)
 
 
-_WARM: list[WarmLauncher] = []  # this process's warm server, started on first use
+# This process's warm servers, started on first use. A server runs one job at a time; runs made at
+# once (replica groups, each its own job that must meet the others) get a server each.
+_WARM: list[WarmLauncher] = []
+_IDLE: list[WarmLauncher] = []
+_POOL_LOCK = threading.Lock()
 
 
-def _warm_launcher() -> WarmLauncher:
-    if not _WARM or not _WARM[0].alive():
-        _WARM[:] = [WarmLauncher(REPO_ROOT, trainer_env())]
-        atexit.register(_WARM[0].close)
-    return _WARM[0]
+def _take_launcher() -> WarmLauncher:
+    with _POOL_LOCK:
+        _IDLE[:] = [w for w in _IDLE if w.alive()]
+        if _IDLE:
+            return _IDLE.pop(0)
+        launcher = WarmLauncher(REPO_ROOT, trainer_env())
+        _WARM.append(launcher)
+        atexit.register(launcher.close)
+        return launcher
+
+
+def _give_back(launcher: WarmLauncher) -> None:
+    with _POOL_LOCK:
+        _IDLE.insert(0, launcher)
 
 
 def run_warm(args: Sequence[str], nproc: int = 1, timeout: float | None = 300, check: bool = True,
              extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """A `Runner` (torchtitan.tools.runs) that forks the run from this process's warm server, in the
-    repository root: one process, or `nproc` ranks forked by local_ranks, one thread per rank
-    unless `extra_env` says otherwise."""
-    result = _warm_launcher().run(nproc, list(args), trainer_env(extra_env), timeout)
+    """A `Runner` (torchtitan.tools.runs) that forks the run from a warm server, in the repository
+    root: one process, or `nproc` ranks forked by local_ranks, one thread per rank unless
+    `extra_env` says otherwise. Runs made at once from several threads each get a server."""
+    launcher = _take_launcher()
+    try:
+        result = launcher.run(nproc, list(args), trainer_env(extra_env), timeout)
+    finally:
+        _give_back(launcher)
     return raise_for_exit(result) if check else result
 
 

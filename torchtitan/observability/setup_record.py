@@ -60,6 +60,10 @@ class SetupRecord:
                                                          "step": resumed_step,
                                                          **({"format": "huggingface"} if resume.hf else {})},
             "data_shards": data_shards,
+            # How the data reaches the model, as configured: workers and shuffling do not change it
+            # (docs/data.md), document masking does.
+            "data": {"workers": job_config.training.dataset_num_workers, "shuffle": job_config.training.dataset_shuffle,
+                     "document_mask": job_config.training.document_mask},
         }
 
     def write(self, metrics: MetricsLogger, parallel_dims: ParallelDims, model_parts: list[nn.Module],
@@ -158,6 +162,7 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         "pipeline": _pipeline(pipeline, ranks),
         "zero1": None if zero1 is None else {"replicas": zero1.size, "parameters": len(zero1.params),
                                              "owned_parameters": sum(zero1.owns(p) for p in zero1.params)},
+        "optimizer": _optimizer(optimizers),
         "muon": describe_muon(optimizers.optimizers),  # optimizer.name Muon: rank 0's matrices
         "activation_checkpoint": _activation_checkpoint(model_parts, modules),
         "compile": {"compiled_modules": sum(torch_compat_composable.compiled_call(m) is not None for _, m in modules)},
@@ -170,6 +175,14 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.
         "autocast": _autocast(model_parts),
     }
+
+
+def _optimizer(optimizers: OptimizersContainer) -> dict:
+    """Rank 0's optimizer classes and the dtypes its state is stored in (optimizer.state_dtype),
+    read from the state itself; step counters (0-dim) aside."""
+    dtypes = {_dtype(v.dtype) for o in optimizers.optimizers for state in o.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0}
+    return {"names": sorted({type(o).__name__ for o in optimizers.optimizers}), "state_dtypes": sorted(dtypes)}
 
 
 def _autocast(model_parts: list[nn.Module]) -> dict | None:

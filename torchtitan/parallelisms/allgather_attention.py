@@ -33,13 +33,18 @@ from torchtitan.parallelisms.cp_block_plan import (
 )
 from torchtitan.parallelisms.ring_attention import chunk_spans, shard_sequence, unshard_sequence
 
+# torch 2.13 renamed the one-tensor collectives (`*_single`) and warns, once per process, on every
+# rank's console, at the old names; torch 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
     """(2, batch, kv_heads, seq, head_dim): every rank's keys and values in sequence order."""
     cp = dist.get_world_size(group)
     local = torch.stack([k, v])
     gathered = torch.empty((cp * 2, *k.shape), dtype=k.dtype, device=k.device)
-    dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+    _all_gather(gathered, local.contiguous(), group=group)
     return unshard_sequence(list(gathered.view(cp, *local.shape).unbind(0)), dim=3)
 
 
@@ -78,5 +83,5 @@ def allgather_backward(dout, q, k, v, out, lse, group, scale: float, kernel: str
     # of the gradients of its own chunks.
     by_rank = torch.cat([shard_sequence(dkv, r, cp, dim=3) for r in range(cp)])
     mine = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
-    dist.reduce_scatter_tensor(mine, by_rank, group=group)
+    _reduce_scatter(mine, by_rank, group=group)
     return dq, mine[0], mine[1]

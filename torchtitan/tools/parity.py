@@ -15,6 +15,8 @@ processes, torchrun for several ranks, unless the caller passes another (the tes
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,7 +96,12 @@ class Layout:
     the model itself (vocabulary padding, for example): the seed checkpoint and the baseline are
     made with them too, so the layout is compared with a single process of the same model.
     `loss_tolerance` and `grad_norm_rtol`, when set, replace the harness's for this layout (float8
-    and bf16 only; see there).
+    and bf16 only; see there). `model`, when set, are the overrides that define the weights, a
+    part of `shared`: the seed checkpoint is made with them alone, so options that change only how
+    the same weights train (an optimizer, a data order, a mask) share one seed.
+    `replica_groups` > 1 trains that many fault-tolerant replica groups of `nproc` ranks each,
+    joined by a torchft lighthouse (fault_tolerance.enable): the groups' mean loss per step is
+    compared, and the expectations are read from group 0's setup record.
     """
 
     name: str
@@ -104,6 +111,16 @@ class Layout:
     shared: tuple[str, ...] = ()
     loss_tolerance: float | None = None
     grad_norm_rtol: float | None = None
+    model: tuple[str, ...] | None = None
+    replica_groups: int = 1
+
+    @property
+    def seed_args(self) -> tuple[str, ...]:
+        return self.shared if self.model is None else self.model
+
+    @property
+    def processes(self) -> int:
+        return self.nproc * self.replica_groups
 
 
 def L(name: str, nproc: int, overrides: str, expect: dict[str, Any] | None = None, shared: str = "",  # noqa: N802 - a table row
@@ -117,6 +134,10 @@ def L(name: str, nproc: int, overrides: str, expect: dict[str, Any] | None = Non
 # loss) moves a little; float8 itself moves the loss by about 2.5e-3 against fp32 here.
 FLOAT8 = "--float8.enable_float8_linear --float8.emulate"
 FLOAT8_TOLERANCE = 1e-3
+# The same holds for the gradient norm once micro-batches differ too (gradient accumulation scales
+# each micro-batch's activations by its own maximum): e4m3 keeps 3 mantissa bits, so one value's
+# rounding moves by up to 2^-4 of it, and a norm over many of them by about 1e-3 to 1e-2.
+FLOAT8_GRAD_NORM_RTOL = 1e-2
 # Qwen3 runs its smallest flavors: what they prove (experts, q/k norms, the layouts) does not need more.
 QWEN3_MOE = "--model.name qwen3 --model.flavor tiny_moe --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
 QWEN3_DENSE = "--model.name qwen3 --model.flavor tiny"
@@ -375,15 +396,32 @@ class ParityError(AssertionError):
     """A layout that trained but did not match the baseline, or was not applied as declared."""
 
 
-def local_batch_size(global_batch: int, overrides: tuple[str, ...], nproc: int) -> int:
+def local_batch_size(global_batch: int, overrides: tuple[str, ...], nproc: int, replica_groups: int = 1) -> int:
     """Rows per rank and micro-step that keep `global_batch` rows per optimizer step; ConfigError
-    when the layout's data-parallel degree x accumulation does not divide them."""
+    when the layout's data-parallel degree x accumulation (x its replica groups) does not divide them."""
     config = parse_args([*DEBUG_RUN, *overrides])
     dims = parallel_dims_from_config(config, nproc)
-    per_step = dims.dp_degree * config.training.gradient_accumulation_steps
+    per_step = dims.dp_degree * config.training.gradient_accumulation_steps * replica_groups
     if global_batch % per_step:
-        raise ConfigError(f"global batch {global_batch} does not divide by data-parallel degree x accumulation {per_step}")
+        raise ConfigError(f"global batch {global_batch} does not divide by data-parallel degree x accumulation "
+                          f"x replica groups {per_step}")
     return global_batch // per_step
+
+
+def replica_group_args(groups: int, lighthouse_address: str) -> tuple[str, ...]:
+    """The options of a job of `groups` fault-tolerant replica groups that all must take part in
+    every step (so each step averages every group's gradients, as one job's replicas would)."""
+    return ("--fault_tolerance.enable", "--fault_tolerance.group_size", str(groups),
+            "--fault_tolerance.min_replica_size", str(groups), "--fault_tolerance.lighthouse", lighthouse_address)
+
+
+def mean_over_groups(groups: list[list[dict]], key: str = "loss") -> list[dict]:
+    """Group 0's rows with `key` replaced by its mean over the groups, row by row: the loss of one
+    job whose replicas are the groups (the gradient norm, taken after the cross-group average, is
+    every group's)."""
+    if any([r["step"] for r in g] != [r["step"] for r in groups[0]] for g in groups):
+        raise ParityError(f"the replica groups logged different steps: {[[r['step'] for r in g] for g in groups]}")
+    return [{**row, key: sum(g[i][key] for g in groups) / len(groups)} for i, row in enumerate(groups[0])]
 
 
 class ParityHarness:
@@ -407,14 +445,17 @@ class ParityHarness:
 
     @staticmethod
     def _variant(shared: tuple[str, ...]) -> str:
-        """Folder suffix of the seed and baseline made with `shared` overrides ('' for none)."""
-        return "" if not shared else "-" + "_".join(a.lstrip("-").replace(".", "_") for a in shared)
+        """Folder suffix of the seed and baseline made with `shared` overrides ('' for none); a long
+        one is shortened by a digest of it (a folder name has at most 255 bytes)."""
+        suffix = "" if not shared else "-" + "_".join(a.lstrip("-").replace(".", "_").replace("/", "_") for a in shared)
+        return suffix if len(suffix) <= 120 else f"{suffix[:80]}-{hashlib.sha1(suffix.encode()).hexdigest()[:12]}"
 
-    def common_args(self, shared: tuple[str, ...] = ()) -> list[str]:
-        """The arguments every run of a comparison shares (the seed checkpoint included)."""
+    def common_args(self, shared: tuple[str, ...] = (), model: tuple[str, ...] | None = None) -> list[str]:
+        """The arguments every run of a comparison shares (the seed checkpoint included): `model`
+        defines the seed's weights (None: `shared` does)."""
         return [*self.base_args, "--training.steps", str(self.steps), *COMPARISON_ARGS,
                 "--training.dataset_shards", str(self.dataset_shards),
-                "--checkpoint.initial_load_path", str(self.seed_checkpoint(shared)), *shared]
+                "--checkpoint.initial_load_path", str(self.seed_checkpoint(shared if model is None else model)), *shared]
 
     def seed_checkpoint(self, shared: tuple[str, ...] = ()) -> Path:
         folder = self.workdir / f"seed{self._variant(shared)}"
@@ -424,17 +465,20 @@ class ParityHarness:
                         timeout=self.timeout)
         return path
 
+    def run_args(self, layout: Layout, folder: Path) -> list[str]:
+        """The trainer options of `layout`'s run into `folder` (a replica group's own options aside)."""
+        batch = local_batch_size(self.global_batch, (*layout.shared, *layout.overrides), layout.nproc,
+                                 layout.replica_groups)
+        return [*self.common_args(layout.shared, layout.model), "--job.dump_folder", str(folder),
+                "--training.batch_size", str(batch), *layout.overrides]
+
     def run(self, layout: Layout) -> RunResult:
         if layout.name not in self._runs:
             folder = self.workdir / layout.name
-            batch = local_batch_size(self.global_batch, (*layout.shared, *layout.overrides), layout.nproc)
-            args = [*self.common_args(layout.shared), "--job.dump_folder", str(folder), "--training.batch_size", str(batch),
-                    *layout.overrides]
             start = time.perf_counter()
-            result = self.runner(args, nproc=layout.nproc, timeout=self.timeout)
+            stdout, records, validations, setup = self._train(layout, self.run_args(layout, folder), folder)
             seconds = time.perf_counter() - start
-            setup = read_setup(folder) or {}
-            seed = self.seed_checkpoint(layout.shared).resolve()
+            seed = self.seed_checkpoint(layout.seed_args).resolve()
             from_seed = Check(f"weights loaded from {seed}", lambda load: load is not None and load["weights_only"]
                               and Path(load["path"]).resolve() == seed)
             if unmet(setup, (("initial_load", from_seed),)):
@@ -443,15 +487,58 @@ class ParityHarness:
             failures = unmet(setup, layout.expect)
             if failures:
                 raise ParityError(f"{layout.name}: the layout was not applied: {'; '.join(failures)}")
-            self._runs[layout.name] = RunResult(layout.name, layout.nproc, read_metrics(folder), result.stdout, seconds,
-                                                setup, read_validations(folder))
+            self._runs[layout.name] = RunResult(layout.name, layout.processes, records, stdout, seconds, setup,
+                                                validations)
         return self._runs[layout.name]
 
-    def baseline(self, shared: tuple[str, ...] = ()) -> RunResult:
-        return self.run(Layout(f"baseline{self._variant(shared)}", 1, (), shared=shared))
+    def _train(self, layout: Layout, args: list[str], folder: Path) -> tuple[str, list[dict], list[dict], dict]:
+        """Trains `layout` once; its output, step rows, validation rows and setup record (of the
+        groups: the mean losses and group 0's record)."""
+        if layout.replica_groups == 1:
+            result = self.runner(args, nproc=layout.nproc, timeout=self.timeout)
+            return result.stdout, read_metrics(folder), read_validations(folder), read_setup(folder) or {}
+        from torchtitan.tools.replica_groups import lighthouse, run_replica_groups  # torchft: an optional extra
+
+        groups = layout.replica_groups
+        with lighthouse(min_replicas=groups) as address:
+            results = run_replica_groups([*args, *replica_group_args(groups, address)], groups, nproc=layout.nproc,
+                                         timeout=self.timeout, runner=self.runner)
+        folders = [folder / f"replica_{g}" for g in range(groups)]
+        return ("".join(r.stdout for r in results), mean_over_groups([read_metrics(f) for f in folders]),
+                mean_over_groups([read_validations(f) for f in folders]), read_setup(folders[0]) or {})
+
+    def baseline(self, shared: tuple[str, ...] = (), model: tuple[str, ...] | None = None) -> RunResult:
+        """One process with `shared` (from the seed of `model`, None: of `shared`)."""
+        return self.run(Layout(f"baseline{self._variant(shared)}", 1, (), shared=shared, model=model))
+
+    def resume(self, layout: Layout, step: int) -> tuple[list[float], list[float]]:
+        """Trains `layout` again from its own checkpoint of `step` (its run must save one) in a copy
+        of its folder; returns the losses of the steps after `step`, as the uninterrupted run
+        logged them and as the resumed run did. A resumed run must repeat them bit for bit."""
+        run = self.run(layout)
+        folder, again = self.workdir / layout.name, self.workdir / f"{layout.name}-resumed-{step}"
+        shutil.rmtree(again, ignore_errors=True)
+        shutil.copytree(folder, again, symlinks=True)
+        for group in [again] if layout.replica_groups == 1 else [again / f"replica_{g}" for g in range(layout.replica_groups)]:
+            saved = group / "checkpoint"
+            later = [c for c in saved.glob("step-*") if int(c.name.split("-")[1].split(".")[0]) > step]
+            if not (saved / f"step-{step}").is_dir():
+                raise ParityError(f"{layout.name}: no checkpoint of step {step} in {saved} to resume from")
+            for c in later:
+                shutil.rmtree(c)
+        _, records, _, setup = self._train(layout, self.run_args(layout, again), again)
+        if unmet(setup, (("initial_load.step", step), ("initial_load.weights_only", False))):
+            raise ParityError(f"{layout.name}: the second run did not resume from step {step} "
+                              f"(initial_load: {setup.get('initial_load', 'no setup record')})")
+        after = [r for r in run.records if r["step"] > step]
+        resumed = [r for r in records if r["step"] > step]
+        if [r["step"] for r in resumed] != [r["step"] for r in after]:
+            raise ParityError(f"{layout.name}: the resumed run logged steps {[r['step'] for r in resumed]}, the "
+                              f"uninterrupted one {[r['step'] for r in after]}")
+        return [r["loss"] for r in after], [r["loss"] for r in resumed]
 
     def compare(self, layout: Layout) -> Comparison:
-        base, run = self.baseline(layout.shared), self.run(layout)
+        base, run = self.baseline(layout.shared, layout.model), self.run(layout)
         if [r["step"] for r in run.records] != [r["step"] for r in base.records]:
             raise ParityError(f"{layout.name}: logged steps {[r['step'] for r in run.records]} differ from the baseline's")
         if [r["step"] for r in run.validations] != [r["step"] for r in base.validations]:
@@ -470,7 +557,7 @@ class ParityHarness:
         c = self.compare(layout)
         tolerance = self.tolerance_for(layout)
         if c.max_loss_diff > tolerance:
-            base = self.baseline(layout.shared)
+            base = self.baseline(layout.shared, layout.model)
             pairs = [(round(a, 7), round(b, 7)) for a, b in zip(base.losses, c.run.losses)]
             validation = [(r["step"], round(a["loss"], 7), round(r["loss"], 7)) for a, r in zip(base.validations,
                                                                                               c.run.validations)]
