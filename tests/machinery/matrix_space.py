@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from tests.machinery.matrix_model import DEPTHS, DSV3_MODEL_NAME, MODEL_NAME, MOE_MODEL_NAME, flavor_name
-from torchtitan.tools.parity import FLOAT8, FLOAT8_GRAD_NORM_RTOL, FLOAT8_TOLERANCE, POSITIVE, Check, Expectations, Layout
+from torchtitan.tools.parity import FLOAT8, FLOAT8_GRAD_NORM_RTOL, FLOAT8_SPLIT_TOLERANCE, POSITIVE, Check, Expectations, Layout
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 # Every dim a value must meet: the five degrees and expert parallelism.
@@ -350,7 +350,7 @@ class Point:
 
     def layout(self) -> Layout:
         return Layout(self.name, self.degrees.nproc, (*self.overrides(), *self.audit()), self.expect(), self.shared(),
-                      loss_tolerance=FLOAT8_TOLERANCE if self.on("float8") else None,
+                      loss_tolerance=FLOAT8_SPLIT_TOLERANCE if self.on("float8") else None,
                       grad_norm_rtol=FLOAT8_GRAD_NORM_RTOL if self.on("float8") else None, model=self.model_args(),
                       replica_groups=self.groups)
 

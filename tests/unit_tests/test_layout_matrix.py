@@ -13,7 +13,7 @@ from tests.machinery.matrix_space import FACTOR, GROUP_RANKS, cost, make_point
 from torchtitan.config.manager import parse_args
 from torchtitan.config.preflight import preflight
 from torchtitan.errors import UserError
-from torchtitan.tools.parity import ParityError, unmet
+from torchtitan.tools.parity import FLOAT8_SPLIT_TOLERANCE, ParityError, unmet
 
 Degrees = lm.Degrees
 
@@ -192,7 +192,7 @@ def test_a_feature_point_splits_its_options_by_what_the_reference_runs():
             "--experimental.context_parallel_method"} <= set(own)
     assert not set(own) & {"--optimizer.name", "--model.mtp_depth", "--training.document_mask"}
     layout = point.layout()
-    assert layout.model == model and layout.shared == shared and layout.loss_tolerance == 1e-3
+    assert layout.model == model and layout.shared == shared and layout.loss_tolerance == FLOAT8_SPLIT_TOLERANCE
     assert point.name == "cp2+dsv3+allgather+muon+chunked+offload+no_mtp+docmask+float8+resume"
 
 
