@@ -9,6 +9,7 @@ import os
 from torchtitan.checkpoint import folders as checkpoint_folders
 from torchtitan.checkpoint.hf_training import hf_export_path
 from torchtitan.config.job_config import JobConfig
+from torchtitan.observability.metric_files import MetricsFile
 from torchtitan.observability.metrics import MetricsLogger
 from torchtitan.observability.progress import Progress, summary
 
@@ -30,14 +31,19 @@ def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progres
     if checkpoint.last_save_in_hf and os.path.isdir(hf_export):
         outputs["Hugging Face weights"] = hf_export
     if metrics_options.save_jsonl:
-        outputs["metrics"] = os.path.join(dump, "metrics.jsonl")
+        outputs["metrics"] = os.path.join(dump, "metrics.jsonl") + _stopped(metrics.jsonl)
     if metrics_options.enable_tensorboard:
-        outputs["TensorBoard"] = os.path.join(dump, metrics_options.save_tb_folder)
+        outputs["TensorBoard"] = os.path.join(dump, metrics_options.save_tb_folder) + _stopped(metrics.writer)
     lines, record = summary(progress, last_step, tokens, *metrics.mean_throughput(), metrics.validations, outputs,
                             ended)
     for line in lines:
         logger.info(line)
     metrics.log_record(record)
+
+
+def _stopped(file: MetricsFile | None) -> str:
+    """Why a metrics file holds less than the run logged (a failed write stopped it), if it does."""
+    return f" (not written since a failed write {file.stopped})" if file is not None and file.stopped else ""
 
 
 def newest_checkpoint(job_config: JobConfig) -> str:
