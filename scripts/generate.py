@@ -73,9 +73,8 @@ def find_source(path: str) -> Source:
     if is_hf_folder(path):
         config = hf_folder.read_json(os.path.join(path, "config.json"), "config.json")
         found = hf_folder.family_of(config)
-        if found is None:
-            wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
-            raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+        if found is None:  # in the converter's words: why the family of its architecture refuses it
+            raise GenerateError(f"--checkpoint {path}: {hf_folder.family_refusal(config)}")
         return Source(path, True, *found)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, folders.MANIFEST)):
         found, _ = folders.scan(path)

@@ -152,6 +152,8 @@ def checkpoint_of(folder: Path, flavor: str) -> Path:
 @pytest.mark.fast
 def test_checkpoints_that_no_registered_model_reads_are_one_line(capsys, tmp_path):
     gpt2 = hf_folder_of(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64})
+    config = get_train_spec("llama3").hf_adapter.hf_config(ModelArgs(**SMALL))
+    yarn = hf_folder_of(tmp_path / "yarn", {**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     unknown = checkpoint_of(tmp_path / "unknown", "unknown")
     other = tmp_path / "other"
     write_weights({"w": torch.zeros(2)}, str(other), weights_manifest({"w": torch.zeros(2)}, "gpt9", "small"))
@@ -159,6 +161,9 @@ def test_checkpoints_that_no_registered_model_reads_are_one_line(capsys, tmp_pat
     (damaged / "__0_0.distcp").write_bytes(b"")
     cases = {
         gpt2: f"error: --checkpoint {gpt2}: no registered model reads its config.json (architectures GPT2LMHeadModel)",
+        # A Llama that the Llama family refuses: its reason, as the converter gives it.
+        yarn: f"error: --checkpoint {yarn}: config.json: rope_scaling rope_type 'yarn' is not supported (only default "
+              "and llama3 RoPE are)",
         unknown: f"error: --checkpoint {unknown} holds model llama3 unknown: it records no model args and the flavor "
                  "is not registered, so the model's sizes are unknown; convert it with torch-to-dcp --flavor",
         other: f"error: --checkpoint {other} holds model gpt9, which is not registered",
