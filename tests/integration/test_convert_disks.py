@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from scripts import convert_checkpoint
 from tests.helpers import REPO_ROOT

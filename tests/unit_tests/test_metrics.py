@@ -6,8 +6,8 @@ import errno
 import json
 import logging
 import os
-import re
 import platform
+import re
 import sys
 import types
 
@@ -392,3 +392,11 @@ def test_a_read_only_disk_stops_the_metrics_files_at_start_up_with_one_warning(t
     assert warnings_of(caplog) == [
         f"cannot write the metrics file {tmp_path}/dump/metrics.jsonl at start-up: Read-only file system; {GOES_ON}",
         f"cannot write the TensorBoard event file {logger.writer.path} at start-up: Read-only file system; {GOES_ON}"]
+
+
+def test_a_full_disk_whose_free_space_cannot_be_measured_is_said_without_it(tmp_path):
+    from torchtitan.observability import metric_files
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert metric_files._reason(full, str(tmp_path / "gone" / "metrics.jsonl")) == "No space left on device"
+    assert metric_files._reason(full, str(tmp_path / "metrics.jsonl")).startswith("No space left on device, ")

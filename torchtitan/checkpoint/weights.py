@@ -96,8 +96,6 @@ def writing(out: str) -> Iterator[None]:
     the way out, so nothing is left that could pass for the output."""
     try:
         yield
-    except CheckpointError:
-        raise
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException; only a disk's refusal becomes a line
         failure = write_failure(e)
         if failure is None:
