@@ -28,26 +28,24 @@ def fill_disk_under(files) -> None:
         os.close(full)
 
 
-def note_metrics_files() -> list:
-    """From now on, every file the metrics files module opens, in the order it opened them."""
+def noting_open(opened: list):
+    """An `open` that notes every file it opens in `opened`: set as the metrics files module's own
+    (`torchtitan.observability.metric_files.open`), it finds the files fill_disk_under points at /dev/full."""
     import builtins
-
-    from torchtitan.observability import metric_files
-
-    opened = []
 
     def open_and_note(*args, **kwargs):
         opened.append(builtins.open(*args, **kwargs))
         return opened[-1]
 
-    metric_files.open = open_and_note  # shadows the builtin in that module only
-    return opened
+    return open_and_note
 
 
 if at_step := os.environ.get("TT_METRICS_DISK_FULL_AT_STEP"):
+    from torchtitan.observability import metric_files
     from torchtitan.observability.metrics import MetricsLogger
 
-    _opened, _log = note_metrics_files(), MetricsLogger.log
+    _opened, _log = [], MetricsLogger.log
+    metric_files.open = noting_open(_opened)  # shadows the builtin in that module only
 
     def log_on_a_full_disk(self, s):
         if s.step >= int(at_step):

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from tests.faults.free_space import fill_disk_under, note_metrics_files
+from tests.faults.free_space import fill_disk_under, noting_open
 from torchtitan.config.manager import ConfigError, JobConfig, parse_args
 from torchtitan.observability import metrics
 from torchtitan.observability.metrics import MetricsLogger, StepMetrics, gpu_peak_flops, peak_flops
@@ -349,10 +349,14 @@ GOES_ON = ("it is not written for the rest of this run, which trains on: the ste
            "are saved as before (a save that does not fit ends the run with exit code 4)")
 
 
-def test_a_disk_that_fills_up_stops_each_metrics_file_with_one_warning_and_the_run_goes_on(tmp_path, caplog):
+def test_a_disk_that_fills_up_stops_each_metrics_file_with_one_warning_and_the_run_goes_on(tmp_path, caplog,
+                                                                                            monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    opened = note_metrics_files()
+    from torchtitan.observability import metric_files
+
+    opened = []
+    monkeypatch.setattr(metric_files, "open", noting_open(opened), raising=False)
     logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0, enable_tensorboard=True), torch.device("cpu"), 10**6,
                            rank=0)
     logger.log(step(1))

@@ -115,7 +115,8 @@ class TensorBoardFile(MetricsFile):
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.summary.writer.record_writer import RecordWriter
 
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
+        # TensorBoard's naming; the last part tells apart two files of one process and second.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
         super().__init__(os.path.join(folder, name))
 
         def open_it() -> None:
