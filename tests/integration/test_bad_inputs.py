@@ -304,6 +304,11 @@ CASES: list[Case] = [
     case("folder with no data files", "data", "--training.dataset_path {in}/corpus", "files in {in}/corpus",
          files={"corpus/README.md": "nothing to train on\n", "corpus/notes.csv": "a,b\n"}),
     case("empty folder", "data", "--training.dataset_path {in}/corpus", "files in {in}/corpus", files={"corpus": DIR}),
+    case("broken .jsonl link in a data folder", "data", "--training.dataset_path {in}/corpus",
+         "{in}/corpus/b.jsonl is a broken symbolic link (to {in}/unmounted/b.jsonl, which does not exist); point it at "
+         "the data or remove it", files={"corpus/a.jsonl": jsonl({"text": PROSE}), "corpus/b.jsonl": Link("unmounted/b.jsonl")}),
+    case("dataset_path a broken link", "data", "--training.dataset_path {in}/data.jsonl",
+         "{in}/data.jsonl is a broken symbolic link (to {in}/gone.jsonl, which does not exist)", files={"data.jsonl": Link("gone.jsonl")}),
     case("glob matching nothing", "data", "--training.dataset_path {in}/*.jsonl", "{in}/*.jsonl"),
     case("parquet that is not parquet", "data", "--training.dataset_path {in}/data.parquet", "{in}/data.parquet",
          files={"data.parquet": b"PAR1 this is not a parquet file"}),
