@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config.manager import ConfigError, JobConfig, help_text, main, parse_args
+from torchtitan.config.manager import ConfigError, JobConfig, help_text, main, parse_args, validate_world_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -354,14 +354,21 @@ EARLY_REFUSED = [
     (["--optimizer.early_step_in_backward"], "set training.max_norm 0"),  # clipping is on by default
     ([*EARLY, "--training.gradient_accumulation_steps", "2"], "training.gradient_accumulation_steps 1"),
     ([*EARLY, "--experimental.pipeline_parallel_degree", "2"], "experimental.pipeline_parallel_degree 1"),
-    ([*EARLY, "--optimizer.zero1"], "optimizer.zero1"),
+    ([*EARLY, "--optimizer.zero1", "--training.data_parallel_replicate_degree", "2"], "optimizer.zero1"),
+    # What can never compose is named before the settings to change (max_norm is 1 by default).
+    (["--optimizer.early_step_in_backward", "--optimizer.name", "Muon"], "does not compose with optimizer.name Muon"),
+    (["--optimizer.early_step_in_backward", "--training.data_parallel_replicate_degree", "2",
+      "--training.data_parallel_shard_degree", "1"], "does not compose with DDP"),
+    (["--optimizer.early_step_in_backward", "--experimental.pipeline_parallel_degree", "2"], "pipeline parallelism"),
 ]
 
 
-@pytest.mark.parametrize("argv,fragment", EARLY_REFUSED, ids=["max_norm", "accumulation", "pp", "zero1"])
+@pytest.mark.parametrize("argv,fragment", EARLY_REFUSED,
+                         ids=["max_norm", "accumulation", "pp", "zero1", "muon first", "ddp first", "pp first"])
 def test_early_step_in_backward_refuses_what_cannot_compose(argv, fragment):
+    # A layout rule (DDP is known once the world size is): every job meets it in the pre-check or preflight.
     with pytest.raises(ConfigError, match="^optimizer.early_step_in_backward") as raised:
-        parse_args(argv)
+        validate_world_size(parse_args(argv), 2)
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 

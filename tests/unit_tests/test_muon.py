@@ -194,8 +194,6 @@ def test_muon_options_are_checked():
         parse_args(["--optimizer.name", "Muon", "--optimizer.muon_momentum", "1.0"])
     with pytest.raises(ConfigError, match="optimizer.muon_ns_steps must lie in"):
         parse_args(["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"])
-    with pytest.raises(ConfigError, match="optimizer.early_step_in_backward does not compose with optimizer.name Muon"):
-        parse_args(["--optimizer.name", "Muon", "--optimizer.early_step_in_backward", "--training.max_norm", "0"])
     with pytest.raises(ConfigError, match="optimizer.name Muon does not compose with training.enable_cpu_offload"):
         parse_args(["--optimizer.name", "Muon", "--training.enable_cpu_offload"])
 

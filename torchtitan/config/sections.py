@@ -110,9 +110,11 @@ def check_moe_capacity_layout(config: JobConfig) -> None:
 def check_model(config: JobConfig) -> None:
     _at_least_one({"model.vocab_size_divisible_by": config.model.vocab_size_divisible_by})
     model = config.model
-    if model.mtp_depth < -1 or model.mtp_loss_weight < 0:
-        raise ConfigError(f"model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, and model.mtp_loss_weight "
-                          f">= 0; got {model.mtp_depth} and {model.mtp_loss_weight}")
+    if model.mtp_depth < -1:
+        raise ConfigError(f"model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, got {model.mtp_depth}")
+    if model.mtp_loss_weight < 0:
+        raise ConfigError(f"model.mtp_loss_weight must be >= 0 (the multi-token prediction loss's weight; 0 leaves it "
+                          f"out of the training loss), got {model.mtp_loss_weight}")
 
 
 def check_profiling(config: JobConfig) -> None:
@@ -248,6 +250,13 @@ def check_fault_tolerance(config: JobConfig) -> None:
             raise ConfigError(f"fault_tolerance.semi_sync_method {ft.semi_sync_method} syncs replica groups: it needs "
                               "fault_tolerance.enable (and a lighthouse), or semi_sync_method none")
         return
+    # What replica groups never compose with comes first: the settings below would only be changed in vain.
+    if config.optimizer.early_step_in_backward:
+        raise ConfigError("fault_tolerance does not combine with optimizer.early_step_in_backward: a step is applied "
+                          "only once the groups have averaged its gradients and agreed to commit it; use one or the other")
+    if config.moe.bias_update_rate > 0:
+        raise ConfigError("fault_tolerance does not combine with moe.bias_update_rate > 0 yet: each group would steer "
+                          "its routing biases by its own tokens, and the groups' models would drift apart")
     if (missing := torchft_missing()) is not None:
         raise ConfigError(missing)
     _at_least_one({"fault_tolerance.group_size": ft.group_size, "fault_tolerance.min_replica_size": ft.min_replica_size,
@@ -271,12 +280,6 @@ def check_fault_tolerance(config: JobConfig) -> None:
         raise ConfigError(f"fault_tolerance.semi_sync_method {ft.semi_sync_method}: checkpoint.interval "
                           f"{config.checkpoint.interval} must be a multiple of fault_tolerance.sync_steps {ft.sync_steps}, "
                           "so that checkpoints fall on syncs, where the groups' parameters agree")
-    if config.optimizer.early_step_in_backward:
-        raise ConfigError("fault_tolerance does not combine with optimizer.early_step_in_backward: a step is applied "
-                          "only once the groups have averaged its gradients and agreed to commit it")
-    if config.moe.bias_update_rate > 0:
-        raise ConfigError("fault_tolerance does not combine with moe.bias_update_rate > 0 yet: each group would steer "
-                          "its routing biases by its own tokens, and the groups' models would drift apart")
 
 
 def torchft_missing() -> str | None:
