@@ -173,6 +173,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
     rules.run("experts", job_config, train_spec, parallel_dims, model)
+    rules.run("muon_exclude", job_config, model)
     rules.run("mtp", job_config, train_spec)
     rules.run("model_shapes", train_spec, model_args, parallel_dims, plan, job_config)
     device_type = device_type or device_setup.device_type()

@@ -139,6 +139,8 @@ RULES: tuple[Rule, ...] = (
     Rule("validation_loader", "model", ("validation.enabled",), "torchtitan.config.preflight:check_validation_loader"),
     Rule("experts", "model", ("training.expert_parallel_degree", "model.name", "model.flavor"),
          "torchtitan.config.preflight:check_experts"),
+    Rule("muon_exclude", "model", ("optimizer.name", "optimizer.muon_exclude", "model.name", "model.flavor"),
+         "torchtitan.optimizers.muon:check_exclude"),
     Rule("mtp", "model", ("model.mtp_depth", "model.name", "model.flavor", "training.loss_chunk_size"),
          "torchtitan.config.preflight:check_mtp"),
     Rule("model_shapes", "model", ("*",), "torchtitan.config.preflight:check_model_shapes"),
