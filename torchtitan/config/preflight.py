@@ -2,7 +2,10 @@
 layout, model and device of torchtitan/config/rules.py (parse_args ran the options phase), with
 the builds they check: the TrainSpec, the tokenizer, the model's arguments, the model on the meta
 device. One line and exit code 2 for each mistake. The model and device rules are defined here or
-in the module of the feature they protect."""
+in the module of the feature they protect.
+
+The one module of config/ above the features (it builds ParallelDims, the plan and the model): no
+other config module imports it (tests/unit_tests/test_import_graph.py)."""
 
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchtitan.config.job_config import JobConfig
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.parallelisms.pipeline import PipelinePlan
 
 PHASES = ("options", "shapes", "layout", "model", "device")
 
@@ -154,7 +152,7 @@ RULES: tuple[Rule, ...] = (
                                     "training.mixed_precision_param", "training.disable_sequence_parallel",
                                     "optimizer.early_step_in_backward", "optimizer.zero1", "model.name", "model.flavor",
                                     "experimental.pipeline_parallel_microbatches"),
-         "torchtitan.config.memory_floor:check_step_fits"),
+         "torchtitan.estimation.memory_floor:check_step_fits"),
 )
 
 _BY_NAME = {rule.name: rule for rule in RULES}
@@ -175,14 +173,14 @@ def check_options(config: JobConfig) -> None:
         r(config)
 
 
-def check_shapes(config: JobConfig) -> PipelinePlan | None:
-    """The shapes phase; returns the job's pipeline plan (None without pipeline parallelism), the
+def check_shapes(config: JobConfig) -> Any:
+    """The shapes phase; returns the job's PipelinePlan (None without pipeline parallelism), the
     one the ranks hand to the model's validate_fn and pipelining_fn."""
     (plan_rule,) = _phase("shapes")
     return plan_rule(config)
 
 
-def check_layout(config: JobConfig, world_size: int) -> ParallelDims:
+def check_layout(config: JobConfig, world_size: int) -> Any:
     """The layout phase: the degrees against `world_size`; returns the validated ParallelDims."""
     first, *others = _phase("layout")
     dims = first(config, world_size)
