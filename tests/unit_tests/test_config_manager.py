@@ -434,3 +434,14 @@ def test_a_seed_checkpoint_neither_loads_nor_exports(option):
     with pytest.raises(ConfigError, match=rf"checkpoint.create_seed_checkpoint writes freshly initialised weights and "
                                           rf"trains nothing; leave checkpoint.{option[0].split('.')[-1]} unset"):
         parse_args(["--checkpoint.create_seed_checkpoint", *option])
+
+
+def test_a_world_size_that_is_not_a_number_of_ranks_is_one_line(capsys, monkeypatch):
+    # Found by the config fuzzing (test_config_fuzz.py): the pre-check read WORLD_SIZE with int(),
+    # a traceback for 'abc'.
+    for text in ("abc", "0", "-2", "1e3", " 4", "٣"):
+        monkeypatch.setenv("WORLD_SIZE", text)
+        assert main([]) == 2
+        assert capsys.readouterr().err == (f"error: WORLD_SIZE must be the number of ranks the job starts (1 or "
+                                           f"more), got {text!r}\n")
+

@@ -151,6 +151,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+@functools.cache  # the options are fixed; building ~200 arguments costs more than parsing with them
 def _build_parser() -> _Parser:
     parser = _Parser(
         prog="torchtitan.train",
@@ -287,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, notices = read_config(argv)
         rules.check_shapes(config)
         dry_run = config.job.dry_run and not config.memory_estimation.disable_fake_mode
-        world_size = int(os.environ.get("WORLD_SIZE", "0"))  # the launcher passes the number of ranks it will start
+        world_size = _launcher_world_size()
         if dry_run and config.job.dry_run_world_size:
             world_size = config.job.dry_run_world_size
         if world_size:
@@ -300,6 +301,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch_mode:
         print("dry_run" if dry_run else "torchrun")
     return 0
+
+
+def _launcher_world_size() -> int:
+    """The number of ranks the launcher will start (it exports WORLD_SIZE); 0 when not given."""
+    text = os.environ.get("WORLD_SIZE", "")
+    if not text:
+        return 0
+    if not (text.isascii() and text.isdigit() and int(text) > 0):
+        raise ConfigError(f"WORLD_SIZE must be the number of ranks the job starts (1 or more), got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":
