@@ -419,8 +419,10 @@ def _prod(values) -> int:
 
 def _ep_choices(dp_shard: int, unit: int) -> str:
     """Expert-parallel degrees a layout allows (multiples of cp x tp = `unit` dividing
-    dp_shard x unit), for the refusal's hint."""
-    valid = [ep for ep in range(unit, dp_shard * unit + 1, unit) if (dp_shard * unit) % ep == 0 and ep > 1]
+    dp_shard x unit: unit x d for each d dividing dp_shard), for the refusal's hint. The divisors
+    up to 64 and dp_shard itself: a world of any size is answered at once."""
+    divisors = sorted({*(d for d in range(1, min(dp_shard, 64) + 1) if dp_shard % d == 0), dp_shard})
+    valid = [unit * d for d in divisors if unit * d > 1]
     if not valid:
         return "this layout has no ranks to take it from (raise training.data_parallel_shard_degree)"
     return f"e.g. {' or '.join(map(str, valid))} here"
