@@ -445,3 +445,23 @@ def test_a_world_size_that_is_not_a_number_of_ranks_is_one_line(capsys, monkeypa
         assert capsys.readouterr().err == (f"error: WORLD_SIZE must be the number of ranks the job starts (1 or "
                                            f"more), got {text!r}\n")
 
+
+
+@pytest.mark.parametrize("argv,line", [
+    # Found by the config fuzzing (test_config_fuzz.py): each was a torch traceback in preflight.
+    (["--training.loss_chunk_size", str(2**63)], "training.loss_chunk_size (command line) must fit in 64 bits (at most "
+     f"{2**63 - 1}), got {2**63}"),
+    (["--training.seed", str(-2**63 - 1)], f"training.seed (command line) must fit in 64 bits (at most {2**63 - 1}), "
+     f"got {-2**63 - 1}"),
+    (["--training.seq_len", str(2**63 - 1)], f"training.seq_len {2**63 - 1} is beyond the longest sequence this "
+     "version takes (2,147,483,648 tokens)"),
+    (["--model.vocab_size_divisible_by", str(2**40)], f"model.vocab_size_divisible_by {2**40} would pad the "
+     "vocabulary by up to as many rows; at most 1,048,576 (a multiple of the TP degree is enough)"),
+])
+def test_sizes_torch_cannot_hold_are_refused_when_parsed(argv, line, tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        parse_args(argv)
+    assert refused.value.line == f"error: {line}"
+    path = write_toml(tmp_path, f"[training]\nloss_chunk_size = {2**63}\n")
+    with pytest.raises(ConfigError, match=rf"loss_chunk_size \({path}\) must fit in 64 bits"):
+        parse_args(["--job.config_file", path])

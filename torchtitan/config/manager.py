@@ -55,6 +55,7 @@ def _suggest(name: str, known: Sequence[str]) -> str:
 
 
 _TRUE = {"true", "1", "yes", "on"}
+_INT64 = 2**63
 _FALSE = {"false", "0", "no", "off"}
 
 
@@ -78,16 +79,16 @@ def _coerce(value: Any, typ: Any, where: str, from_text: bool) -> Any:
             return value.lower() in _TRUE
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, str):
             try:
-                return int(value)
+                value = int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if not -_INT64 <= value < _INT64:  # torch (and every count it takes) holds 64-bit integers
+            raise ConfigError(f"{where} must fit in 64 bits (at most {_INT64 - 1}), got {value}")
+        return value
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)

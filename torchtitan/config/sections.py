@@ -12,6 +12,12 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
 
 
+# Sizes beyond which a tensor's element count overflows before a memory check can say it does not
+# fit: 2**31 tokens (8,000 times the longest context trained so far) and a padding multiple of 2**20.
+MAX_SEQ_LEN = 2**31
+MAX_VOCAB_MULTIPLE = 2**20
+
+
 def _at_least_one(values: dict[str, int]) -> None:
     for name, value in values.items():
         if value < 1:
@@ -41,6 +47,9 @@ def check_training(config: JobConfig) -> None:
     _at_least_one({"training.batch_size": training.batch_size, "training.seq_len": training.seq_len, "training.steps": training.steps,
                    "training.gradient_accumulation_steps": training.gradient_accumulation_steps,
                    "training.gc_freq": training.gc_freq, "training.ddp_bucket_cap_mb": training.ddp_bucket_cap_mb})
+    if training.seq_len > MAX_SEQ_LEN:  # beyond it, the model's position tables overflow before any size check
+        raise ConfigError(f"training.seq_len {training.seq_len} is beyond the longest sequence this version takes "
+                          f"({MAX_SEQ_LEN:,} tokens)")
     if training.loss_chunk_size < 0:
         raise ConfigError(f"training.loss_chunk_size must be >= 0 (0 computes the loss over the whole logits), got "
                           f"{training.loss_chunk_size}")
@@ -110,6 +119,9 @@ def check_moe_capacity_layout(config: JobConfig) -> None:
 def check_model(config: JobConfig) -> None:
     _at_least_one({"model.vocab_size_divisible_by": config.model.vocab_size_divisible_by})
     model = config.model
+    if model.vocab_size_divisible_by > MAX_VOCAB_MULTIPLE:
+        raise ConfigError(f"model.vocab_size_divisible_by {model.vocab_size_divisible_by} would pad the vocabulary by "
+                          f"up to as many rows; at most {MAX_VOCAB_MULTIPLE:,} (a multiple of the TP degree is enough)")
     if model.mtp_depth < -1:
         raise ConfigError(f"model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, got {model.mtp_depth}")
     if model.mtp_loss_weight < 0:
