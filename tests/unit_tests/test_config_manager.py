@@ -465,3 +465,13 @@ def test_sizes_torch_cannot_hold_are_refused_when_parsed(argv, line, tmp_path):
     path = write_toml(tmp_path, f"[training]\nloss_chunk_size = {2**63}\n")
     with pytest.raises(ConfigError, match=rf"loss_chunk_size \({path}\) must fit in 64 bits"):
         parse_args(["--job.config_file", path])
+
+
+def test_a_config_file_that_never_ends_is_one_line():
+    # Found by the config fuzzing (test_config_fuzz.py): the whole file was read, and /dev/zero filled
+    # the memory. In a process of its own under a 2 GiB address-space limit, should it come back.
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
+            "from torchtitan.config.manager import main; sys.exit(main(['--job.config_file', '/dev/zero']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, "error: config file /dev/zero holds more than 16 MiB: not a "
+                                                     "TOML config (set --job.config_file)\n")

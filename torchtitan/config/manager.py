@@ -127,10 +127,19 @@ def _set(config: JobConfig, given: Given, section: str, key: str, raw: Any, sour
     given.options[dotted] = source
 
 
+# A config is a few KiB; reading stops beyond this, so that a device or a huge file named by mistake
+# (/dev/zero, a dataset) is refused instead of filling the memory.
+_MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def _load_toml(path: str) -> dict[str, Any]:
     try:
         with open(resolve_path(path, "job.config_file", ConfigError), "rb") as f:
-            return tomllib.load(f)
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+        if len(data) > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} holds more than {_MAX_CONFIG_BYTES // 2**20} MiB: not a TOML config "
+                              "(set --job.config_file)")
+        return tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path} (set --job.config_file)") from None
     except IsADirectoryError:
