@@ -131,7 +131,7 @@ class Optimizer:
         False, "Step each parameter's optimizer in backward, as soon as its gradient is complete (after FSDP's "
         "reduce-scatter), and free that gradient at once: the gradients of the whole model never exist together. "
         "Same updates as the usual step. Needs training.max_norm 0 (clipping needs every gradient first) and no "
-        "gradient accumulation, pipeline parallelism, ZeRO-1 or plain DDP.")
+        "gradient accumulation, pipeline parallelism, ZeRO-1, Muon, replica groups (fault_tolerance) or plain DDP.")
     muon_momentum: float = opt(0.95, "Muon: momentum (an exponential average of the gradients).")
     muon_nesterov: bool = opt(True, "Muon: orthogonalise the Nesterov blend of gradient and momentum; false: the "
                               "momentum itself.")
