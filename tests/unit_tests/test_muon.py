@@ -171,8 +171,8 @@ def test_a_pattern_names_a_parameter_inside_a_checkpointed_block():
 
 
 def preflight_muon(tmp_path, *argv):
-    from torchtitan.config.preflight import preflight
     from tests.helpers import TINY_RUN
+    from torchtitan.config.preflight import preflight
 
     config = parse_args([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--optimizer.name", "Muon", *argv])
     return preflight(config, world_size=1, device_type="cpu", check_memory=False)

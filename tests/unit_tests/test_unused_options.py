@@ -11,8 +11,8 @@ import pytest
 
 from tests.helpers import run_train
 from torchtitan.config.manager import ConfigError, main, parse_args, read_config
-from torchtitan.errors import UserError
 from torchtitan.config.unused_options import APPLIES_ONLY_WITH, LEGACY
+from torchtitan.errors import UserError
 
 # The options torchtitan's own configs set in December 2024 (train_configs/ of its repository then),
 # with their values: the debug model's in full, the Llama 3 recipes as what they set differently.

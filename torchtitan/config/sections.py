@@ -11,7 +11,6 @@ import sys
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
 
-
 # Sizes beyond which a tensor's element count overflows before a memory check can say it does not
 # fit: 2**31 tokens (8,000 times the longest context trained so far) and a padding multiple of 2**20.
 MAX_SEQ_LEN = 2**31
