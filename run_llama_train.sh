@@ -31,6 +31,67 @@
 # Exit codes: 0 done, 1 bug, 2 user error, 3 non-finite loss, 4 checkpoint save failed, 5 a rank
 # hung, 75 preempted with a checkpoint (launch again to resume), 130 stopped by Ctrl-C, 138/143
 # stopped by SIGUSR1/SIGTERM without a checkpoint (README "Exit codes").
+fail() { local line="error: $*"; echo "${line//$'\n'/\\n}" >&2; exit 2; }  # one line, whatever the value holds
+# A whole number bash can compute with: at most 9 digits, since its arithmetic wraps silently past
+# 2**63 (NODE_RANK 9223372036854775808 would pass a "< NNODES" test as a negative number).
+is_count() { [[ "$1" =~ ^[0-9]{1,9}$ ]]; }
+is_port() { [[ "$1" =~ ^[0-9]{1,5}$ ]] && (( 10#$1 > 0 && 10#$1 < 65536 )); }
+
+# The launcher's variables: defaults filled in, each checked before any arithmetic (bash would read
+# NGPU=abc as a variable name) and before any process starts; a mistake is one line, exit code 2.
+# A function, so that a test can drive it alone: sourcing this script defines it and returns.
+check_launcher_variables() {
+  LOG_RANK="${LOG_RANK:-0}"
+  if [[ -z "${NGPU:-}" ]]; then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    NGPU=$(( gpus > 0 ? gpus : 2 ))
+  fi
+  is_count "$NGPU" && (( 10#$NGPU > 0 )) || fail "NGPU must be a positive number of processes, got '$NGPU'"
+  [[ "$LOG_RANK" =~ ^[0-9]{1,9}(,[0-9]{1,9})*$ ]] || fail "LOG_RANK must be a rank or comma-separated ranks (e.g. 0 or 0,3), got '$LOG_RANK'"
+  for r in ${LOG_RANK//,/ }; do
+    (( 10#$r < 10#$NGPU )) || fail "LOG_RANK $r is not a rank of this job (NGPU=$NGPU: ranks 0..$(( 10#$NGPU - 1 )))"
+  done
+  NNODES="${NNODES:-1}"
+  NODE_RANK="${NODE_RANK:-0}"
+  MAX_RESTARTS="${MAX_RESTARTS:-0}"
+  RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
+  is_count "$NNODES" && (( 10#$NNODES > 0 )) || fail "NNODES must be a positive number of nodes, got '$NNODES'"
+  is_count "$NODE_RANK" && (( 10#$NODE_RANK < 10#$NNODES )) \
+    || fail "NODE_RANK must be this node's index, 0..$(( 10#$NNODES - 1 )) (NNODES=$NNODES), got '$NODE_RANK'"
+  is_count "$MAX_RESTARTS" || fail "MAX_RESTARTS must be a number of restarts (0 or more), got '$MAX_RESTARTS'"
+  is_count "$RDZV_TIMEOUT" && (( 10#$RDZV_TIMEOUT > 0 )) \
+    || fail "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '$RDZV_TIMEOUT'"
+  if [[ -n "${RDZV_PROGRESS_INTERVAL:-}" ]]; then
+    is_count "$RDZV_PROGRESS_INTERVAL" && (( 10#$RDZV_PROGRESS_INTERVAL > 0 )) \
+      || fail "RDZV_PROGRESS_INTERVAL must be the seconds between a waiting node's progress lines (1 or more), got '$RDZV_PROGRESS_INTERVAL'"
+  fi
+  if (( 10#$NNODES > 1 )); then
+    [[ "${RDZV_ENDPOINT:-}" =~ ^[^:[:space:]]+:([0-9]+)$ ]] && is_port "${BASH_REMATCH[1]}" \
+      || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got '${RDZV_ENDPOINT:-}'"
+  fi
+  if [[ -n "${OMP_NUM_THREADS:-}" ]]; then
+    is_count "$OMP_NUM_THREADS" && (( 10#$OMP_NUM_THREADS > 0 )) || fail "OMP_NUM_THREADS must be a positive number, got '$OMP_NUM_THREADS'"
+  fi
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / 10#$NGPU > 0 ? $(nproc) / 10#$NGPU : 1 ))}"
+  if [[ -n "${FT_LIGHTHOUSE:-}" && "$FT_LIGHTHOUSE" != "start" ]]; then
+    [[ "$FT_LIGHTHOUSE" =~ ^[^:[:space:]]+:([0-9]+)$ ]] && is_port "${BASH_REMATCH[1]}" \
+      || fail "FT_LIGHTHOUSE must be 'start' or the host:port of a running torchft lighthouse, got '$FT_LIGHTHOUSE'"
+  elif [[ -n "${FT_LIGHTHOUSE:-}" ]]; then
+    FT_LIGHTHOUSE_PORT="${FT_LIGHTHOUSE_PORT:-29510}"
+    FT_MIN_REPLICAS="${FT_MIN_REPLICAS:-1}"
+    is_port "$FT_LIGHTHOUSE_PORT" \
+      || fail "FT_LIGHTHOUSE_PORT must be a port number for the lighthouse, got '$FT_LIGHTHOUSE_PORT'"
+    is_count "$FT_MIN_REPLICAS" && (( 10#$FT_MIN_REPLICAS > 0 )) \
+      || fail "FT_MIN_REPLICAS must be the fewest replica groups of a quorum (1 or more), got '$FT_MIN_REPLICAS'"
+    FT_LIGHTHOUSE_PORT=$(( 10#$FT_LIGHTHOUSE_PORT )) FT_MIN_REPLICAS=$(( 10#$FT_MIN_REPLICAS ))
+  fi
+  # Checked: now plain decimal numbers (08 would be octal, an error, to bash's arithmetic below).
+  NGPU=$(( 10#$NGPU )) NNODES=$(( 10#$NNODES )) NODE_RANK=$(( 10#$NODE_RANK )) MAX_RESTARTS=$(( 10#$MAX_RESTARTS ))
+  RDZV_TIMEOUT=$(( 10#$RDZV_TIMEOUT )) OMP_NUM_THREADS=$(( 10#$OMP_NUM_THREADS ))
+}
+
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0  # sourced: the definitions only
+
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -39,35 +100,8 @@ py=".venv/bin/python"
 if [[ -n "${TORCHTITAN_VENV:-}" ]]; then py="$TORCHTITAN_VENV/bin/python"; fi
 
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_model.toml}"
-LOG_RANK="${LOG_RANK:-0}"
-fail() { echo "error: $*" >&2; exit 2; }
-if [[ -z "${NGPU:-}" ]]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  NGPU=$(( gpus > 0 ? gpus : 2 ))
-fi
-# The variables are checked before any arithmetic: bash would read NGPU=abc as a variable name.
-[[ "$NGPU" =~ ^[1-9][0-9]*$ ]] || fail "NGPU must be a positive number of processes, got '$NGPU'"
-[[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "LOG_RANK must be a rank or comma-separated ranks (e.g. 0 or 0,3), got '$LOG_RANK'"
-for r in ${LOG_RANK//,/ }; do
-  (( 10#$r < NGPU )) || fail "LOG_RANK $r is not a rank of this job (NGPU=$NGPU: ranks 0..$(( NGPU - 1 )))"
-done
-NNODES="${NNODES:-1}"
-NODE_RANK="${NODE_RANK:-0}"
-MAX_RESTARTS="${MAX_RESTARTS:-0}"
-RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
-[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES must be a positive number of nodes, got '$NNODES'"
-[[ "$NODE_RANK" =~ ^[0-9]+$ ]] && (( 10#$NODE_RANK < NNODES )) \
-  || fail "NODE_RANK must be this node's index, 0..$(( NNODES - 1 )) (NNODES=$NNODES), got '$NODE_RANK'"
-[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS must be a number of restarts (0 or more), got '$MAX_RESTARTS'"
-[[ "$RDZV_TIMEOUT" =~ ^[0-9]+$ ]] && (( 10#$RDZV_TIMEOUT > 0 )) \
-  || fail "RDZV_TIMEOUT must be the seconds the nodes wait for each other at the rendezvous (1 or more), got '$RDZV_TIMEOUT'"
-if [[ -n "${RDZV_PROGRESS_INTERVAL:-}" ]]; then
-  [[ "$RDZV_PROGRESS_INTERVAL" =~ ^[0-9]+$ ]] && (( 10#$RDZV_PROGRESS_INTERVAL > 0 )) \
-    || fail "RDZV_PROGRESS_INTERVAL must be the seconds between a waiting node's progress lines (1 or more), got '$RDZV_PROGRESS_INTERVAL'"
-fi
+check_launcher_variables
 if (( NNODES > 1 )); then
-  [[ "${RDZV_ENDPOINT:-}" =~ ^[^:[:space:]]+:[0-9]+$ ]] \
-    || fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got '${RDZV_ENDPOINT:-}'"
   # c10d rendezvous: node 0 hosts the store at the endpoint (said outright, because a host name
   # that does not resolve to an address of this node would make every node a client). join_timeout
   # bounds the wait for the other nodes, the first time and after a restart.
@@ -80,24 +114,12 @@ if (( NNODES > 1 )); then
 else
   nodes=(--standalone)
 fi
-if [[ -n "${OMP_NUM_THREADS:-}" ]]; then
-  [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || fail "OMP_NUM_THREADS must be a positive number, got '$OMP_NUM_THREADS'"
-fi
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 if [[ -n "${FT_LIGHTHOUSE:-}" ]]; then
   "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torchft") is None)' \
     || fail "FT_LIGHTHOUSE needs torchft, an optional extra: pip install 'torchtitan[ft]' (or pip install torchft)"
   if [[ "$FT_LIGHTHOUSE" != "start" ]]; then
-    [[ "$FT_LIGHTHOUSE" =~ ^[^:[:space:]]+:[0-9]+$ ]] \
-      || fail "FT_LIGHTHOUSE must be 'start' or the host:port of a running torchft lighthouse, got '$FT_LIGHTHOUSE'"
     export TORCHFT_LIGHTHOUSE="$FT_LIGHTHOUSE"
   else
-    FT_LIGHTHOUSE_PORT="${FT_LIGHTHOUSE_PORT:-29510}"
-    FT_MIN_REPLICAS="${FT_MIN_REPLICAS:-1}"
-    [[ "$FT_LIGHTHOUSE_PORT" =~ ^[1-9][0-9]*$ ]] && (( 10#$FT_LIGHTHOUSE_PORT < 65536 )) \
-      || fail "FT_LIGHTHOUSE_PORT must be a port number for the lighthouse, got '$FT_LIGHTHOUSE_PORT'"
-    [[ "$FT_MIN_REPLICAS" =~ ^[1-9][0-9]*$ ]] \
-      || fail "FT_MIN_REPLICAS must be the fewest replica groups of a quorum (1 or more), got '$FT_MIN_REPLICAS'"
     lighthouse_bin="$(dirname "$py")/torchft_lighthouse"
     [[ -x "$lighthouse_bin" ]] || fail "FT_LIGHTHOUSE=start: no torchft_lighthouse beside $py (reinstall torchft)"
     export TORCHFT_LIGHTHOUSE="localhost:$FT_LIGHTHOUSE_PORT"  # started after the config check, below

@@ -22,7 +22,8 @@ Usage examples (from the repository root, with PYTHONPATH=.):
 
 Inputs are only ever read with safe loaders: safetensors, DCP through a restricted unpickler, and
 torch.load(weights_only=True). A user mistake prints one `error: ...` line on stderr, exits with
-status 2 and leaves nothing behind; outputs appear under their final name only once complete.
+status 2 and leaves nothing behind; outputs appear under their final name only once complete. So does an
+output the disk cannot take (too little free space, checked first; a read-only or full disk while writing).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torchtitan.checkpoint.fit import build_on_meta, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.model_args import RUN_FIELDS, args_record, checkpoint_args
 from torchtitan.checkpoint.weights import (
+    check_room,
     common_dtype,
     load_model_entries,
     load_torch_file,
@@ -51,6 +53,7 @@ from torchtitan.checkpoint.weights import (
     temporary_sibling,
     weights_manifest,
     write_weights,
+    writing,
 )
 from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.tokenizer import Tokenizer, TokenizerError, build_tokenizer
@@ -276,7 +279,9 @@ def hf_to_dcp(ns: argparse.Namespace) -> str:
     ours, buffers = hf_folder.hf_to_ours(hf_tensors, args, adapter, ns.hf_dir)
     _check_shapes(ours, args, get_train_spec(ns.model).model_cls, ns.hf_dir)
     manifest = _converted_manifest(ours, ns.model, args, ns.hf_dir)
-    write_weights(ours, ns.out_dir, manifest, hf_folder.sidecar_writer(ns.hf_dir, files, headers, buffers))
+    check_room(ns.out_dir, _nbytes(ours))
+    with writing(ns.out_dir):
+        write_weights(ours, ns.out_dir, manifest, hf_folder.sidecar_writer(ns.hf_dir, files, headers, buffers))
     return _summary(len(hf_tensors), manifest.total_bytes, f"{len(files)} safetensors file(s)", ns.out_dir)
 
 
@@ -306,17 +311,19 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
         print(f"warning: writing a fresh layout, not the original files: {plan}", file=sys.stderr)
     if tied:  # HF stores a tied output projection only as the embedding
         hf.pop(hf_folder.HF_OUTPUT, None)
+    check_room(ns.out_dir, _nbytes(hf))
     tmp = temporary_sibling(ns.out_dir)
-    os.makedirs(tmp)
-    try:
-        _write_hf_files(tmp, ns, hf, config, sidecar, layout, plan)
-        if os.path.isdir(ns.out_dir):  # an empty folder, accepted by _require_new_output
-            os.rmdir(ns.out_dir)
-        os.rename(tmp, ns.out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writing(ns.out_dir):
+        os.makedirs(tmp)
+        try:
+            _write_hf_files(tmp, ns, hf, config, sidecar, layout, plan)
+            if os.path.isdir(ns.out_dir):  # an empty folder, accepted by _require_new_output
+                os.rmdir(ns.out_dir)
+            os.rename(tmp, ns.out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     how = "original layout" if isinstance(plan, dict) else "fresh layout"
-    return _summary(len(hf), sum(t.numel() * t.element_size() for t in hf.values()), f"{ns.ckpt_dir}, {how}", ns.out_dir)
+    return _summary(len(hf), _nbytes(hf), f"{ns.ckpt_dir}, {how}", ns.out_dir)
 
 
 def _write_hf_files(tmp: str, ns: argparse.Namespace, hf: dict[str, torch.Tensor], config: dict[str, Any], sidecar: str,
@@ -340,7 +347,9 @@ def dcp_to_torch(ns: argparse.Namespace) -> str:
     _require_new_output(ns.out_file)
     adapter = _hf_adapter(manifest.model.get("name"))
     model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=functools.partial(_check_names, adapter))
-    save_torch_file(model, ns.out_file)
+    check_room(ns.out_file, _nbytes(model))
+    with writing(ns.out_file):
+        save_torch_file(model, ns.out_file)
     return _summary(len(model), os.path.getsize(ns.out_file), ns.ckpt_dir, ns.out_file)
 
 
@@ -363,8 +372,14 @@ def torch_to_dcp(ns: argparse.Namespace) -> str:
         _check_shapes(model, args, spec.model_cls, ns.in_file, f"--flavor {ns.flavor}",
                       "; name the flavor that wrote the weights, or leave --flavor out")
     manifest = _converted_manifest(model, ns.model, args, ns.in_file, ns.flavor)
-    write_weights(model, ns.out_dir, manifest)
+    check_room(ns.out_dir, _nbytes(model))
+    with writing(ns.out_dir):
+        write_weights(model, ns.out_dir, manifest)
     return _summary(len(model), manifest.total_bytes, ns.in_file, ns.out_dir)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _summary(n_tensors: int, nbytes: int, source: str, out: str) -> str:

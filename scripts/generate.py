@@ -73,9 +73,8 @@ def find_source(path: str) -> Source:
     if is_hf_folder(path):
         config = hf_folder.read_json(os.path.join(path, "config.json"), "config.json")
         found = hf_folder.family_of(config)
-        if found is None:
-            wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
-            raise GenerateError(f"--checkpoint {path}: no registered model reads its config.json (architectures {wanted})")
+        if found is None:  # in the converter's words: why the family of its architecture refuses it
+            raise GenerateError(f"--checkpoint {path}: {hf_folder.family_refusal(config)}")
         return Source(path, True, *found)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, folders.MANIFEST)):
         found, _ = folders.scan(path)
@@ -188,6 +187,21 @@ def build_model(source: Source, total_len: int, device: torch.device, dtype: tor
     return model.to(dtype)
 
 
+def check_context(source: Source, longest: int, max_new_tokens: int, extend: bool, rank0: bool) -> None:
+    """Refuses a prompt longer than the positions the model was trained on, unless --extend-context; says
+    so in one warning line when the generation may go past them (RoPE is extended, not trained there)."""
+    trained = source.args.max_seq_len  # a run's training.seq_len; a Hugging Face folder's max_position_embeddings
+    where = "max_position_embeddings of its config.json" if source.hf else "training.seq_len of its run"
+    if longest > trained and not extend:
+        raise GenerateError(f"the longest prompt is {longest} tokens, more than the {trained} positions the model was "
+                            f"trained on ({where}); shorten it, or pass --extend-context to go past them (RoPE is "
+                            "extended; the model never saw those positions)")
+    if longest + max_new_tokens > trained and rank0:
+        print(f"warning: the prompt ({longest} tokens) and --max-new-tokens {max_new_tokens} may reach position "
+              f"{longest + max_new_tokens}, past the {trained} the model was trained on ({where}); text there is only "
+              "as good as the model extrapolates", file=sys.stderr)
+
+
 def _prompts(ns: argparse.Namespace) -> list[str]:
     prompts = list(ns.prompt or [])
     if ns.prompts_file:
@@ -226,6 +240,7 @@ def run(ns: argparse.Namespace) -> None:
         raise GenerateError(f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens, more than the model's "
                             f"vocabulary of {source.args.vocab_size}; pass the run's --tokenizer")
     encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    check_context(source, max(len(e) for e in encoded), ns.max_new_tokens, ns.extend_context, rank0)
     multiple = sequence_multiple(source)
     model = build_model(source, positions_needed(max(len(e) for e in encoded), ns.max_new_tokens, multiple), device,
                         getattr(torch, ns.dtype))
@@ -279,6 +294,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help=f"tokenizer file (default: a Hugging Face folder's tokenizer.model, else "
                                        f"{DEFAULT_TOKENIZER})")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence at every step")
+    p.add_argument("--extend-context", action="store_true",
+                   help="allow a prompt longer than the positions the model was trained on (RoPE is extended past them)")
     return p
 
 

@@ -39,7 +39,8 @@ class RunEnded(Exception):
 
     @property
     def line(self) -> str:
-        return f"{self.prefix}: {self}"
+        # One line whatever the message quotes: a path or a value may hold a line break.
+        return f"{self.prefix}: {self}".replace("\r", "\\r").replace("\n", "\\n")
 
     def add_context(self, note: str) -> None:
         """Appends what the caller knows and the raiser did not (e.g. the newest checkpoint)."""

@@ -265,6 +265,16 @@ CASES: list[Case] = [
     launcher("dataset_shards not a multiple of the ranks", {"NGPU": "2"},
              "training.dataset_shards 3 must be a multiple of the data-parallel degree 2", args="--training.dataset_shards 3"),
     launcher("MAX_RESTARTS=-1", {"NGPU": "2", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number of restarts (0 or more)"),
+    # Found by the config fuzzing (test_config_fuzz.py): bash's arithmetic wrapped these past 2**63 (NODE_RANK
+    # and LOG_RANK were accepted as negative numbers), a port beyond 65535 passed, and a line break split the line.
+    launcher("NODE_RANK=2**63", {"NGPU": "2", "NNODES": "2", "NODE_RANK": "9223372036854775808", "RDZV_ENDPOINT": "node0:29500"},
+             "NODE_RANK must be this node's index, 0..1 (NNODES=2), got '9223372036854775808'"),
+    launcher("LOG_RANK=2**64-1", {"NGPU": "2", "LOG_RANK": "18446744073709551615"},
+             "LOG_RANK must be a rank or comma-separated ranks (e.g. 0 or 0,3), got '18446744073709551615'"),
+    launcher("RDZV_ENDPOINT port beyond 65535", {"NGPU": "2", "NNODES": "2", "RDZV_ENDPOINT": "node0:99999999"},
+             "NNODES=2 needs RDZV_ENDPOINT=host:port, node 0's address and a free port every node can reach, got "
+             "'node0:99999999'"),
+    launcher("NGPU with a line break", {"NGPU": "2\n3"}, "NGPU must be a positive number of processes, got '2\\n3'"),
 
     # --- data ----------------------------------------------------------------------------------------
     case("dataset file missing", "data", "--training.dataset_path {in}/no/such.jsonl", "dataset file not found: {in}/no/such.jsonl"),
@@ -304,6 +314,11 @@ CASES: list[Case] = [
     case("folder with no data files", "data", "--training.dataset_path {in}/corpus", "files in {in}/corpus",
          files={"corpus/README.md": "nothing to train on\n", "corpus/notes.csv": "a,b\n"}),
     case("empty folder", "data", "--training.dataset_path {in}/corpus", "files in {in}/corpus", files={"corpus": DIR}),
+    case("broken .jsonl link in a data folder", "data", "--training.dataset_path {in}/corpus",
+         "{in}/corpus/b.jsonl is a broken symbolic link (to {in}/unmounted/b.jsonl, which does not exist); point it at "
+         "the data or remove it", files={"corpus/a.jsonl": jsonl({"text": PROSE}), "corpus/b.jsonl": Link("unmounted/b.jsonl")}),
+    case("dataset_path a broken link", "data", "--training.dataset_path {in}/data.jsonl",
+         "{in}/data.jsonl is a broken symbolic link (to {in}/gone.jsonl, which does not exist)", files={"data.jsonl": Link("gone.jsonl")}),
     case("glob matching nothing", "data", "--training.dataset_path {in}/*.jsonl", "{in}/*.jsonl"),
     case("parquet that is not parquet", "data", "--training.dataset_path {in}/data.parquet", "{in}/data.parquet",
          files={"data.parquet": b"PAR1 this is not a parquet file"}),

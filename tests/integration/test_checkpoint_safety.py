@@ -1,7 +1,8 @@
 """Checkpoints are never lost or misused: damaged ones are skipped, a NaN state is never saved,
 retention keeps what is needed, every bad checkpoint input (a model it does not fit included)
 ends the run with one line, exit code 2 and nothing on disk changed, and a save the disk cannot
-take stops every rank with one line and exit code 4, keeping the earlier checkpoints."""
+take stops every rank with one line and exit code 4, keeping the earlier checkpoints; a disk too full for
+the metrics files costs them, not the run."""
 
 import hashlib
 import json
@@ -167,6 +168,22 @@ def test_a_save_that_cannot_be_written_stops_every_rank_and_keeps_the_earlier_ch
     assert f"(rank {rank})" in lines[0]
     assert lines[0].endswith(f"the newest checkpoint stays {tmp_path}/checkpoint/step-2")
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]  # the unfinished one is gone
+
+
+def test_a_disk_full_for_the_metrics_files_warns_once_each_and_the_run_trains_and_saves_on(tmp_path):
+    """metrics.jsonl and TensorBoard's event file meet ENOSPC from step 2 on (tests/faults/free_space.py): one
+    warning each, the run trains to its end, saves its checkpoints and exits 0 (docs/operations.md, "A full disk")."""
+    result = run_train([*TINY_RUN, "--training.steps", "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+                        "--metrics.enable_tensorboard", "--experimental.custom_import", "tests.faults.free_space",
+                        "--job.dump_folder", str(tmp_path)], check=False, extra_env={"TT_METRICS_DISK_FULL_AT_STEP": "2"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if "cannot write" in line]
+    assert len(warnings) == 2, result.stdout[-3000:]
+    assert "cannot write the TensorBoard event file" in warnings[0] and "cannot write the metrics file" in warnings[1]
+    assert all("at step 2: No space left on device" in w and "which trains on" in w for w in warnings)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-4"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    assert "(not written since a failed write at step 2: No space left on device" in result.stdout  # the summary
 
 
 def test_a_nan_loss_is_never_checkpointed(tmp_path):

@@ -2,14 +2,17 @@
 
 Pre-tokenized shards made by scripts/tokenize_dataset.py train bit-for-bit like the text they came
 from (same token stream, same batches, no tokenizing); a shard folder made with another tokenizer
-is refused in one line; a mixture logs each source's tokens over all data-parallel ranks.
+is refused in one line; a mixture logs each source's tokens over all data-parallel ranks; data whose
+every label is masked trains with one warning.
 """
 
+import hashlib
 import json
+import struct
 
 import pytest
 
-from tests.helpers import TINY_RUN, losses, read_metrics, run_train
+from tests.helpers import REPO_ROOT, TINY_RUN, losses, read_metrics, run_train
 from torchtitan.datasets.tokenized import MANIFEST
 
 STEPS = ["--training.steps", "3"]
@@ -56,3 +59,24 @@ def test_a_mixture_logs_each_sources_tokens_over_all_ranks(tmp_path, token_shard
     # 3 steps x global batch 16 rows (8 per rank) x 64 tokens, shared by the two sources.
     assert sum(counts.values()) == 3 * 16 * 64
     assert counts["stdlib_docs"] > counts[str(token_shards)] > 0
+
+
+def test_data_whose_every_label_is_masked_trains_with_one_warning_and_a_count(tmp_path):
+    """End-of-text tokens only, under training.mask_loss_after_eos: no label carries a loss. The run says
+    so once, at the first step line (read with it: no host read more per step), and counts the steps."""
+    tokenizer = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "tokenizer.model"
+    shards = tmp_path / "tokens"
+    shards.mkdir()
+    eos, n = 2001, 2000  # the bundled tokenizer's end-of-text id; one document of it
+    (shards / "p.bin").write_bytes(struct.pack(f"<{n}H", *[eos] * n))
+    (shards / "p.idx").write_bytes(struct.pack("<2q", 0, n))
+    (shards / MANIFEST).write_text(json.dumps({
+        "format": "torchtitan-tokens", "version": 1, "dtype": "uint16", "vocab_size": 2256,
+        "tokenizer": {"name": "tokenizer.model", "sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest()},
+        "files": [{"tokens": "p.bin", "index": "p.idx", "num_tokens": n, "num_documents": 1}]}))
+    result = run_train([*TINY_RUN, *STEPS, "--metrics.log_freq", "2", "--training.mask_loss_after_eos",
+                        "--training.dataset_path", str(shards), "--job.dump_folder", str(tmp_path / "run")])
+    warnings = [line for line in result.stdout.splitlines() if "had no label that carries a loss" in line]
+    assert len(warnings) == 1 and "step 1 had no label that carries a loss, on any rank" in warnings[0], result.stdout[-3000:]
+    assert "steps without a label that carries a loss: 3 of 3 (they trained nothing)" in result.stdout
+    assert {r["loss"] for r in read_metrics(tmp_path / "run")} == {0.0}

@@ -50,9 +50,13 @@ def generate(*args, nproc: int = 1) -> subprocess.CompletedProcess:
     return result
 
 
+# PROMPT is 7 tokens with BOS: 57 new ones fill the 64 positions the model trained on (the sentence needs 41).
+NEW = "57"
+
+
 @pytest.mark.fast
 def test_greedy_generation_reproduces_the_memorised_text(trained):
-    result = generate("--checkpoint", trained, "--prompt", PROMPT, "--max-new-tokens", "60")
+    result = generate("--checkpoint", trained, "--prompt", PROMPT, "--max-new-tokens", NEW)
     print(f"sample: {result.stdout.strip()!r}\n{result.stderr.strip()}")
     assert result.stdout.strip() == TEXT  # streamed, then stopped at EOS
     assert "KV cache, cpu, float32" in result.stderr  # (cache = re-running the sequence: test_generation.py)
@@ -61,7 +65,7 @@ def test_greedy_generation_reproduces_the_memorised_text(trained):
 
 def test_tensor_parallel_generation_gives_the_same_text(trained):
     result = generate("--checkpoint", trained, "--prompt", PROMPT, "--prompt", "The cat sleeps", "--max-new-tokens",
-                      "60", nproc=2)
+                      NEW, nproc=2)
     lines = result.stdout.strip().splitlines()
     assert lines[0] == f"[0] {TEXT}"
     assert lines[1].startswith("[1] The cat sleeps") and "tensor parallel 2" in result.stderr
@@ -70,7 +74,7 @@ def test_tensor_parallel_generation_gives_the_same_text(trained):
 def test_the_runs_hugging_face_export_generates_the_same_text(trained):
     export = trained / "step-25-hf"
     assert (export / "tokenizer.model").is_file()
-    result = generate("--checkpoint", export, "--prompt", PROMPT, "--max-new-tokens", "60")
+    result = generate("--checkpoint", export, "--prompt", PROMPT, "--max-new-tokens", NEW)
     assert result.stdout.strip() == TEXT
 
 
@@ -97,6 +101,23 @@ def test_mistakes_are_one_line(capsys, trained, args, expected):
         args = ["--checkpoint", str(trained), *args]
     status, err = run_main(capsys, *args)
     assert status == 2 and err.strip() == expected
+
+
+def test_a_prompt_longer_than_the_trained_positions_is_refused_unless_asked_for(capsys, trained):
+    """The model trained on 64 positions (training.seq_len, recorded in its checkpoint): a longer prompt is
+    refused; --extend-context runs it, saying once that RoPE goes past what the model saw."""
+    long_prompt = " ".join(["fox"] * 80)
+    status, err = run_main(capsys, "--checkpoint", trained, "--prompt", long_prompt)
+    assert status == 2 and err.splitlines() == [
+        "error: the longest prompt is 161 tokens, more than the 64 positions the model was trained on (training.seq_len "
+        "of its run); shorten it, or pass --extend-context to go past them (RoPE is extended; the model never saw those "
+        "positions)"]
+    status, err = run_main(capsys, "--checkpoint", trained, "--prompt", long_prompt, "--extend-context",
+                           "--max-new-tokens", "2")
+    assert status == 0 and err.splitlines()[0] == (
+        "warning: the prompt (161 tokens) and --max-new-tokens 2 may reach position 163, past the 64 the model was trained "
+        "on (training.seq_len of its run); text there is only as good as the model extrapolates"), err
+    assert len(err.splitlines()) == 2 and err.splitlines()[1].startswith("generated ")
 
 
 @pytest.mark.fast
@@ -131,6 +152,8 @@ def checkpoint_of(folder: Path, flavor: str) -> Path:
 @pytest.mark.fast
 def test_checkpoints_that_no_registered_model_reads_are_one_line(capsys, tmp_path):
     gpt2 = hf_folder_of(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64})
+    config = get_train_spec("llama3").hf_adapter.hf_config(ModelArgs(**SMALL))
+    yarn = hf_folder_of(tmp_path / "yarn", {**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     unknown = checkpoint_of(tmp_path / "unknown", "unknown")
     other = tmp_path / "other"
     write_weights({"w": torch.zeros(2)}, str(other), weights_manifest({"w": torch.zeros(2)}, "gpt9", "small"))
@@ -138,6 +161,9 @@ def test_checkpoints_that_no_registered_model_reads_are_one_line(capsys, tmp_pat
     (damaged / "__0_0.distcp").write_bytes(b"")
     cases = {
         gpt2: f"error: --checkpoint {gpt2}: no registered model reads its config.json (architectures GPT2LMHeadModel)",
+        # A Llama that the Llama family refuses: its reason, as the converter gives it.
+        yarn: f"error: --checkpoint {yarn}: config.json: rope_scaling rope_type 'yarn' is not supported (only default "
+              "and llama3 RoPE are)",
         unknown: f"error: --checkpoint {unknown} holds model llama3 unknown: it records no model args and the flavor "
                  "is not registered, so the model's sizes are unknown; convert it with torch-to-dcp --flavor",
         other: f"error: --checkpoint {other} holds model gpt9, which is not registered",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config.manager import ConfigError, JobConfig, help_text, main, parse_args
+from torchtitan.config.manager import ConfigError, JobConfig, help_text, main, parse_args, validate_world_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -354,14 +354,21 @@ EARLY_REFUSED = [
     (["--optimizer.early_step_in_backward"], "set training.max_norm 0"),  # clipping is on by default
     ([*EARLY, "--training.gradient_accumulation_steps", "2"], "training.gradient_accumulation_steps 1"),
     ([*EARLY, "--experimental.pipeline_parallel_degree", "2"], "experimental.pipeline_parallel_degree 1"),
-    ([*EARLY, "--optimizer.zero1"], "optimizer.zero1"),
+    ([*EARLY, "--optimizer.zero1", "--training.data_parallel_replicate_degree", "2"], "optimizer.zero1"),
+    # What can never compose is named before the settings to change (max_norm is 1 by default).
+    (["--optimizer.early_step_in_backward", "--optimizer.name", "Muon"], "does not compose with optimizer.name Muon"),
+    (["--optimizer.early_step_in_backward", "--training.data_parallel_replicate_degree", "2",
+      "--training.data_parallel_shard_degree", "1"], "does not compose with DDP"),
+    (["--optimizer.early_step_in_backward", "--experimental.pipeline_parallel_degree", "2"], "pipeline parallelism"),
 ]
 
 
-@pytest.mark.parametrize("argv,fragment", EARLY_REFUSED, ids=["max_norm", "accumulation", "pp", "zero1"])
+@pytest.mark.parametrize("argv,fragment", EARLY_REFUSED,
+                         ids=["max_norm", "accumulation", "pp", "zero1", "muon first", "ddp first", "pp first"])
 def test_early_step_in_backward_refuses_what_cannot_compose(argv, fragment):
+    # A layout rule (DDP is known once the world size is): every job meets it in the pre-check or preflight.
     with pytest.raises(ConfigError, match="^optimizer.early_step_in_backward") as raised:
-        parse_args(argv)
+        validate_world_size(parse_args(argv), 2)
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -427,3 +434,44 @@ def test_a_seed_checkpoint_neither_loads_nor_exports(option):
     with pytest.raises(ConfigError, match=rf"checkpoint.create_seed_checkpoint writes freshly initialised weights and "
                                           rf"trains nothing; leave checkpoint.{option[0].split('.')[-1]} unset"):
         parse_args(["--checkpoint.create_seed_checkpoint", *option])
+
+
+def test_a_world_size_that_is_not_a_number_of_ranks_is_one_line(capsys, monkeypatch):
+    # Found by the config fuzzing (test_config_fuzz.py): the pre-check read WORLD_SIZE with int(),
+    # a traceback for 'abc'.
+    for text in ("abc", "0", "-2", "1e3", " 4", "٣"):
+        monkeypatch.setenv("WORLD_SIZE", text)
+        assert main([]) == 2
+        assert capsys.readouterr().err == (f"error: WORLD_SIZE must be the number of ranks the job starts (1 or "
+                                           f"more), got {text!r}\n")
+
+
+
+@pytest.mark.parametrize("argv,line", [
+    # Found by the config fuzzing (test_config_fuzz.py): each was a torch traceback in preflight.
+    (["--training.loss_chunk_size", str(2**63)], "training.loss_chunk_size (command line) must fit in 64 bits (at most "
+     f"{2**63 - 1}), got {2**63}"),
+    (["--training.seed", str(-2**63 - 1)], f"training.seed (command line) must fit in 64 bits (at most {2**63 - 1}), "
+     f"got {-2**63 - 1}"),
+    (["--training.seq_len", str(2**63 - 1)], f"training.seq_len {2**63 - 1} is beyond the longest sequence this "
+     "version takes (2,147,483,648 tokens)"),
+    (["--model.vocab_size_divisible_by", str(2**40)], f"model.vocab_size_divisible_by {2**40} would pad the "
+     "vocabulary by up to as many rows; at most 1,048,576 (a multiple of the TP degree is enough)"),
+])
+def test_sizes_torch_cannot_hold_are_refused_when_parsed(argv, line, tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        parse_args(argv)
+    assert refused.value.line == f"error: {line}"
+    path = write_toml(tmp_path, f"[training]\nloss_chunk_size = {2**63}\n")
+    with pytest.raises(ConfigError, match=rf"loss_chunk_size \({path}\) must fit in 64 bits"):
+        parse_args(["--job.config_file", path])
+
+
+def test_a_config_file_that_never_ends_is_one_line():
+    # Found by the config fuzzing (test_config_fuzz.py): the whole file was read, and /dev/zero filled
+    # the memory. In a process of its own under a 2 GiB address-space limit, should it come back.
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
+            "from torchtitan.config.manager import main; sys.exit(main(['--job.config_file', '/dev/zero']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, "error: config file /dev/zero holds more than 16 MiB: not a "
+                                                     "TOML config (set --job.config_file)\n")

@@ -1,6 +1,6 @@
 """The rules registry (torchtitan/config/rules.py): each rule declared once, with a phase and the
 options it reads; each runs once per process, in the phase its entry point runs; the launcher's
-pre-check runs its phases without torch; removed options get one line saying so."""
+pre-check runs its phases without torch. Old options: test_unused_options.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import TINY_RUN
 from torchtitan.config import rules
-from torchtitan.config.manager import ConfigError, JobConfig, main, parse_args
+from torchtitan.config.manager import JobConfig, main, parse_args
 from torchtitan.config.preflight import preflight
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 
@@ -84,7 +84,8 @@ def test_the_model_and_device_rules_read_only_what_they_declare(tmp_path):
     """Each with the arguments preflight gives it, on a job that reaches every rule's checks."""
     config = parse_args([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--training.document_mask",
                          "--validation.enabled", "--checkpoint.enable_checkpoint", "--metrics.enable_tensorboard",
-                         "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf")])
+                         "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                         "--optimizer.name", "Muon"])
     built = preflight(config, world_size=1, device_type="cpu")
     spec, dims = built.train_spec, built.parallel_dims
     n_params = sum(p.numel() for p in built.model.parameters())
@@ -92,7 +93,7 @@ def test_the_model_and_device_rules_read_only_what_they_declare(tmp_path):
         "output_locations": lambda c: (c,), "export_target": lambda c: (c,), "flavor": lambda c: (spec, "tiny"),
         "document_mask": lambda c: (c, built.tokenizer, spec.model_cls), "pipelining_fn": lambda c: (spec, dims),
         "hf_export": lambda c: (c, spec), "validation_loader": lambda c: (c, spec),
-        "experts": lambda c: (c, spec, dims, built.model), "mtp": lambda c: (c, spec), "async_tp_device": lambda c: (c, "cpu"),
+        "experts": lambda c: (c, spec, dims, built.model), "muon_exclude": lambda c: (c, built.model), "mtp": lambda c: (c, spec), "async_tp_device": lambda c: (c, "cpu"),
         "float8_device": lambda c: (c, "cpu", False), "memory_snapshot_device": lambda c: (c, "cpu"),
         "memory_floor": lambda c: (c, dims, built.model_args, "cpu", n_params),
     }
@@ -147,17 +148,3 @@ def test_the_launcher_pre_check_imports_no_torch():
             "sys.exit(3 if 'torch' in sys.modules else rc)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.parametrize("option,value", [("job.use_for_integration_test", "true"),
-                                          ("experimental.context_parallel_rotate_method", '"allgather"'),
-                                          ("checkpoint.interval_type", '"steps"')])
-def test_a_removed_option_gets_one_line(tmp_path, capsys, option, value):
-    section, key = option.split(".")
-    path = tmp_path / "old.toml"
-    path.write_text(f"[{section}]\n{key} = {value}\n")
-    assert main(["--job.config_file", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err == f"error: unknown option {option} in {path}: it was removed in this version (nothing read it); delete it\n"
-    with pytest.raises(ConfigError, match=f"unknown option --{option}: it was removed in this version"):
-        parse_args([f"--{option}", value.strip('"')])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, main, parse_args, validate_world_size
 
 CP2 = ["--experimental.context_parallel_degree", "2"]
 
@@ -28,8 +28,17 @@ def test_cp_composes_with_document_masks_compile_and_allgather():
 ])
 def test_cp_refusals(argv, fragment):
     with pytest.raises(ConfigError) as info:
-        parse_args([*CP2, "--training.seq_len", "64", *argv])
+        validate_world_size(parse_args([*CP2, "--training.seq_len", "64", *argv]), 2)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("degree", ["3", "4"])
+def test_a_cp_degree_the_ranks_cannot_hold_is_named_before_the_sequence_length(degree, monkeypatch, capsys):
+    # seq_len 2048 divides by neither 2 x 3 nor (for 4 ranks) matters: the degree does not fit 2 ranks.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--experimental.context_parallel_degree", degree]) == 2
+    assert capsys.readouterr().err == (f"error: experimental.context_parallel_degree {degree} does not divide the world "
+                                       "size 2 (NGPU); change that degree or the number of processes\n")
 
 
 def test_cp_refuses_an_attention_it_cannot_replace():

@@ -11,13 +11,15 @@ every config.json field this model cannot compute is refused in one line naming 
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
 from scripts import convert_checkpoint
-from torchtitan.checkpoint import hf_folder
+from torchtitan.checkpoint import hf_folder, hf_training
+from torchtitan.checkpoint.hf_training import whole_model_shapes
 from torchtitan.errors import CheckpointError
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs, hf_format
 from torchtitan.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
@@ -150,6 +152,28 @@ def test_missing_extra_and_mixed_experts_are_refused_in_one_line():
             ours, _ = hf_folder.hf_to_ours(tensors, ARGS, ADAPTER, "hf")
             convert_checkpoint._check_shapes(ours, ARGS, DeepSeekV3, "hf")
         assert expected in str(e.value) and "\n" not in str(e.value), case
+
+
+def test_mtp_layers_config_json_promises_but_the_weights_lack_are_named_with_the_fix(tmp_path, caplog):
+    """num_nextn_predict_layers 2 over weights without MTP layers (what save_pretrained writes, with 1): the
+    converter and a run's (or generate.py's) Hugging Face load both lead with the fix, not a missing tensor."""
+    hf = {k: v for k, v in hf_folder.to_hf(_random_state(MTP), MTP, ADAPTER).items() if not k.startswith("model.layers.3.")
+          and not k.startswith("model.layers.4.")}
+    promise = ("config.json promises 2 multi-token prediction layers model.layers.3-4 (num_nextn_predict_layers 2), but "
+               "the weights hold none (transformers' save_pretrained writes num_nextn_predict_layers 1 without them); set "
+               "num_nextn_predict_layers to 0 in config.json")
+    with pytest.raises(CheckpointError) as e:
+        hf_folder.hf_to_ours(hf, MTP, ADAPTER, "hf")
+    assert str(e.value) == f"hf: {promise}"
+    hf_folder.write_fresh(str(tmp_path), hf, ADAPTER.hf_config(MTP), 10**9)
+    with torch.device("meta"):
+        whole = whole_model_shapes(DeepSeekV3(MTP))
+    with pytest.raises(CheckpointError) as e:
+        hf_training.check_fits(str(tmp_path), ADAPTER, MTP, whole, [], False, option="--checkpoint")
+    assert str(e.value).startswith(f"--checkpoint {tmp_path} does not fit this run's model: {promise}; and ")
+    with caplog.at_level(logging.WARNING):  # a partial load leaves the MTP modules as initialised, saying why first
+        hf_training.check_fits(str(tmp_path), ADAPTER, MTP, whole, [], True)
+    assert caplog.records[0].getMessage() == f"{tmp_path}: {promise}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +503,9 @@ def test_convert_script_round_trip(transformers, tmp_path, capsys):
     capsys.readouterr()
     assert convert_checkpoint.main(["hf-to-dcp", str(hf_dir), str(tmp_path / "no_mtp"), "--model", "deepseek_v3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "lacks mtp.0." in err and err.count("\n") == 1, err
+    assert err == (f"error: {hf_dir}: config.json promises 1 multi-token prediction layer model.layers.3 "
+                   "(num_nextn_predict_layers 1), but the weights hold none (transformers' save_pretrained writes "
+                   "num_nextn_predict_layers 1 without them); set num_nextn_predict_layers to 0 in config.json\n"), err
 
 
 def test_convert_script_dequantizes_fp8_folders(transformers, tmp_path, capsys):

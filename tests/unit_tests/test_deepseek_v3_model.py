@@ -221,7 +221,12 @@ def test_layouts_the_family_cannot_run_are_refused_in_one_line(args, message):
     assert "\n" not in str(refusal.value)
 
 
-@pytest.mark.parametrize("option,value", [("--model.mtp_depth", "-2"), ("--model.mtp_loss_weight", "-0.1")])
-def test_bad_mtp_options_are_refused_when_parsed(option, value):
-    with pytest.raises(ConfigError, match="model.mtp_depth must be"):
+@pytest.mark.parametrize("option,value,line", [
+    ("--model.mtp_depth", "-2", "model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, got -2"),
+    # Each option is named with its own range (the weight's refusal once led with mtp_depth).
+    ("--model.mtp_loss_weight", "-0.1", "model.mtp_loss_weight must be >= 0 (the multi-token prediction loss's "
+     "weight; 0 leaves it out of the training loss), got -0.1")])
+def test_bad_mtp_options_are_refused_when_parsed(option, value, line):
+    with pytest.raises(ConfigError) as refused:
         parse_args([*TINY_RUN, option, value])
+    assert refused.value.line == f"error: {line}"

@@ -179,3 +179,10 @@ def test_a_rank_killed_from_outside_is_the_cause_not_the_peers_it_left(report_di
     # A signal that did reach the launcher (passed on to every rank) stays the explanation.
     stopped = [r for r in read_reports(str(report_dir)) if r.rank == 2]
     assert summarize(stopped, {1: -9}, signum=signal.SIGTERM) == (143, stopped[0].line)
+
+
+def test_a_line_stays_one_line_whatever_the_message_quotes():
+    # Found by the config fuzzing (test_config_fuzz.py): a tokenizer path with a line break in it
+    # made the refusal two lines.
+    assert ConfigError("tokenizer file not found: a\nb\r (set --model.tokenizer_path)").line == (
+        "error: tokenizer file not found: a\\nb\\r (set --model.tokenizer_path)")

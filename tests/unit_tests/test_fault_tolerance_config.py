@@ -103,9 +103,15 @@ def test_outer_optimizer_range(option, value):
         parse_args(ft(f"--fault_tolerance.{option}", value))
 
 
-def test_early_step_in_backward_refused():
-    with pytest.raises(ConfigError, match=r"^fault_tolerance does not combine with optimizer.early_step_in_backward"):
-        parse_args(ft("--optimizer.early_step_in_backward", "--training.max_norm", "0"))
+@pytest.mark.parametrize("argv", [ft("--optimizer.early_step_in_backward", "--training.max_norm", "0"),
+                                  # named first: not the max_norm early stepping needs, nor the lighthouse
+                                  ["--fault_tolerance.enable", "--optimizer.early_step_in_backward"]])
+def test_early_step_in_backward_refused(argv):
+    with pytest.raises(ConfigError) as refused:
+        parse_args(argv)
+    assert refused.value.line == ("error: fault_tolerance does not combine with optimizer.early_step_in_backward: a "
+                                  "step is applied only once the groups have averaged its gradients and agreed to "
+                                  "commit it; use one or the other")
 
 
 def test_moe_bias_updates_refused():

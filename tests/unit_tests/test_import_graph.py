@@ -10,7 +10,12 @@ Layering rules: no product module imports `tests` (test machinery lives there; t
 package does not ship it), nor names a tests module in a string that something may import at run
 time (`experimental.custom_import`, importlib); no module under torchtitan/models/ reaches the
 estimation package, directly or through other modules: the dry run reaches the model only through
-seams the estimation package fills (torchtitan/estimation/shapes_only.py).
+seams the estimation package fills (torchtitan/estimation/shapes_only.py); nothing under
+torchtitan/config/ reaches the parallelisms package, directly or through other modules, except
+config/preflight.py, which sits above the features (it builds ParallelDims, the pipeline plan and
+the model) and which no other config module imports. The rules registry names feature checks as
+"module:function" strings, imported only when a rule runs: the options need not know the features
+that check them (docs/architecture.md, "Where each rule lives").
 """
 
 from __future__ import annotations
@@ -125,11 +130,13 @@ def forbidden_imports(imports: Mapping[str, set[str]], importers: tuple[str, ...
                   for name in names if within(name, forbidden))
 
 
-def forbidden_reach(graph: Mapping[str, set[str]], importers: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
-    """For every module within `importers` that reaches a module within `forbidden` through the
-    import `graph`, one chain of imports that gets there ('a -> b -> c'), shortest first found."""
+def forbidden_reach(graph: Mapping[str, set[str]], importers: tuple[str, ...], forbidden: tuple[str, ...],
+                    exempt: tuple[str, ...] = ()) -> list[str]:
+    """For every module within `importers` (and not within `exempt`) that reaches a module within
+    `forbidden` through the import `graph`, one chain of imports that gets there ('a -> b -> c'),
+    shortest first found. A chain through an exempt module counts."""
     chains = []
-    for start in sorted(m for m in graph if within(m, importers)):
+    for start in sorted(m for m in graph if within(m, importers) and not within(m, exempt)):
         came_from: dict[str, str] = {start: ""}
         queue = [start]
         while queue:
@@ -162,6 +169,9 @@ def named_tests_modules(path: Path) -> set[str]:
 MODELS = ("torchtitan.models",)
 ESTIMATION = ("torchtitan.estimation", "torchtitan.shapes_only")  # shapes_only: the dry run's, wherever it lives
 TESTS = ("tests",)
+CONFIG = ("torchtitan.config",)
+CONFIG_ABOVE_FEATURES = ("torchtitan.config.preflight",)
+PARALLELISMS = ("torchtitan.parallelisms",)
 
 
 def test_product_modules_import_no_circles():
@@ -189,6 +199,16 @@ def test_models_do_not_reach_estimation():
     assert not chains, "model code importing the dry run's (give the model a seam instead):\n" + "\n".join(chains)
 
 
+def test_config_does_not_reach_the_parallelisms():
+    graph = import_graph()
+    assert {"torchtitan.config.manager", "torchtitan.config.rules", *CONFIG_ABOVE_FEATURES} <= set(graph)
+    chains = forbidden_reach(graph, CONFIG, PARALLELISMS, exempt=CONFIG_ABOVE_FEATURES)
+    assert not chains, ("config/ importing a parallelism (a rule that needs ParallelDims or a pipeline plan lives "
+                        "with its feature, named in config/rules.py as 'module:function'):\n" + "\n".join(chains))
+    importers = forbidden_imports(graph, CONFIG, CONFIG_ABOVE_FEATURES)
+    assert not importers, f"config modules importing preflight, which sits above the features: {importers}"
+
+
 def test_the_layering_rules_can_fail(tmp_path):
     # The checkers themselves, on a synthetic package: an import of tests inside a function, a
     # tests module named in a string, and models reaching estimation directly or through a module
@@ -213,6 +233,17 @@ def test_the_layering_rules_can_fail(tmp_path):
         "torchtitan.models.moe -> torchtitan.tools.parity -> torchtitan.estimation"]
     allowed = {"torchtitan.estimation.shapes_only": {"torchtitan.models.moe"}, "torchtitan.models.moe": set()}
     assert forbidden_reach(allowed, MODELS, ESTIMATION) == []  # estimation may import the model
+    # config/: preflight may import a parallelism; another config module may not, nor reach one through it.
+    config = {"torchtitan.config.preflight": {"torchtitan.parallelisms.parallel_dims"},
+              "torchtitan.config.rules": set(), "torchtitan.config.manager": {"torchtitan.config.rules"},
+              "torchtitan.parallelisms.parallel_dims": {"torchtitan.config.job_config"}}
+    assert forbidden_reach(config, CONFIG, PARALLELISMS, exempt=CONFIG_ABOVE_FEATURES) == []
+    config["torchtitan.config.rules"] = {"torchtitan.config.preflight"}
+    assert forbidden_reach(config, CONFIG, PARALLELISMS, exempt=CONFIG_ABOVE_FEATURES) == [
+        "torchtitan.config.manager -> torchtitan.config.rules -> torchtitan.config.preflight -> "
+        "torchtitan.parallelisms.parallel_dims",
+        "torchtitan.config.rules -> torchtitan.config.preflight -> torchtitan.parallelisms.parallel_dims"]
+    assert forbidden_imports(config, CONFIG, CONFIG_ABOVE_FEATURES) == ["torchtitan.config.rules -> torchtitan.config.preflight"]
 
 
 def test_the_walk_sees_circles_and_hidden_imports(tmp_path):

@@ -5,6 +5,7 @@ end-of-text label mask that produces such labels (training.mask_loss_after_eos).
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -152,3 +153,26 @@ def test_a_tokenizer_without_end_of_text_is_refused_for_the_mask():
     with pytest.raises(ConfigError, match="training.mask_loss_after_eos needs an end-of-text token .*leave "
                                           "training.mask_loss_after_eos off"):
         check_document_mask(parse_args(["--training.mask_loss_after_eos"]), Vocabulary())
+
+
+def test_steps_where_no_label_carries_a_loss_are_warned_about_once_and_counted(caplog):
+    """All-masked steps (every label IGNORE_INDEX: mask_loss_after_eos on end-of-text data) are counted on
+    the device and read at the step lines: the first are warned about once, every one is counted."""
+    loss_fn = TokenWeightedLoss(cross_entropy_loss, None)
+    steps = loss_tokens.StepsWithoutLoss(loss_fn)
+    masked, some = torch.full((2, SEQ), IGNORE_INDEX), torch.zeros(2, SEQ, dtype=torch.long)
+    with caplog.at_level(logging.WARNING):
+        loss_fn.start_step([some])
+        steps.read(1, 1)  # a step line over a step with labels: nothing to say
+        for labels in ([masked, masked], [masked, some], [masked]):  # steps 2-4: two without a loss
+            loss_fn.start_step(labels)
+        steps.read(2, 4)
+        loss_fn.start_step([masked])
+        steps.read(5, 5)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["2 of the 3 steps 2-4 had no label that carries a loss, on any rank (every label masked: "
+                        "training.mask_loss_after_eos masks the one after each end-of-text token): such a step's loss and "
+                        "gradient norm are 0 and it trains nothing; check the data (said once; the run summary counts "
+                        "every such step)"]
+    assert steps.total == 3
+    assert loss_tokens.StepsWithoutLoss(cross_entropy_loss).total == 0  # another loss function: nothing counted

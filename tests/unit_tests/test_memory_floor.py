@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from torchtitan.config import memory_floor
 from torchtitan.config.manager import ConfigError, parse_args, validate_world_size
-from torchtitan.config.memory_floor import check_step_fits, state_floor_bytes, step_floor_bytes
+from torchtitan.estimation import memory_floor
+from torchtitan.estimation.memory_floor import check_step_fits, state_floor_bytes, step_floor_bytes
 from torchtitan.models import get_train_spec
 
 BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64"]

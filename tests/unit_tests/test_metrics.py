@@ -1,14 +1,20 @@
 """Tests for torchtitan.observability.metrics: the MFU peak (GPU table, cached CPU peak, override), metrics.jsonl
-across fresh and resumed runs, and the optional Weights & Biases sink (with a fake wandb module)."""
+across fresh and resumed runs, the optional Weights & Biases sink (with a fake wandb module), and metrics files on
+a full or read-only disk (one warning each, the run goes on)."""
 
+import errno
 import json
+import logging
+import os
 import platform
+import re
 import sys
 import types
 
 import pytest
 import torch
 
+from tests.faults.free_space import fill_disk_under, noting_open
 from torchtitan.config.manager import ConfigError, JobConfig, parse_args
 from torchtitan.observability import metrics
 from torchtitan.observability.metrics import MetricsLogger, StepMetrics, gpu_peak_flops, peak_flops
@@ -330,3 +336,71 @@ def test_validation_goes_to_tensorboard_beside_the_training_scalars(tmp_path):
     events.Reload()
     assert {"train/loss", "validation/loss", "validation/perplexity"} <= set(events.Tags()["scalars"])
     assert [(e.step, e.value) for e in events.Scalars("validation/loss")] == [(2, 3.5)]
+
+
+# ----------------------------------------------------------------------------- a full or read-only disk
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+GOES_ON = ("it is not written for the rest of this run, which trains on: the step lines still print and checkpoints "
+           "are saved as before (a save that does not fit ends the run with exit code 4)")
+
+
+def test_a_disk_that_fills_up_stops_each_metrics_file_with_one_warning_and_the_run_goes_on(tmp_path, caplog,
+                                                                                            monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchtitan.observability import metric_files
+
+    opened = []
+    monkeypatch.setattr(metric_files, "open", noting_open(opened), raising=False)
+    logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0, enable_tensorboard=True), torch.device("cpu"), 10**6,
+                           rank=0)
+    logger.log(step(1))
+    fill_disk_under(opened)  # the kernel's ENOSPC from here on, as on a disk that filled up
+    with caplog.at_level(logging.WARNING):
+        assert logger.log(step(2))["loss"] == 2.5  # the figures are still computed (and printed)
+        logger.log_validation(2, 3.5, 33.1, 4, 1024, 0.2)
+        logger.log(step(3))
+        logger.log_record({"record": "summary", "first_step": 1, "last_step": 3})
+        logger.close()
+    dump = tmp_path / "dump"
+    free = r"No space left on device, [\d.,]+ MiB free on the disk holding \S+; "
+    expected = [f"cannot write the TensorBoard event file {logger.writer.path} at step 2: ",
+                f"cannot write the metrics file {dump}/metrics.jsonl at step 2: "]
+    assert len(warnings_of(caplog)) == 2
+    for warning, start in zip(warnings_of(caplog), expected):
+        assert re.fullmatch(re.escape(start) + free + re.escape(GOES_ON), warning), warning
+    assert logger.jsonl.stopped.startswith("at step 2: No space left on device")  # for the run's summary
+    assert [r["step"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())] == [1]
+    accumulator = EventAccumulator(str(dump / "tb"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("train/loss")] == [1]  # what was written before stays readable
+
+
+def test_a_read_only_disk_stops_the_metrics_files_at_start_up_with_one_warning(tmp_path, caplog, monkeypatch):
+    from torchtitan.observability import metric_files
+
+    def read_only(path, *args, **kwargs):  # what open() meets on a read-only mount
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(metric_files, "open", read_only, raising=False)
+    with caplog.at_level(logging.WARNING):
+        logger = MetricsLogger(config_in(tmp_path, peak_tflops=1.0, enable_tensorboard=True), torch.device("cpu"),
+                               10**6, rank=0)
+        assert logger.log(step(1))["loss"] == 2.5
+        logger.close()
+    assert warnings_of(caplog) == [
+        f"cannot write the metrics file {tmp_path}/dump/metrics.jsonl at start-up: Read-only file system; {GOES_ON}",
+        f"cannot write the TensorBoard event file {logger.writer.path} at start-up: Read-only file system; {GOES_ON}"]
+
+
+def test_a_full_disk_whose_free_space_cannot_be_measured_is_said_without_it(tmp_path):
+    from torchtitan.observability import metric_files
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert metric_files._reason(full, str(tmp_path / "gone" / "metrics.jsonl")) == "No space left on device"
+    assert metric_files._reason(full, str(tmp_path / "metrics.jsonl")).startswith("No space left on device, ")

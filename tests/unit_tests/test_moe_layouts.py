@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_RUN
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args, validate_world_size
 from torchtitan.config.preflight import check_experts, preflight
 from torchtitan.models import get_train_spec
 from torchtitan.models.qwen3.flavors import qwen3_configs
@@ -169,3 +169,14 @@ def test_preflight_refuses_ep_for_a_dense_qwen3_and_passes_the_moe_flavor():
 def test_preflight_refuses_more_ep_ranks_than_the_world_lends():
     with refused(["training.expert_parallel_degree 4", "(dp_shard 2 = 2)", "e.g. 2 here"]):
         preflight(qwen3_job("debugmodel_moe", "--training.expert_parallel_degree", "4"), world_size=2)
+
+
+def test_an_expert_parallel_refusal_in_a_huge_world_is_answered_at_once():
+    # Found by the config fuzzing (test_config_fuzz.py): the hint listed the allowed degrees by
+    # trying every multiple up to the world size, minutes for a WORLD_SIZE of 2**40 (a hang).
+    config = parse_args(["--training.expert_parallel_degree", "3"])
+    with pytest.raises(ConfigError) as refused:
+        validate_world_size(config, 2**40)
+    assert refused.value.line == ("error: training.expert_parallel_degree 3 must divide the ranks it is taken from "
+                                  f"(dp_shard {2**40} = {2**40}) and be a multiple of context x tensor parallel (1); "
+                                  f"e.g. 2 or 4 or 8 or 16 or 32 or 64 or {2**40} here")

@@ -156,6 +156,49 @@ def test_matrices_go_to_muon_and_the_rest_to_adamw(exclude, muon_names):
     assert set(optimizers.state_dict()) >= {"state.experts.momentum_buffer", "state.output.weight.exp_avg"}
 
 
+def test_a_pattern_names_a_parameter_inside_a_checkpointed_block():
+    # Activation checkpointing wraps a block, and the model's named_parameters() then name its
+    # parameters through the wrapper (`proj._checkpoint_wrapped_module.weight`); patterns match the
+    # bare names, as the config's check (on the unwrapped model) saw them.
+    from torchtitan.runtime.torch_compat.composable import checkpoint_wrapper
+
+    model = ToyMoE()
+    model.proj = checkpoint_wrapper(model.proj)
+    optimizers = build_optimizers([model], muon_config(muon_exclude=["tok_embeddings", "output", "proj"]))
+    muon = optimizers.optimizers[1]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for g in muon.param_groups for p in g["params"]) == ["experts", "router.weight"]
+
+
+def preflight_muon(tmp_path, *argv):
+    from tests.helpers import TINY_RUN
+    from torchtitan.config.preflight import preflight
+
+    config = parse_args([*TINY_RUN, "--job.dump_folder", str(tmp_path), "--optimizer.name", "Muon", *argv])
+    return preflight(config, world_size=1, device_type="cpu", check_memory=False)
+
+
+@pytest.mark.parametrize("exclude,kept", [
+    ("no_such_param", "; the list replaces the default, so add tok_embeddings,output to keep those with AdamW"),
+    ("output,no_such_param", "; the list replaces the default, so add tok_embeddings to keep those with AdamW"),
+    ("tok_embeddings,output,no_such_param", "")])
+def test_a_muon_exclude_pattern_that_matches_nothing_is_refused(tmp_path, exclude, kept):
+    with pytest.raises(ConfigError) as refused:
+        preflight_muon(tmp_path, "--optimizer.muon_exclude", exclude)
+    assert refused.value.line == (
+        "error: optimizer.muon_exclude 'no_such_param' matches no parameter of model llama3 tiny (named like "
+        "tok_embeddings.weight, layers.1.attention.wq.weight, output.weight: give a name prefix or an fnmatch "
+        f"pattern){kept}")
+
+
+@pytest.mark.parametrize("argv", [["--model.flavor", "tiny_tied"],  # output.weight is tok_embeddings.weight
+                                  ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
+                                  ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
+                                  ["--optimizer.muon_exclude", "tok_embeddings,output,*.attention.w?.*,layers.0"]])
+def test_the_default_and_real_patterns_match_every_family(tmp_path, argv):
+    preflight_muon(tmp_path, *argv)
+
+
 def test_experts_are_orthogonalised_one_by_one():
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(3, 16, 8, generator=gen)
@@ -194,8 +237,6 @@ def test_muon_options_are_checked():
         parse_args(["--optimizer.name", "Muon", "--optimizer.muon_momentum", "1.0"])
     with pytest.raises(ConfigError, match="optimizer.muon_ns_steps must lie in"):
         parse_args(["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"])
-    with pytest.raises(ConfigError, match="optimizer.early_step_in_backward does not compose with optimizer.name Muon"):
-        parse_args(["--optimizer.name", "Muon", "--optimizer.early_step_in_backward", "--training.max_norm", "0"])
     with pytest.raises(ConfigError, match="optimizer.name Muon does not compose with training.enable_cpu_offload"):
         parse_args(["--optimizer.name", "Muon", "--training.enable_cpu_offload"])
 

@@ -20,6 +20,7 @@ from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.llama.parallelize_llama import validate_llama
 from torchtitan.models.llama.pipeline_llama import build_stage_module
 from torchtitan.models.llama.pipeline_split import parse_split_points, split_points_for, unit_costs
+from torchtitan.parallelisms import pipeline
 from torchtitan.parallelisms.parallel_dims import parallel_dims_from_config
 from torchtitan.parallelisms.pipeline import (
     SCHEDULES,
@@ -183,6 +184,23 @@ def test_missing_csv_refused(tmp_path):
         pp_config(schedule_csv=missing)
     with pytest.raises(ConfigError, match="no such file"):
         plan_pipeline(raw_config(schedule_csv=str(missing)))
+
+
+def test_a_csv_that_cannot_be_read_as_text_is_one_line(tmp_path, monkeypatch):
+    # Found by the config fuzzing (test_config_fuzz.py): a binary file was a UnicodeDecodeError traceback.
+    binary = tmp_path / "schedule.csv"
+    binary.write_bytes(b"0F0,\x80\x81")
+    with pytest.raises(ConfigError) as refused:
+        plan_pipeline(raw_config(schedule_csv=str(binary)))
+    assert refused.value.line == (f"error: experimental.pipeline_parallel_schedule_csv {binary} is not a CSV text "
+                                  "file (byte 4 is not UTF-8)")
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pipeline, "open", unreadable, raising=False)  # root reads any file: a refused read stands in
+    with pytest.raises(ConfigError, match=r"schedule_csv .*schedule.csv: cannot read it: Permission denied$"):
+        plan_pipeline(raw_config(schedule_csv=str(binary)))
 
 
 def test_shipped_csv_gives_csv_plan():

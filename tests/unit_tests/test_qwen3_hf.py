@@ -418,9 +418,10 @@ def test_save_pretrained_folders_round_trip_byte_for_byte(transformers, tmp_path
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
 
 
-def test_transformers_fused_experts_read_as_the_published_layout(transformers, tmp_path):
+def test_transformers_fused_experts_read_as_the_published_layout(transformers, tmp_path, capsys):
     """`save_pretrained(save_original_format=False)` writes transformers 5's own fused experts
-    (`gate_up_proj`, `down_proj`): they read as the same model, which exports the published layout."""
+    (`gate_up_proj`, `down_proj`): they read as the same model, which exports the published layout,
+    and the converter says that is why it does not give the original files back."""
     reference = reference_model(transformers, moe=True, tie=False)
     reference.save_pretrained(tmp_path / "published")
     reference.save_pretrained(tmp_path / "fused", save_original_format=False)
@@ -431,6 +432,15 @@ def test_transformers_fused_experts_read_as_the_published_layout(transformers, t
         assert torch.equal(a, b), name
     exported = hf_folder.to_hf(fused.state_dict(), fused.args, ADAPTER)
     assert sorted(exported) == sorted(hf_folder.read_hf_tensors(str(tmp_path / "published"), ["model.safetensors"])[0])
+    from scripts import convert_checkpoint
+
+    assert convert_checkpoint.main(["hf-to-dcp", str(tmp_path / "fused"), str(tmp_path / "dcp"), "--model", "qwen3"]) == 0
+    capsys.readouterr()
+    assert convert_checkpoint.main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
+    assert capsys.readouterr().err == (
+        "warning: writing a fresh layout, not the original files: they hold the experts fused (model.layers.0.mlp."
+        "experts.down_proj: transformers' own layout), and this export writes them one tensor per expert (model.layers."
+        "0.mlp.experts.0.down_proj.weight, ...), as published models are\n")
 
 
 EXPORTS = {"dense-untied": (DENSE, False), "dense-tied": (DENSE, True), "moe-untied": (MOE, False),

@@ -1,6 +1,7 @@
 """Packing, data-shard assignment (byte ranges), workers, resumable position, held-out split."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -231,7 +232,7 @@ def test_held_out_documents_are_disjoint_from_training_and_spread_over_the_sourc
     assert all(Split(1.0, validation=True).reads(k) for k in keys)
 
 
-def test_validation_batches_are_the_held_out_documents_read_once(tmp_path):
+def test_validation_batches_are_the_held_out_documents_read_once(tmp_path, caplog):
     docs = [f"document number {i} " * 3 for i in range(200)]
     path = _corpus(tmp_path, docs)
     held = Split(0.2, validation=True)
@@ -240,7 +241,12 @@ def test_validation_batches_are_the_held_out_documents_read_once(tmp_path):
     expected = [t for d, k in zip(docs, kept) if k for t in CharTokenizer().encode(d, True, True)]
     ds = PackedTextDataset(path, CharTokenizer(), 16, batch_size=1, shards=[0], num_shards=1, infinite=False,
                            split=held)
-    batches = list(ds)  # finite: no second epoch
+    with caplog.at_level(logging.INFO):
+        batches = list(ds)  # finite: no second epoch
+    # Reaching the end is how a validation of all the held-out data ends: said so, not as "data exhausted".
+    assert [r.getMessage() for r in caplog.records] == [
+        f"validation read all of the held-out split of {path} (validation.held_out_fraction 0.2): every full batch it "
+        "holds (the tokens after the last one make no batch)"]
     assert 20 < sum(kept) < 60
     assert len(batches) == (len(expected) - 1) // 16
     assert [t for inputs, _ in batches for t in inputs[0].tolist()] == expected[: 16 * len(batches)]

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.manager import ConfigError, parse_args, validate_world_size
 from torchtitan.config.preflight import build_model_args
 from torchtitan.models import get_train_spec
 from torchtitan.models.llama.model import ModelArgs, Transformer
@@ -139,9 +139,16 @@ def test_float8_without_torchao_says_how_to_install(monkeypatch):
 ])
 def test_sequence_parallelism_needs_positions_that_split_evenly(argv, refused):
     """Sequence parallelism shards each rank's sequence over tp: an uneven split is refused by the
-    config pass (it used to fail in the first forward); without sequence parallelism any length runs."""
+    layout rules (it used to fail in the first forward); without sequence parallelism any length runs."""
+    config = parse_args(argv)
+    world_size = config.training.tensor_parallel_degree * config.experimental.context_parallel_degree
     if refused is None:
-        parse_args(argv)
+        validate_world_size(config, world_size)
     else:
         with pytest.raises(ConfigError, match=refused):
-            parse_args(argv)
+            validate_world_size(config, world_size)
+
+
+def test_a_tp_degree_the_ranks_cannot_hold_is_named_before_the_sequence_length():
+    with pytest.raises(ConfigError, match=r"^training.tensor_parallel_degree 3 does not divide the world size 2"):
+        validate_world_size(parse_args(["--training.tensor_parallel_degree", "3", "--training.seq_len", "64"]), 2)

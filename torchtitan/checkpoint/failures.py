@@ -38,6 +38,14 @@ def _root(exc: BaseException) -> BaseException:
     return exc
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost cause of `exc`; for DCP's gathered CheckpointException, of the lowest failing rank's."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        failure = exc.failures[min(exc.failures)]
+        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack) per rank
+    return _root(exc)
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
@@ -75,7 +83,7 @@ def save_failure(exc: BaseException, folder: str) -> str:
     reports `unexpected pos 704 vs 598`), so the free space is added unless the cause is another
     OSError (read-only, permissions), or our own refusal, which names it already."""
     line = one_line(exc)
-    root = _root(exc.failures[min(exc.failures)][0]) if isinstance(exc, CheckpointException) and exc.failures else _root(exc)
+    root = root_cause(exc)
     if isinstance(root, NotEnoughSpace) or (isinstance(root, OSError) and not is_out_of_space(root)):
         return line
     free = free_bytes(folder)

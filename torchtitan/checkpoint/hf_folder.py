@@ -80,6 +80,23 @@ def family_of(config: Any, prefer: str | None = None) -> tuple[str, Any] | None:
     return None
 
 
+def family_refusal(config: Any) -> str:
+    """Why no registered family reads `config` (family_of gave None), as the converter says it: the
+    refusal of the family whose models are of the architecture config.json names, e.g. `config.json:
+    rope_parameters rope_type 'yarn' is not supported`; else that no family has that architecture."""
+    wanted = (config.get("architectures") or [None])[0] if isinstance(config, dict) else None
+    for name in registered_names():
+        spec = get_train_spec(name)
+        adapter = spec.hf_adapter
+        if adapter is None or wanted not in {adapter.hf_architecture(args) for args in spec.config.values()}:
+            continue
+        try:
+            adapter.model_args_from_hf_config(config)
+        except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            return f"config.json: {e}"
+    return f"no registered model reads its config.json (architectures {wanted})"
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 
@@ -161,6 +178,13 @@ def our_names(adapter: HFAdapter, name: str, args: Any) -> tuple[str, ...]:
     return adapter.from_hf_names(name)
 
 
+def promised_but_missing(adapter: HFAdapter, args: Any, fqns: Iterable[str]) -> str | None:
+    """Why a folder whose tensors are our `fqns` lacks what its config.json (`args`) promises, with the
+    fix, where the family knows a usual cause (the adapter's optional `promised_but_missing`)."""
+    explain = getattr(adapter, "promised_but_missing", None)
+    return explain(args, list(fqns)) if explain is not None else None
+
+
 def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapter,
                hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Our FQN -> tensor in our layout, and the derived buffers set aside for the sidecar. Each of
@@ -169,6 +193,8 @@ def hf_to_ours(hf_tensors: dict[str, torch.Tensor], args: Any, adapter: HFAdapte
     buffers = {k: v for k, v in hf_tensors.items() if k.endswith(_BUFFER_SUFFIX)}
     parts = {fqn: {name: hf_tensors[name] for name in names}
              for fqn, names in names_by_fqn(hf_tensors, args, adapter, hf_dir).items()}
+    if (why := promised_but_missing(adapter, args, parts)) is not None:
+        raise CheckpointError(f"{hf_dir}: {why}")
     try:
         ours = {fqn: adapter.from_hf_tensors(fqn, group, args).contiguous() for fqn, group in parts.items()}
     except CheckpointError as e:  # the adapter names the tensor; the folder is said here
@@ -243,8 +269,13 @@ def _exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any
         for key, entry in entries:
             tensor = hf.get(key)
             start, stop = entry["data_offsets"]
-            if tensor is None or getattr(torch, _ST_DTYPES.get(entry["dtype"], "?"), None) != tensor.dtype:
-                return f"{key} is missing or has another dtype"
+            if tensor is None and (split := _split_experts(key, hf)) is not None:
+                return (f"they hold the experts fused ({key}: transformers' own layout), and this export writes them "
+                        f"one tensor per expert ({split}, ...), as published models are")
+            if tensor is None:
+                return f"{key} has no tensor of that name in this export"
+            if getattr(torch, _ST_DTYPES.get(entry["dtype"], "?"), None) != tensor.dtype:
+                return f"{key} is {entry['dtype']} there and {str(tensor.dtype).removeprefix('torch.')} here"
             if list(tensor.shape) != entry["shape"] or start != end or stop - start != tensor.numel() * tensor.element_size():
                 return f"{key} no longer fits its original place"
             end = stop
@@ -252,6 +283,13 @@ def _exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any
         used.update(k for k, _ in entries)
     left = set(hf) - used - ({HF_OUTPUT} if tied else set())
     return plan if not left else f"{sorted(left)[0]} has no place in the original files"
+
+
+def _split_experts(fused: str, hf: dict[str, torch.Tensor]) -> str | None:
+    """The first per-expert tensor of `hf` where the original files hold `fused`, one tensor of every
+    expert (`...mlp.experts.gate_up_proj` beside `...mlp.experts.0.gate_proj.weight`); None otherwise."""
+    prefix = fused.rpartition(".")[0] + ".0."
+    return next((name for name in sorted(hf) if name.startswith(prefix)), None)
 
 
 def try_exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any], tied: bool) -> dict[str, list] | str:

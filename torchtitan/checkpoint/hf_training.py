@@ -143,9 +143,10 @@ def _tie(parts: dict[str, list[str]], excluded: list[str], adapter: Any, args: A
     return [f for f in excluded if f != output] + ([output] if embedding in excluded else []), problem
 
 
-def _config_differences(path: str, adapter: Any, args: Any, option: str) -> tuple[dict[str, str], list[str]]:
+def _config_differences(path: str, adapter: Any, args: Any, option: str) -> tuple[dict[str, str], list[str], Any]:
     """(shape-relevant, numeric) fields in which the folder's config.json differs from the run's
-    model args, each as `name X (config.json) vs Y (this run)`; the first by field name."""
+    model args, each as `name X (config.json) vs Y (this run)`; the first by field name; and the
+    model args config.json describes."""
     config = hf_folder.read_json(os.path.join(path, CONFIG), f"{path}/{CONFIG}")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}/{CONFIG} is not a JSON object")
@@ -167,7 +168,7 @@ def _config_differences(path: str, adapter: Any, args: Any, option: str) -> tupl
             numeric.append(text)
         else:
             shapes[f.name] = text
-    return shapes, numeric
+    return shapes, numeric, theirs
 
 
 def _expected_shapes(folder: _Folder, parts: dict[str, list[str]], adapter: Any, args: Any) -> dict[str, tuple]:
@@ -189,7 +190,7 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     their initial values (excluded, or left out of a deliberate partial load), with warnings.
     `option` names the folder in the lines (a tool reading one for itself has no partial loads)."""
     # config.json first: a folder of another family is best named by its model_type.
-    shape_fields, numeric_fields = _config_differences(path, adapter, args, option)
+    shape_fields, numeric_fields, theirs_args = _config_differences(path, adapter, args, option)
     if any(name in HEAD_FIELDS for name in shape_fields):
         # Equal shapes can hide this (dim 256 as 16 heads of 16 or 8 of 32), and the query and key
         # rows are ordered per head for RoPE, so no partial load can use such weights.
@@ -220,7 +221,9 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     if extra:
         missing.append(f"it holds {extra[0]}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
                        + " that this run's model does not have")
-    problems = computed + ([tie_problem] if tie_problem else []) + missing
+    # What the folder's own config.json promises and its weights lack, in the family's words, first.
+    promised = hf_folder.promised_but_missing(adapter, theirs_args, parts)
+    problems = ([promised] if promised else []) + computed + ([tie_problem] if tie_problem else []) + missing
     if problems and not allow_partial:
         why = f" (its {CONFIG} differs: {', '.join(shape_fields.values())})" if shape_fields else ""
         output = adapter.from_hf_names(hf_folder.HF_OUTPUT)[0].removesuffix(".weight")
@@ -231,7 +234,8 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
         raise CheckpointError(f"{option} {path} does not fit this run's model{why}: "
                               f"{problems[0]}" + (f"; and {len(problems) - 1} more problems" if len(problems) > 1 else "")
                               + f"; {fix}")
-    warnings = [f"{path}: {p}; the run computes with its own value (checkpoint.allow_partial_load)" for p in computed]
+    warnings = [f"{path}: {promised}"] if promised else []
+    warnings += [f"{path}: {p}; the run computes with its own value (checkpoint.allow_partial_load)" for p in computed]
     if tie_problem:
         warnings.append(f"{path}: {tie_problem}; the embedding is loaded for both (checkpoint.allow_partial_load)")
     warnings += [f"{path}: {p}; left as initialised (checkpoint.allow_partial_load)" for p in missing]

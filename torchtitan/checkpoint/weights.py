@@ -2,14 +2,17 @@
 
 Used by scripts/convert_checkpoint.py. Checkpoints are read only through the safe loaders of
 safe_load.py and torch.save files only with `weights_only=True`. Outputs are written under a
-temporary sibling name and appear under their final name only once complete.
+temporary sibling name and appear under their final name only once complete; a disk that refuses
+them (full, read-only) is one line (`check_room` before, `writing` during).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
+import re
 import shutil
 import time
 import warnings
@@ -18,9 +21,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan.checkpoint import folders
+from torchtitan.checkpoint import failures, folders
 from torchtitan.checkpoint.failures import one_line
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
@@ -30,6 +34,78 @@ def temporary_sibling(path: str) -> str:
     """A fresh name next to `path`, where an output is written before it is renamed to `path`."""
     path = os.path.abspath(path)
     return f"{path}.partial-{os.getpid()}-{time.time_ns()}"
+
+
+def check_room(out: str, nbytes: int) -> None:
+    """Refuses, before anything is written, an output whose tensors alone (`nbytes`) would not fit on
+    the disk that is to hold it."""
+    folder = os.path.dirname(os.path.abspath(out))
+    free = failures.free_bytes(folder)
+    if free is not None and nbytes > free:
+        raise CheckpointError(f"not enough space for {out}: its tensors need {failures.mib(nbytes)}, the disk holding "
+                              f"{folder} has {failures.mib(free)} free; free space there or write it to another folder")
+
+
+# How the writers the converter uses say what the OS refused: safetensors (Rust) as `I/O error: No space
+# left on device (os error 28)`; torch.save's zip writer as `open file failed with strerror: Read-only file
+# system` when it cannot create the file, and as `unexpected pos 704 vs 598` when a write came short.
+_OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)")
+_ZIP_OPEN_FAILED = re.compile(r"open file failed with strerror: ([^\n]+)")
+_ZIP_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+")
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it was raised from or while handling, innermost first; DCP's CheckpointException
+    stands for the exception of its lowest failing rank."""
+    chain: list[BaseException] = []
+    while exc is not None and all(exc is not seen for seen in chain):
+        if isinstance(exc, CheckpointException) and exc.failures:
+            failure = exc.failures[min(exc.failures)]
+            exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack) per rank
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return chain[::-1]
+
+
+def _refusal(exc: BaseException) -> tuple[str, bool] | None:
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.strerror or os.strerror(exc.errno), exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if type(exc).__name__ == "SafetensorError" and (number := _OS_ERROR_NUMBER.search(text)):
+        code = int(number[1])
+        return os.strerror(code), code in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, RuntimeError) and "inline_container" in text:
+        if opened := _ZIP_OPEN_FAILED.search(text):
+            return opened[1].strip(), os.strerror(errno.ENOSPC) in opened[1]
+        if short := _ZIP_SHORT_WRITE.search(text):
+            return f"a write came out short (torch.save: {short[0]})", True
+    return None
+
+
+def write_failure(exc: BaseException) -> tuple[str, bool] | None:
+    """(what the disk refused, whether for lack of space) for the exception of a failed write, from the
+    innermost exception of its chain that says (torch.save's zip writer says it while cleaning up after
+    an `iostream error`); None for any other exception, which is a bug and keeps its traceback."""
+    return next((found for e in _causes(exc) if (found := _refusal(e)) is not None), None)
+
+
+@contextlib.contextmanager
+def writing(out: str) -> Iterator[None]:
+    """Turns a write of `out` that the disk refused (read-only, full, an I/O error, however the writer
+    reports it) into one CheckpointError line. The writers inside remove their temporary sibling on
+    the way out, so nothing is left that could pass for the output."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException; only a disk's refusal becomes a line
+        failure = write_failure(e)
+        if failure is None:
+            raise
+        cause, out_of_space = failure
+        folder = os.path.dirname(os.path.abspath(out))
+        free = failures.free_bytes(folder) if out_of_space else None
+        room = f" ({failures.mib(free)} free on the disk holding {folder})" if free is not None else ""
+        fix = "free space there or write it to another folder" if out_of_space else "write it to another folder"
+        raise CheckpointError(f"cannot write {out}: {cause}{room}; {fix} (nothing was left there)") from None
 
 
 @contextlib.contextmanager

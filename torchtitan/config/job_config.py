@@ -131,7 +131,7 @@ class Optimizer:
         False, "Step each parameter's optimizer in backward, as soon as its gradient is complete (after FSDP's "
         "reduce-scatter), and free that gradient at once: the gradients of the whole model never exist together. "
         "Same updates as the usual step. Needs training.max_norm 0 (clipping needs every gradient first) and no "
-        "gradient accumulation, pipeline parallelism, ZeRO-1 or plain DDP.")
+        "gradient accumulation, pipeline parallelism, ZeRO-1, Muon, replica groups (fault_tolerance) or plain DDP.")
     muon_momentum: float = opt(0.95, "Muon: momentum (an exponential average of the gradients).")
     muon_nesterov: bool = opt(True, "Muon: orthogonalise the Nesterov blend of gradient and momentum; false: the "
                               "momentum itself.")
@@ -144,8 +144,10 @@ class Optimizer:
                              "on CPU.", choices=["auto", "bfloat16", "float32"])
     muon_exclude: list[str] = opt(
         ["tok_embeddings", "output"], "Muon: parameters AdamW updates although they are matrices (comma-separated "
-        "name patterns: a name prefix like 'output' or 'layers.0', or an fnmatch pattern like '*.router.*'). "
-        "Parameters with fewer than 2 dims (norms, biases) always go to AdamW.")
+        "name patterns: a name prefix like 'output' or 'layers.0', or an fnmatch pattern like '*.router.*'), "
+        "matched against the model's own parameter names; a pattern matching none is refused. The list replaces "
+        "the default: name tok_embeddings,output too to keep them with AdamW. Parameters with fewer than 2 dims "
+        "(norms, biases) always go to AdamW.")
     state_dtype: str = opt(
         "float32", "Dtype of Adam/AdamW's two moments and Muon's momentum. bfloat16 halves the optimizer state "
         "(8 -> 4 bytes per parameter); the update is still computed in fp32 and the parameters stay fp32 "

@@ -1,9 +1,10 @@
 """The config pass: JobConfig (schema in job_config.py) merged as defaults < TOML file < command
 line, then checked.
 
-Unknown sections or keys and wrong types raise `ConfigError` here; the checks of the values are
-the rules of torchtitan/config/rules.py: `parse_args` runs their options phase, and `main` (the
-launcher's pre-check) the shapes and layout phases too. The entry points turn a refusal into one
+Unknown sections or keys and wrong types raise `ConfigError` here; options of earlier versions and
+options of a feature the job does not use get a notice, or a refusal (config/unused_options.py).
+The checks of the values are the rules of torchtitan/config/rules.py: `parse_args` runs their
+options phase, and `main` (the launcher's pre-check) the shapes and layout phases too. The entry points turn a refusal into one
 line on stderr and exit code 2. All of it is torch-free, so `run_llama_train.sh` validates a config
 in milliseconds, before torchrun starts.
 """
@@ -14,6 +15,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import logging
 import os
 import sys
 import typing
@@ -22,10 +24,8 @@ from typing import Any, Sequence
 from torchtitan.assets import resolve_path
 from torchtitan.config import rules
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.unused_options import COMMAND_LINE, LEGACY, Given, read_legacy, unused
 from torchtitan.errors import ConfigError, UserError
-
-if typing.TYPE_CHECKING:
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,12 +54,8 @@ def _suggest(name: str, known: Sequence[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; known: {', '.join(sorted(known))}"
 
 
-# Options earlier versions accepted and nothing read: a config that still sets one is refused like
-# any unknown option, with a line saying why.
-_REMOVED = {"job.use_for_integration_test", "experimental.context_parallel_rotate_method", "checkpoint.interval_type"}
-_REMOVED_HINT = ": it was removed in this version (nothing read it); delete it"
-
 _TRUE = {"true", "1", "yes", "on"}
+_INT64 = 2**63
 _FALSE = {"false", "0", "no", "off"}
 
 
@@ -83,16 +79,16 @@ def _coerce(value: Any, typ: Any, where: str, from_text: bool) -> Any:
             return value.lower() in _TRUE
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, str):
             try:
-                return int(value)
+                value = int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if not -_INT64 <= value < _INT64:  # torch (and every count it takes) holds 64-bit integers
+            raise ConfigError(f"{where} must fit in 64 bits (at most {_INT64 - 1}), got {value}")
+        return value
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -109,28 +105,41 @@ def _coerce(value: Any, typ: Any, where: str, from_text: bool) -> Any:
     raise AssertionError(f"unsupported config type {typ} for {where}")
 
 
-def _set(config: JobConfig, section: str, key: str, raw: Any, source: str, from_text: bool) -> None:
+def _set(config: JobConfig, given: Given, section: str, key: str, raw: Any, source: str, from_text: bool) -> None:
     sections = _sections()
+    dotted = f"{section}.{key}"
+    if dotted in LEGACY:  # an earlier version's option: read once every value is in (unused_options.py)
+        given.legacy[dotted] = (_coerce(raw, LEGACY[dotted].type, f"{dotted} ({source})", from_text), source)
+        return
     if section not in sections:
         raise ConfigError(f"unknown config section [{section}] in {source}{_suggest(section, sections)}")
     fields = _fields(sections[section])
     if key not in fields:
-        hint = _REMOVED_HINT if f"{section}.{key}" in _REMOVED else _suggest(key, fields)
-        raise ConfigError(f"unknown option {section}.{key} in {source}{hint}")
+        raise ConfigError(f"unknown option {dotted} in {source}{_suggest(key, fields)}")
     typ, f = fields[key]
-    value = _coerce(raw, typ, f"{section}.{key} ({source})", from_text)
+    value = _coerce(raw, typ, f"{dotted} ({source})", from_text)
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(
-            f"{section}.{key} ({source}) must be one of {', '.join(map(str, choices))}, got {value!r}"
+            f"{dotted} ({source}) must be one of {', '.join(map(str, choices))}, got {value!r}"
         )
     setattr(getattr(config, section), key, value)
+    given.options[dotted] = source
+
+
+# A config is a few KiB; reading stops beyond this, so that a device or a huge file named by mistake
+# (/dev/zero, a dataset) is refused instead of filling the memory.
+_MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def _load_toml(path: str) -> dict[str, Any]:
     try:
         with open(resolve_path(path, "job.config_file", ConfigError), "rb") as f:
-            return tomllib.load(f)
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+        if len(data) > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} holds more than {_MAX_CONFIG_BYTES // 2**20} MiB: not a TOML config "
+                              "(set --job.config_file)")
+        return tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path} (set --job.config_file)") from None
     except IsADirectoryError:
@@ -152,6 +161,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+@functools.cache  # the options are fixed; building ~200 arguments costs more than parsing with them
 def _build_parser() -> _Parser:
     parser = _Parser(
         prog="torchtitan.train",
@@ -170,13 +180,16 @@ def _build_parser() -> _Parser:
             text = f"{f.metadata['help']} (default: {shown!r})"
             if f.metadata.get("choices"):
                 text += f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
-            kwargs: dict[str, Any] = {"dest": f"{section}.{key}", "help": text.replace("%", "%%")}
-            if typ is bool:
-                kwargs.update(nargs="?", const="true", metavar="BOOL")
-            else:
-                kwargs.update(metavar=typing.get_origin(typ).__name__.upper() if typing.get_origin(typ) else typ.__name__.upper())
-            group.add_argument(f"--{section}.{key}", **kwargs)
+            group.add_argument(f"--{section}.{key}", help=text.replace("%", "%%"), **_value_kwargs(f"{section}.{key}", typ))
+    for dotted, legacy in LEGACY.items():  # accepted, not offered: --help lists only what has an effect
+        parser.add_argument(f"--{dotted}", help=argparse.SUPPRESS, **_value_kwargs(dotted, legacy.type))
     return parser
+
+
+def _value_kwargs(dotted: str, typ: Any) -> dict[str, Any]:
+    if typ is bool:
+        return {"dest": dotted, "nargs": "?", "const": "true", "metavar": "BOOL"}
+    return {"dest": dotted, "metavar": typing.get_origin(typ).__name__.upper() if typing.get_origin(typ) else typ.__name__.upper()}
 
 
 def _attach_negative_numbers(argv: Sequence[str]) -> list[str]:
@@ -206,8 +219,7 @@ def _cli_overrides(argv: Sequence[str]) -> dict[str, Any]:
             sections = _sections()
             if section not in sections:
                 raise ConfigError(f"unknown config section in {name}{_suggest(section, sections)}")
-            hint = _REMOVED_HINT if name[2:] in _REMOVED else _suggest(key, _fields(sections[section]))
-            raise ConfigError(f"unknown option {name}{hint}")
+            raise ConfigError(f"unknown option {name}{_suggest(key, _fields(sections[section]))}")
         raise ConfigError(f"unexpected argument {bad!r}; options look like --section.key value")
     return vars(known)
 
@@ -219,7 +231,7 @@ def help_text() -> str:
 # ---------------------------------------------------------------------------------------------
 # Checks: the rules of torchtitan/config/rules.py, by phase.
 
-__all__ = ["ConfigError", "JobConfig", "help_text", "main", "parse_args", "validate", "validate_world_size"]
+__all__ = ["ConfigError", "JobConfig", "help_text", "main", "parse_args", "read_config", "validate", "validate_world_size"]
 
 
 def validate(config: JobConfig) -> None:
@@ -227,28 +239,41 @@ def validate(config: JobConfig) -> None:
     rules.check_options(config)
 
 
-def validate_world_size(config: JobConfig, world_size: int) -> ParallelDims:
+def validate_world_size(config: JobConfig, world_size: int) -> Any:
     """The layout phase: the parallel degrees against the number of ranks, and what each layout
-    can honour; returns the validated ParallelDims."""
+    can honour; returns the validated ParallelDims (config/ names no feature's type: rules.py)."""
     return rules.check_layout(config, world_size)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
-    """Builds the JobConfig from defaults, the TOML file named by --job.config_file, and argv."""
+def read_config(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]]:
+    """Builds the JobConfig from defaults, the TOML file named by --job.config_file, and argv, and
+    runs the options rules. Returns it with its notices (options it sets that have no effect:
+    config/unused_options.py), for the caller to show once."""
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = _cli_overrides(argv)
-    config = JobConfig()
+    config, given = JobConfig(), Given()
     config_file = overrides.get("job.config_file", "")
     if config_file:
         for section, values in _load_toml(config_file).items():
             if not isinstance(values, dict):
                 raise ConfigError(f"'{section}' in {config_file} must be a [section] table, got a value")
             for key, value in values.items():
-                _set(config, section, key, value, config_file, from_text=False)
+                _set(config, given, section, key, value, config_file, from_text=False)
     for dotted, value in overrides.items():
         section, key = dotted.split(".", 1)
-        _set(config, section, key, value, "command line", from_text=True)
+        _set(config, given, section, key, value, COMMAND_LINE, from_text=True)
+    notices = read_legacy(config, given)
     validate(config)
+    return config, notices + unused(config, given)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
+    """Builds and checks the JobConfig (read_config); its notices go to the log of rank 0 only, so
+    that a job of N ranks says each once (the launcher's pre-check has said it once before)."""
+    config, notices = read_config(argv)
+    if os.environ.get("RANK", "0") == "0":
+        for notice in notices:
+            logging.getLogger("torchtitan").warning(f"notice: {notice}")
     return config
 
 
@@ -257,8 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     run_llama_train.sh runs this before torchrun so that --help and bad options answer at once,
     with one line and exit code 2, instead of once per rank behind torchrun's error report. It
-    runs the rule phases that need no torch: options (parse_args), shapes, and layout when the
-    launcher exports the number of ranks (WORLD_SIZE).
+    runs the rule phases that need no torch: options (read_config), shapes, and layout when the
+    launcher exports the number of ranks (WORLD_SIZE). A config that passes gets its notices here,
+    on stderr, one line each.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -269,10 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch_mode = "--launch-mode" in argv
     argv = [a for a in argv if a != "--launch-mode"]
     try:
-        config = parse_args(argv)
+        config, notices = read_config(argv)
         rules.check_shapes(config)
         dry_run = config.job.dry_run and not config.memory_estimation.disable_fake_mode
-        world_size = int(os.environ.get("WORLD_SIZE", "0"))  # the launcher passes the number of ranks it will start
+        world_size = _launcher_world_size()
         if dry_run and config.job.dry_run_world_size:
             world_size = config.job.dry_run_world_size
         if world_size:
@@ -280,9 +306,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # ConfigError, and a feature rule's own kind (all one line, exit 2)
         print(e.line, file=sys.stderr)
         return 2
+    for notice in notices:
+        print(f"notice: {notice}", file=sys.stderr)
     if launch_mode:
         print("dry_run" if dry_run else "torchrun")
     return 0
+
+
+def _launcher_world_size() -> int:
+    """The number of ranks the launcher will start (it exports WORLD_SIZE); 0 when not given."""
+    text = os.environ.get("WORLD_SIZE", "")
+    if not text:
+        return 0
+    if not (text.isascii() and text.isdigit() and int(text) > 0):
+        raise ConfigError(f"WORLD_SIZE must be the number of ranks the job starts (1 or more), got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 layout, model and device of torchtitan/config/rules.py (parse_args ran the options phase), with
 the builds they check: the TrainSpec, the tokenizer, the model's arguments, the model on the meta
 device. One line and exit code 2 for each mistake. The model and device rules are defined here or
-in the module of the feature they protect."""
+in the module of the feature they protect.
+
+The one module of config/ above the features (it builds ParallelDims, the plan and the model): no
+other config module imports it (tests/unit_tests/test_import_graph.py)."""
 
 from __future__ import annotations
 
@@ -173,6 +176,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
     with torch.device("meta"):
         model = train_spec.model_cls.from_model_args(model_args)
     rules.run("experts", job_config, train_spec, parallel_dims, model)
+    rules.run("muon_exclude", job_config, model)
     rules.run("mtp", job_config, train_spec)
     rules.run("model_shapes", train_spec, model_args, parallel_dims, plan, job_config)
     device_type = device_type or device_setup.device_type()

@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchtitan.config.job_config import JobConfig
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.parallelisms.pipeline import PipelinePlan
 
 PHASES = ("options", "shapes", "layout", "model", "device")
 
@@ -93,13 +91,8 @@ RULES: tuple[Rule, ...] = (
          "torchtitan.config.sections:check_dry_run"),
     Rule("parallel_options", "options", ("experimental.enable_async_tensor_parallel", "training.tensor_parallel_degree",
                                          "training.compile", "experimental.context_parallel_degree",
-                                         "experimental.context_parallel_backend", "training.seq_len",
-                                         "experimental.context_parallel_method",
-                                         "training.document_mask", "training.disable_sequence_parallel"),
+                                         "experimental.context_parallel_backend"),
          "torchtitan.parallelisms.parallel_dims:check_options"),
-    Rule("early_step", "options", ("optimizer.early_step_in_backward", "optimizer.zero1", "training.max_norm",
-                                   "training.gradient_accumulation_steps", *_PP, "optimizer.name"),
-         "torchtitan.trainer.optimizer_options:check_options"),
     Rule("muon", "options", ("optimizer.name", "optimizer.muon_momentum", "optimizer.muon_ns_steps",
                              "training.enable_cpu_offload"),
          "torchtitan.trainer.optimizer_options:check_muon"),
@@ -117,11 +110,14 @@ RULES: tuple[Rule, ...] = (
     Rule("world_size", "layout", (*_DEGREES, "training.enable_loss_parallel", "training.disable_loss_parallel",
                                   "job.dry_run", "job.dry_run_world_size"),
          "torchtitan.parallelisms.parallel_dims:parallel_dims_from_config"),
+    Rule("sequence_split", "layout", ("training.seq_len", "training.disable_sequence_parallel"),
+         "torchtitan.parallelisms.parallel_dims:check_sequence_split"),
     Rule("fsdp_only", "layout", ("training.enable_cpu_offload", "training.fsdp_reshard_after_forward",
                                  "training.defer_sharded_gradient_reduction", "training.mixed_precision_reduce",
                                  "checkpoint.create_seed_checkpoint"),
          "torchtitan.parallelisms.parallel_dims:check_layout"),
-    Rule("optimizer_layout", "layout", ("optimizer.zero1", "optimizer.early_step_in_backward"),
+    Rule("optimizer_layout", "layout", ("optimizer.zero1", "optimizer.early_step_in_backward", "optimizer.name",
+                                        "training.max_norm", "training.gradient_accumulation_steps"),
          "torchtitan.trainer.optimizer_options:check_layout"),
     Rule("dataset_shards", "layout", ("training.dataset_shards",), "torchtitan.datasets.shards:check_layout"),
     # model and device: run one by one by preflight, each with what it needs
@@ -141,6 +137,8 @@ RULES: tuple[Rule, ...] = (
     Rule("validation_loader", "model", ("validation.enabled",), "torchtitan.config.preflight:check_validation_loader"),
     Rule("experts", "model", ("training.expert_parallel_degree", "model.name", "model.flavor"),
          "torchtitan.config.preflight:check_experts"),
+    Rule("muon_exclude", "model", ("optimizer.name", "optimizer.muon_exclude", "model.name", "model.flavor"),
+         "torchtitan.optimizers.muon:check_exclude"),
     Rule("mtp", "model", ("model.mtp_depth", "model.name", "model.flavor", "training.loss_chunk_size"),
          "torchtitan.config.preflight:check_mtp"),
     Rule("model_shapes", "model", ("*",), "torchtitan.config.preflight:check_model_shapes"),
@@ -154,7 +152,7 @@ RULES: tuple[Rule, ...] = (
                                     "training.mixed_precision_param", "training.disable_sequence_parallel",
                                     "optimizer.early_step_in_backward", "optimizer.zero1", "model.name", "model.flavor",
                                     "experimental.pipeline_parallel_microbatches"),
-         "torchtitan.config.memory_floor:check_step_fits"),
+         "torchtitan.estimation.memory_floor:check_step_fits"),
 )
 
 _BY_NAME = {rule.name: rule for rule in RULES}
@@ -175,14 +173,14 @@ def check_options(config: JobConfig) -> None:
         r(config)
 
 
-def check_shapes(config: JobConfig) -> PipelinePlan | None:
-    """The shapes phase; returns the job's pipeline plan (None without pipeline parallelism), the
+def check_shapes(config: JobConfig) -> Any:
+    """The shapes phase; returns the job's PipelinePlan (None without pipeline parallelism), the
     one the ranks hand to the model's validate_fn and pipelining_fn."""
     (plan_rule,) = _phase("shapes")
     return plan_rule(config)
 
 
-def check_layout(config: JobConfig, world_size: int) -> ParallelDims:
+def check_layout(config: JobConfig, world_size: int) -> Any:
     """The layout phase: the degrees against `world_size`; returns the validated ParallelDims."""
     first, *others = _phase("layout")
     dims = first(config, world_size)

@@ -11,6 +11,11 @@ import sys
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
 
+# Sizes beyond which a tensor's element count overflows before a memory check can say it does not
+# fit: 2**31 tokens (8,000 times the longest context trained so far) and a padding multiple of 2**20.
+MAX_SEQ_LEN = 2**31
+MAX_VOCAB_MULTIPLE = 2**20
+
 
 def _at_least_one(values: dict[str, int]) -> None:
     for name, value in values.items():
@@ -41,6 +46,9 @@ def check_training(config: JobConfig) -> None:
     _at_least_one({"training.batch_size": training.batch_size, "training.seq_len": training.seq_len, "training.steps": training.steps,
                    "training.gradient_accumulation_steps": training.gradient_accumulation_steps,
                    "training.gc_freq": training.gc_freq, "training.ddp_bucket_cap_mb": training.ddp_bucket_cap_mb})
+    if training.seq_len > MAX_SEQ_LEN:  # beyond it, the model's position tables overflow before any size check
+        raise ConfigError(f"training.seq_len {training.seq_len} is beyond the longest sequence this version takes "
+                          f"({MAX_SEQ_LEN:,} tokens)")
     if training.loss_chunk_size < 0:
         raise ConfigError(f"training.loss_chunk_size must be >= 0 (0 computes the loss over the whole logits), got "
                           f"{training.loss_chunk_size}")
@@ -110,9 +118,14 @@ def check_moe_capacity_layout(config: JobConfig) -> None:
 def check_model(config: JobConfig) -> None:
     _at_least_one({"model.vocab_size_divisible_by": config.model.vocab_size_divisible_by})
     model = config.model
-    if model.mtp_depth < -1 or model.mtp_loss_weight < 0:
-        raise ConfigError(f"model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, and model.mtp_loss_weight "
-                          f">= 0; got {model.mtp_depth} and {model.mtp_loss_weight}")
+    if model.vocab_size_divisible_by > MAX_VOCAB_MULTIPLE:
+        raise ConfigError(f"model.vocab_size_divisible_by {model.vocab_size_divisible_by} would pad the vocabulary by "
+                          f"up to as many rows; at most {MAX_VOCAB_MULTIPLE:,} (a multiple of the TP degree is enough)")
+    if model.mtp_depth < -1:
+        raise ConfigError(f"model.mtp_depth must be -1 (the flavor's), 0 (off) or a depth, got {model.mtp_depth}")
+    if model.mtp_loss_weight < 0:
+        raise ConfigError(f"model.mtp_loss_weight must be >= 0 (the multi-token prediction loss's weight; 0 leaves it "
+                          f"out of the training loss), got {model.mtp_loss_weight}")
 
 
 def check_profiling(config: JobConfig) -> None:
@@ -248,6 +261,13 @@ def check_fault_tolerance(config: JobConfig) -> None:
             raise ConfigError(f"fault_tolerance.semi_sync_method {ft.semi_sync_method} syncs replica groups: it needs "
                               "fault_tolerance.enable (and a lighthouse), or semi_sync_method none")
         return
+    # What replica groups never compose with comes first: the settings below would only be changed in vain.
+    if config.optimizer.early_step_in_backward:
+        raise ConfigError("fault_tolerance does not combine with optimizer.early_step_in_backward: a step is applied "
+                          "only once the groups have averaged its gradients and agreed to commit it; use one or the other")
+    if config.moe.bias_update_rate > 0:
+        raise ConfigError("fault_tolerance does not combine with moe.bias_update_rate > 0 yet: each group would steer "
+                          "its routing biases by its own tokens, and the groups' models would drift apart")
     if (missing := torchft_missing()) is not None:
         raise ConfigError(missing)
     _at_least_one({"fault_tolerance.group_size": ft.group_size, "fault_tolerance.min_replica_size": ft.min_replica_size,
@@ -271,12 +291,6 @@ def check_fault_tolerance(config: JobConfig) -> None:
         raise ConfigError(f"fault_tolerance.semi_sync_method {ft.semi_sync_method}: checkpoint.interval "
                           f"{config.checkpoint.interval} must be a multiple of fault_tolerance.sync_steps {ft.sync_steps}, "
                           "so that checkpoints fall on syncs, where the groups' parameters agree")
-    if config.optimizer.early_step_in_backward:
-        raise ConfigError("fault_tolerance does not combine with optimizer.early_step_in_backward: a step is applied "
-                          "only once the groups have averaged its gradients and agreed to commit it")
-    if config.moe.bias_update_rate > 0:
-        raise ConfigError("fault_tolerance does not combine with moe.bias_update_rate > 0 yet: each group would steer "
-                          "its routing biases by its own tokens, and the groups' models would drift apart")
 
 
 def torchft_missing() -> str | None:

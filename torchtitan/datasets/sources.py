@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import logging
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,13 +103,15 @@ def local_source(dataset_path: str):
 def _local_files(dataset_path: str) -> list[Path] | GzipFiles:
     path = Path(dataset_path)
     if any(c in dataset_path for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(dataset_path, recursive=True) if Path(p).is_file())
+        found = sorted(Path(p) for p in glob.glob(dataset_path, recursive=True))
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-    elif path.is_file():
-        files = [path]
+        found = sorted(path.rglob("*"))
+    elif path.is_file() or path.is_symlink():
+        found = [path]
     else:
         raise DatasetError(f"dataset file not found: {dataset_path}")
+    _refuse_broken_links(found)
+    files = [p for p in found if p.is_file()]
     streams = [f for f in files if f.name.endswith(STREAM_SUFFIXES)]
     files = [f for f in files if f.suffix in SUPPORTED_SUFFIXES]
     if streams and files:
@@ -120,6 +123,15 @@ def _local_files(dataset_path: str) -> list[Path] | GzipFiles:
         raise DatasetError(f"no {', '.join(SUPPORTED_SUFFIXES + STREAM_SUFFIXES)} files in {dataset_path} (nor a "
                            "folder of pre-tokenized shards: scripts/tokenize_dataset.py)")
     return files
+
+
+def _refuse_broken_links(paths: list[Path]) -> None:
+    """A link to data whose target is gone (an unmounted disk, a moved file) would otherwise be skipped
+    silently, and the run would train on less data than asked, or find "no files" at all."""
+    for p in paths:
+        if p.is_symlink() and not p.exists() and (p.suffix in SUPPORTED_SUFFIXES or p.name.endswith(STREAM_SUFFIXES)):
+            raise DatasetError(f"{p} is a broken symbolic link (to {os.readlink(p)}, which does not exist); point it at "
+                               "the data or remove it")
 
 
 def read_documents(source, counter: BadLineCounter | None = None) -> Iterator[str]:

@@ -163,6 +163,19 @@ class _Packer:
         if self.items.infinite:
             logger.info(f"{where}: starting epoch {self.epoch} over {describe(self.items.source)}")
 
+    def end_of_data(self) -> str:
+        """The line for a finite source read to its end: the normal end of a validation's data."""
+        split = self.items.split
+        if split is not None and split.validation:
+            return (f"validation read all of {self._validation_data()}: every full batch it holds (the tokens after "
+                    "the last one make no batch)")
+        return f"data exhausted: {describe(self.items.source)} has no full batch left"
+
+    def _validation_data(self) -> str:
+        split = self.items.split
+        data = describe(self.items.source)
+        return f"the held-out split of {data} (validation.held_out_fraction {split.fraction:g})" if split.fraction < 1 else data
+
     def _no_documents(self) -> str:
         """Why this shard got no document in a whole epoch, in the words of the option to change."""
         source, split = self.items.source, self.items.split
@@ -181,9 +194,7 @@ class _Packer:
                    f"{split.fraction:g}); lower it, or give more data")
         else:
             why = "it is empty, or too small for training.dataset_shards"
-        data = describe(source)
-        if validation and split.fraction < 1:
-            data = f"the held-out split of {data} (validation.held_out_fraction {split.fraction:g})"
+        data = self._validation_data() if validation else describe(source)
         return (f"{'validation: ' if validation else ''}{data} has no documents for data shard {self.items.shard} of "
                 f"{self.items.num_shards} ({why})")
 
@@ -276,7 +287,7 @@ class PackedTextDataset(IterableDataset, Stateful):
                     packer = packers[self.mixture.pick(shard, self.rows[shard])]
                     row = packer.next_window()
                     if row is None:  # a finite shard at its end: no more full batches
-                        logger.info(f"data exhausted: {describe(packer.items.source)} has no full batch left")
+                        logger.info(packer.end_of_data())
                         return
                     self.rows[shard] += 1
                     rows.append(row)

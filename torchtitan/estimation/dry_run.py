@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.memory_floor import rank_memory_bytes
 from torchtitan.config.preflight import preflight
 from torchtitan.datasets.text_dataset import training_source
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.errors import ConfigError, UserError
+from torchtitan.estimation.memory_floor import rank_memory_bytes
 from torchtitan.estimation.pipeline_replay import PipelineReplay, replayable
 from torchtitan.estimation.shapes_only import on_fake_tensors
 from torchtitan.estimation.tracker import CATEGORIES, StepMemory, StepTracker

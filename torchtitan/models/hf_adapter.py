@@ -18,6 +18,10 @@ Names need not map one to one. Mostly one of our tensors is one HF tensor, but:
 - HF's names may depend on the args (DeepSeek-V3 numbers its MTP modules after the last block):
   such an adapter sets `from_hf_names_takes_args = True`, and its `from_hf_names` then takes the
   args as a second argument, which torchtitan/checkpoint/hf_folder.py passes when it has them.
+- a folder may lack what its config.json promises for a reason the family knows (DeepSeek-V3's MTP
+  layers, which transformers' save_pretrained promises but never writes): such an adapter has
+  `promised_but_missing(args, fqns)`, the line that says why and what to change, or None; the
+  converter and a training run's Hugging Face load (`hf_folder.promised_but_missing`) lead with it.
 This module also holds the q/k row permutation that every family with HF's `rotate_half` RoPE needs.
 """
 

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.observability.metric_files import JsonlFile, TensorBoardFile
 
 logger = logging.getLogger(__name__)
 
@@ -194,62 +195,6 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
     return peak / 2**30, current / 2**30
 
 
-def _open_jsonl(path: str, resumed_step: int):
-    """Opens metrics.jsonl for appending this run's rows.
-
-    A resumed run continues the file, keeping the rows up to its checkpoint's step and dropping
-    later ones, which an interrupted job logged but will now train again, so that every step
-    appears once; an earlier run's setup record (setup_record.py) stays while a step it trained
-    stays, i.e. when its `first_step` is at most the checkpoint's step, and an earlier run's summary
-    while its `last_step` is (validation rows are kept by step). A fresh run must neither
-    mix its steps into an earlier run's file nor destroy it: an existing file is renamed to
-    metrics.<n>.jsonl (the first free n) and a new one started.
-    """
-    if resumed_step <= 0:
-        if os.path.exists(path) and os.path.getsize(path) > 0:
-            root, ext = os.path.splitext(path)
-            n = 1
-            while os.path.exists(f"{root}.{n}{ext}"):
-                n += 1
-            os.replace(path, f"{root}.{n}{ext}")
-            logger.info(f"{path} holds an earlier run's metrics: renamed it to {root}.{n}{ext}; this fresh run "
-                        "writes a new one")
-        return open(path, "w")
-    kept = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:  # blank, or the half-written last line of a killed job
-                    continue
-                if not isinstance(row, dict):
-                    continue
-                kind = row.get("record")  # setup and summary rows span steps: see setup_record.py, progress.py
-                step = row.get({"setup": "first_step", "summary": "last_step"}.get(kind, "step"), 0)
-                if step <= resumed_step:
-                    kept.append(line.rstrip("\n") + "\n")
-    # Rewritten through a temporary file, so a crash here cannot leave the file truncated.
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-    return open(path, "a")
-
-
-def _kept_validations(jsonl) -> dict[int, float]:
-    """The validation losses an earlier run of this job left in metrics.jsonl (the rows a resumed
-    run keeps: _open_jsonl), by step; empty for a fresh run or without the file."""
-    if jsonl is None or jsonl.tell() == 0:
-        return {}
-    found = {}
-    with open(jsonl.name) as f:
-        for line in f:
-            row = json.loads(line)  # every line parses: _open_jsonl kept only those
-            if isinstance(row, dict) and row.get("record") == "validation":
-                found[int(row["step"])] = float(row["loss"])
-    return found
-
-
 class _WandbSink:
     """Weights & Biases run of this job (rank 0): the same scalars as TensorBoard, under train/<name>."""
 
@@ -337,19 +282,17 @@ class MetricsLogger:
         # A measured CPU peak that a run outpaces was measured on a busy machine (see raise_cpu_peak).
         self._cpu_peak_dtype = compute_dtype if device.type == "cpu" and metrics.peak_tflops <= 0 else None
         self.colors = _Colors(metrics.enable_color_printing and not metrics.disable_color_printing)
-        self.writer = None
+        self.writer: TensorBoardFile | None = None
         self.wandb = _WandbSink(job_config) if metrics.enable_wandb and rank == 0 else None
-        self.jsonl = None
+        self.jsonl: JsonlFile | None = None
         if metrics.save_jsonl and rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
-            self.jsonl = _open_jsonl(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), resumed_step)
+            self.jsonl = JsonlFile(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), resumed_step)
         if metrics.enable_tensorboard and (rank == 0 or not metrics.rank_0_only):
-            from torch.utils.tensorboard import SummaryWriter
-
             folder = os.path.join(job_config.job.dump_folder, metrics.save_tb_folder)
             if not metrics.rank_0_only:
                 folder = os.path.join(folder, f"rank_{rank}")
-            self.writer = SummaryWriter(folder)
+            self.writer = TensorBoardFile(folder)
             logger.info(f"TensorBoard scalars go to {folder}")
         logger.info(f"peak FLOP/s per device for MFU: {self.peak_flops / 1e12:.3f} T ({device.type}, {compute_dtype}; "
                     f"{peak_source})")
@@ -357,7 +300,7 @@ class MetricsLogger:
         self.run_tokens, self.run_seconds = 0.0, 0.0
         # Validation losses by step: an earlier run's rows kept in metrics.jsonl (a resumed job's),
         # then this run's.
-        self.validations: dict[int, float] = _kept_validations(self.jsonl)
+        self.validations: dict[int, float] = dict(self.jsonl.kept_validations) if self.jsonl is not None else {}
 
     def log(self, s: StepMetrics) -> dict[str, float]:
         tps = s.tokens / s.seconds
@@ -402,14 +345,12 @@ class MetricsLogger:
         self.run_tokens += s.tokens
         self.run_seconds += s.seconds
         if self.writer is not None:
-            for name, value in values.items():
-                self.writer.add_scalar(f"train/{name}", value, s.step)
+            self.writer.add_scalars({f"train/{name}": value for name, value in values.items()}, s.step)
         if self.wandb is not None:
             self.wandb.log(values, s.step)
         if self.jsonl is not None:
             # The wall time (Unix seconds) the row was written: gaps between steps, across processes.
-            self.jsonl.write(json.dumps({"step": s.step, "time": round(time.time(), 3), **values}) + "\n")
-            self.jsonl.flush()
+            self.jsonl.write({"step": s.step, "time": round(time.time(), 3), **values}, s.step)
         return values
 
     def log_validation(self, step: int, loss: float, perplexity: float, batches: int, tokens: int,
@@ -425,8 +366,7 @@ class MetricsLogger:
                     f"{perplexity:,.2f}  {batches} batches, {tokens:,} tokens in {seconds:.1f}s{best}")
         values = {"loss": loss, "perplexity": perplexity}
         if self.writer is not None:
-            for name, value in values.items():
-                self.writer.add_scalar(f"validation/{name}", value, step)
+            self.writer.add_scalars({f"validation/{name}": value for name, value in values.items()}, step)
         if self.wandb is not None:
             self.wandb.run.log({f"validation/{name}": value for name, value in values.items()}, step=step)
         self.log_record({"record": "validation", "step": step, **values, "batches": batches, "tokens": tokens,
@@ -443,8 +383,7 @@ class MetricsLogger:
         """Appends a record that is not a step's row to metrics.jsonl; its "record" key names its
         kind (the setup record, setup_record.py). Step rows have no such key."""
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            self.jsonl.write(record, record.get("step", record.get("last_step", record.get("first_step"))))
 
     def close(self) -> None:
         if self.writer is not None:

@@ -31,8 +31,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import ConfigError
 from torchtitan.optimizers.rounding import RoundingStream, store_rounded
 from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
+from torchtitan.runtime.torch_compat.composable import bare_name
 
 # Keller Jordan's quintic coefficients (kellerjordan.github.io/posts/muon): the steepest slope at
 # zero that still keeps every singular value within about [0.7, 1.2] after five iterations.
@@ -191,9 +193,27 @@ def describe(optimizers: Iterable[torch.optim.Optimizer]) -> dict | None:
 
 
 def excluded(name: str, patterns: Iterable[str]) -> bool:
-    """Whether parameter `name` matches one of `patterns`: a name prefix ('output', 'layers.0') or
-    an fnmatch pattern ('*.router.*')."""
+    """Whether parameter `name` (of the bare model: no wrapper's attribute in it) matches one of
+    `patterns`: a name prefix ('output', 'layers.0') or an fnmatch pattern ('*.router.*')."""
     return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def check_exclude(job_config: JobConfig, model: nn.Module) -> None:
+    """The muon_exclude rule (model phase, on the whole model before it is split or wrapped): each
+    pattern must name a parameter, or a typo would silently send what it meant to Muon. The list
+    replaces the default one, which the line says when it is not kept."""
+    optimizer = job_config.optimizer
+    if optimizer.name != "Muon":
+        return
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]  # tied weights under each name
+    for pattern in optimizer.muon_exclude:
+        if not any(excluded(name, (pattern,)) for name in names):
+            defaults = [p for p in JobConfig().optimizer.muon_exclude if p not in optimizer.muon_exclude]
+            kept = (f"; the list replaces the default, so add {','.join(defaults)} to keep those with AdamW"
+                    if defaults else "")
+            raise ConfigError(f"optimizer.muon_exclude {pattern!r} matches no parameter of model {job_config.model.name} "
+                              f"{job_config.model.flavor} (named like {names[0]}, {names[len(names) // 2]}, {names[-1]}: "
+                              f"give a name prefix or an fnmatch pattern){kept}")
 
 
 @dataclass(frozen=True)
@@ -215,7 +235,8 @@ class MuonSplit:
         return cls(tuple(o.muon_exclude), kwargs, o.muon_ns_dtype)
 
     def takes(self, name: str, param: nn.Parameter) -> bool:
-        return param.ndim >= 2 and not excluded(name, self.exclude)
+        """Whether Muon updates `param`, named as its model part names it (perhaps through a wrapper)."""
+        return param.ndim >= 2 and not excluded(bare_name(name), self.exclude)
 
     def build(self, params: list[nn.Parameter]) -> Muon:
         device_type = params[0].device.type if params else "cpu"

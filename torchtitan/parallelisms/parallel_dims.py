@@ -353,25 +353,23 @@ def check_options(config: JobConfig) -> None:
         if not training.compile:
             raise ConfigError("experimental.enable_async_tensor_parallel works through torch.compile's micro-pipelining; "
                               "set training.compile true")
-    cp = experimental.context_parallel_degree
-    if cp > 1:
-        if training.seq_len % (2 * cp):
-            raise ConfigError(f"training.seq_len {training.seq_len} must divide by 2 x experimental.context_parallel_degree "
-                              f"= {2 * cp}: each cp rank holds two equal chunks of every sequence")
-        if experimental.context_parallel_backend == "torch":
-            raise ConfigError("experimental.context_parallel_backend 'torch' (PyTorch's context parallel) is not offered "
-                              "yet: it has no CPU path, and this version runs only the ring backend; use 'ring'")
-    _check_sequence_parallel(training, cp)
+    if experimental.context_parallel_degree > 1 and experimental.context_parallel_backend == "torch":
+        raise ConfigError("experimental.context_parallel_backend 'torch' (PyTorch's context parallel) is not offered "
+                          "yet: it has no CPU path, and this version runs only the ring backend; use 'ring'")
 
 
-def _check_sequence_parallel(training, cp: int) -> None:
-    """Sequence parallelism (TP's default) splits the positions of each rank's sequence evenly over
-    the tp ranks; an uneven split would fail deep in the first forward (RoPE's rows, or a gloo
-    size mismatch), so it is refused here."""
-    tp = training.tensor_parallel_degree
+def check_sequence_split(config: JobConfig, dims: ParallelDims) -> None:
+    """CP gives each rank two equal chunks of every sequence, and sequence parallelism (TP's
+    default) splits a rank's positions evenly over the tp ranks; an uneven split would fail deep in
+    the first forward (RoPE's rows, or a gloo size mismatch). A layout rule, checked once the
+    degrees are known to fit the world size: a degree that does not is the mistake to name."""
+    training, cp, tp = config.training, dims.cp, dims.tp
+    if cp > 1 and training.seq_len % (2 * cp):
+        raise ConfigError(f"training.seq_len {training.seq_len} must divide by 2 x experimental.context_parallel_degree "
+                          f"= {2 * cp}: each cp rank holds two equal chunks of every sequence")
     if tp == 1 or training.disable_sequence_parallel:
         return
-    local = training.seq_len // cp  # with cp > 1, already checked to divide by 2 x cp
+    local = training.seq_len // cp  # with cp > 1, divisible by 2 x cp (above)
     if local % tp:
         per_rank = f" / experimental.context_parallel_degree {cp} = {local}" if cp > 1 else ""
         raise ConfigError(f"training.seq_len {training.seq_len}{per_rank} must divide by training.tensor_parallel_degree "
@@ -421,8 +419,10 @@ def _prod(values) -> int:
 
 def _ep_choices(dp_shard: int, unit: int) -> str:
     """Expert-parallel degrees a layout allows (multiples of cp x tp = `unit` dividing
-    dp_shard x unit), for the refusal's hint."""
-    valid = [ep for ep in range(unit, dp_shard * unit + 1, unit) if (dp_shard * unit) % ep == 0 and ep > 1]
+    dp_shard x unit: unit x d for each d dividing dp_shard), for the refusal's hint. The divisors
+    up to 64 and dp_shard itself: a world of any size is answered at once."""
+    divisors = sorted({*(d for d in range(1, min(dp_shard, 64) + 1) if dp_shard % d == 0), dp_shard})
+    valid = [unit * d for d in divisors if unit * d > 1]
     if not valid:
         return "this layout has no ranks to take it from (raise training.data_parallel_shard_degree)"
     return f"e.g. {' or '.join(map(str, valid))} here"

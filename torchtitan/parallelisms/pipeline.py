@@ -158,8 +158,15 @@ def _splits_backward(csv_path: str, kind: ScheduleKind | None) -> bool:
     passes over the same graph: the zero-bubble family, and CSV schedules with I / W actions."""
     if kind is not None:
         return kind.split_backward
-    with open(csv_path) as f:
-        return re.search(r"\d+[IW]\d+", f.read()) is not None
+    try:
+        with open(csv_path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"experimental.pipeline_parallel_schedule_csv {csv_path} is not a CSV text file (byte {e.start} "
+                          "is not UTF-8)") from None
+    except OSError as e:
+        raise ConfigError(f"experimental.pipeline_parallel_schedule_csv {csv_path}: cannot read it: {e.strerror}") from None
+    return re.search(r"\d+[IW]\d+", text) is not None
 
 
 def _check_backward_passes(job_config: JobConfig, schedule: str, split_backward: bool) -> None:

@@ -38,6 +38,7 @@ from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.trainer import step as shared_step
 from torchtitan.trainer.agreement import Agreed, Issued, StepAgreement
 from torchtitan.trainer.instruments import StepInstruments
+from torchtitan.trainer.loss_tokens import StepsWithoutLoss
 from torchtitan.trainer.summary import log_summary, newest_checkpoint
 from torchtitan.trainer.validation import Validator
 
@@ -130,6 +131,7 @@ class Trainer:
         self.instruments: StepInstruments | None = None
         self.agreement = StepAgreement(model.device, self.training.on_nonfinite_loss == "stop")
         self.pending: Issued | None = None  # the agreement of a step not read yet (agree_to_continue)
+        self.without_loss = StepsWithoutLoss(self.train_spec.loss_fn)  # read at the step lines
         optimizer = job_config.optimizer
         # PyTorch's fused Adam/AdamW skip an update on the device when told (found_inf); with the
         # parameters in host memory (CPU offload) the flag would have to come to the host first.
@@ -432,6 +434,7 @@ class Trainer:
                                      window.data_seconds, bubble, values, summary, own_seconds=stragglers,
                                      steps=steps, total_steps=self.training.steps, progress=self.progress.text(result.step),
                                      source_tokens=source_tokens(self.dataloader.dataset, pd, result.loss.device)))
+        self.without_loss.read(window.first_step, result.step)
         window.restart(result.step + 1)
         self.logged = result.step
 
@@ -491,4 +494,4 @@ class Trainer:
         if self.semi_sync is not None:
             self.semi_sync.log_summary()
         log_summary(self.job_config, self.metrics, self.progress, self.train_state.step,
-                    self.train_state.tokens_seen - self.tokens_before, ended)
+                    self.train_state.tokens_seen - self.tokens_before, ended, self.without_loss.total)

@@ -1,8 +1,8 @@
 """Which optimizer options compose with the rest of the job; optimizer.py implements them.
 
 Torch-free, so the launcher's pre-check refuses a bad combination before torch starts. The
-rules registry (`config/rules.py`) names `check_options`, `check_muon`, `check_state` and `check_layout` here as
-its early_step, muon, optimizer_state and optimizer_layout rules.
+rules registry (`config/rules.py`) names `check_muon`, `check_state` and `check_layout` here as its muon,
+optimizer_state and optimizer_layout rules.
 """
 
 from __future__ import annotations
@@ -14,31 +14,6 @@ from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
     from torchtitan.parallelisms.parallel_dims import ParallelDims
-
-
-def check_options(config: JobConfig) -> None:
-    """optimizer.early_step_in_backward steps each parameter as soon as its gradient is final and
-    frees it. Whatever needs all gradients at once, or a parameter's gradient more than once per
-    step, cannot compose with it."""
-    if not config.optimizer.early_step_in_backward:
-        return
-    training, name = config.training, "optimizer.early_step_in_backward"
-    if training.max_norm > 0:
-        raise ConfigError(f"{name} applies and frees each gradient during backward, so no global norm can clip "
-                          f"them; set training.max_norm 0 (got {training.max_norm})")
-    if training.gradient_accumulation_steps > 1:
-        raise ConfigError(f"{name} would step after the first micro-batch's gradient; set "
-                          "training.gradient_accumulation_steps 1")
-    if config.experimental.pipeline_parallel_degree > 1:
-        raise ConfigError(f"{name} does not compose with pipeline parallelism (each microbatch's backward adds to the "
-                          "gradients); set experimental.pipeline_parallel_degree 1")
-    if config.optimizer.zero1:
-        raise ConfigError(f"{name} does not compose with optimizer.zero1 (its owners broadcast updates after the "
-                          "whole step); use one or the other")
-    if config.optimizer.name == "Muon":
-        raise ConfigError(f"{name} does not compose with optimizer.name Muon (Muon orthogonalises each whole matrix "
-                          "after gathering its shards, a collective a per-parameter hook in backward cannot order); "
-                          "use one or the other")
 
 
 def check_muon(config: JobConfig) -> None:
@@ -72,10 +47,38 @@ def check_layout(config: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError("optimizer.zero1 shards the optimizer state over data-parallel replicas, and this layout has "
                           "none (training.data_parallel_replicate_degree is 1); raise it, or rely on FSDP, which already "
                           "shards the optimizer state over data_parallel_shard_degree")
-    if config.optimizer.early_step_in_backward and dims.ddp_enabled and not (dims.tp_enabled or dims.pp_enabled):
+    if config.optimizer.early_step_in_backward:
+        _check_early_step(config, dims)
+
+
+def _check_early_step(config: JobConfig, dims: ParallelDims) -> None:
+    """optimizer.early_step_in_backward steps each parameter as soon as its gradient is final and
+    frees it. Whatever needs all gradients at once, or a parameter's gradient more than once per
+    step, cannot compose with it. The features that never can are named first, then the settings
+    to change: asking for training.max_norm 0 first would only lead to the real refusal. (Replica
+    groups are refused by the fault_tolerance rule, which runs before this one.)"""
+    name = "optimizer.early_step_in_backward"
+    if dims.pp_enabled:
+        raise ConfigError(f"{name} does not compose with pipeline parallelism (each microbatch's backward adds to the "
+                          "gradients); set experimental.pipeline_parallel_degree 1")
+    if config.optimizer.zero1:
+        raise ConfigError(f"{name} does not compose with optimizer.zero1 (its owners broadcast updates after the "
+                          "whole step); use one or the other")
+    if config.optimizer.name == "Muon":
+        raise ConfigError(f"{name} does not compose with optimizer.name Muon (Muon orthogonalises each whole matrix "
+                          "after gathering its shards, a collective a per-parameter hook in backward cannot order); "
+                          "use one or the other")
+    if dims.ddp_enabled and not dims.tp_enabled:
         # Composable DDP all-reduces gradient buckets after the per-parameter hooks have run, so
         # each optimizer would see its rank's own gradient. FSDP (and the FSDP-based replicate
         # used with TP) calls the hooks after the reduction.
-        raise ConfigError("optimizer.early_step_in_backward does not compose with DDP (data_parallel_replicate_degree "
-                          f"{dims.dp_replicate} with shard degree 1): DDP reduces gradients after the hooks step on "
-                          "them; shard instead (data_parallel_shard_degree > 1, HSDP with replicas)")
+        raise ConfigError(f"{name} does not compose with DDP (data_parallel_replicate_degree {dims.dp_replicate} with "
+                          "shard degree 1): DDP reduces gradients after the hooks step on them; shard instead "
+                          "(data_parallel_shard_degree > 1, HSDP with replicas)")
+    training = config.training
+    if training.max_norm > 0:
+        raise ConfigError(f"{name} applies and frees each gradient during backward, so no global norm can clip "
+                          f"them; set training.max_norm 0 (got {training.max_norm})")
+    if training.gradient_accumulation_steps > 1:
+        raise ConfigError(f"{name} would step after the first micro-batch's gradient; set "
+                          "training.gradient_accumulation_steps 1")

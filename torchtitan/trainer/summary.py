@@ -9,6 +9,7 @@ import os
 from torchtitan.checkpoint import folders as checkpoint_folders
 from torchtitan.checkpoint.hf_training import hf_export_path
 from torchtitan.config.job_config import JobConfig
+from torchtitan.observability.metric_files import MetricsFile
 from torchtitan.observability.metrics import MetricsLogger
 from torchtitan.observability.progress import Progress, summary
 
@@ -16,9 +17,10 @@ logger = logging.getLogger("torchtitan")
 
 
 def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progress, last_step: int, tokens: int,
-                ended: str = "done") -> None:
+                ended: str = "done", steps_without_loss: int = 0) -> None:
     """The run's closing lines on the console and its summary row in metrics.jsonl. `tokens`: the
-    training tokens this run took (a resumed run's own)."""
+    training tokens this run took (a resumed run's own); `steps_without_loss`: its steps in which no
+    label carried a loss (trainer/loss_tokens.py)."""
     if last_step < progress.first_step:  # no step ran (the data ran out at once)
         return
     dump, metrics_options = job_config.job.dump_folder, job_config.metrics
@@ -30,14 +32,23 @@ def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progres
     if checkpoint.last_save_in_hf and os.path.isdir(hf_export):
         outputs["Hugging Face weights"] = hf_export
     if metrics_options.save_jsonl:
-        outputs["metrics"] = os.path.join(dump, "metrics.jsonl")
+        outputs["metrics"] = os.path.join(dump, "metrics.jsonl") + _stopped(metrics.jsonl)
     if metrics_options.enable_tensorboard:
-        outputs["TensorBoard"] = os.path.join(dump, metrics_options.save_tb_folder)
+        outputs["TensorBoard"] = os.path.join(dump, metrics_options.save_tb_folder) + _stopped(metrics.writer)
     lines, record = summary(progress, last_step, tokens, *metrics.mean_throughput(), metrics.validations, outputs,
                             ended)
+    if steps_without_loss:
+        lines.insert(1, f"steps without a label that carries a loss: {steps_without_loss} of {record['steps']} "
+                        "(they trained nothing)")
+        record["steps_without_loss"] = steps_without_loss
     for line in lines:
         logger.info(line)
     metrics.log_record(record)
+
+
+def _stopped(file: MetricsFile | None) -> str:
+    """Why a metrics file holds less than the run logged (a failed write stopped it), if it does."""
+    return f" (not written since a failed write {file.stopped})" if file is not None and file.stopped else ""
 
 
 def newest_checkpoint(job_config: JobConfig) -> str:

@@ -58,6 +58,18 @@ class DeepSeekV3HFAdapter:
                                    n_shared_experts=1 if any(".shared_experts." in f for f in fqns) else 0)
         return hf_format.param_names(args)
 
+    def promised_but_missing(self, args: DeepSeekV3ModelArgs, fqns: Iterable[str]) -> str | None:
+        """A folder whose config.json promises MTP modules its weights lack altogether: transformers'
+        DeepseekV3ForCausalLM has no MTP module, and its save_pretrained keeps num_nextn_predict_layers
+        (1 by default) while writing none."""
+        if args.mtp_depth and not any(f.startswith("mtp.") for f in fqns):
+            layers = f"layer{'s' if args.mtp_depth > 1 else ''} model.layers.{args.n_layers}"
+            layers += f"-{args.n_layers + args.mtp_depth - 1}" if args.mtp_depth > 1 else ""
+            return (f"config.json promises {args.mtp_depth} multi-token prediction {layers} (num_nextn_predict_layers "
+                    f"{args.mtp_depth}), but the weights hold none (transformers' save_pretrained writes "
+                    "num_nextn_predict_layers 1 without them); set num_nextn_predict_layers to 0 in config.json")
+        return None
+
     def to_hf_tensors(self, fqn: str, w: torch.Tensor, args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
         return hf_format.to_hf_tensors(fqn, w, args)
 

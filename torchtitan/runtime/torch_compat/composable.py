@@ -26,6 +26,7 @@ PRIVATE_NAMES = (
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper", ("mod",)),
     PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper._checkpoint_wrapped_module",
                 instance=True),
+    PrivateName("torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX"),
     PrivateName("torch.distributed.fsdp.FSDPModule._get_fsdp_state", ("self",)),
     # One of the two: a list of groups in 2.13, at most one group in 2.11 (missing there: the seam's
     # names were checked on the GPU machine's torch 2.11.0 by test_torch_compat, 2026-11-27).
@@ -59,6 +60,13 @@ ActivationWrapper = _checkpoint_wrapper.ActivationWrapper
 def wrapped_module(wrapper: nn.Module) -> nn.Module:
     """The module an ActivationWrapper runs (kept under its private `_checkpoint_wrapped_module`)."""
     return wrapper._checkpoint_wrapped_module
+
+
+def bare_name(name: str) -> str:
+    """A parameter's name in the bare model. A parent's named_parameters() names the parameters of
+    a wrapped block through the wrapper's private attribute (`layers.1._checkpoint_wrapped_module.
+    attention.wq.weight`); state dicts strip it, and so must whatever matches names from the config."""
+    return name.replace(_checkpoint_wrapper._CHECKPOINT_PREFIX, "")
 
 
 def fsdp_based_replicate() -> Callable[..., Any] | None:
