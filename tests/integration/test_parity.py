@@ -1,5 +1,6 @@
 """Parity of the hand-picked layouts (the harness's SUITES: options of one parallelism and float8;
-the layouts themselves are the layout matrix's, test_layout_matrix.py): each trains like one
+the layouts themselves are the layout matrix's, test_layout_matrix.py, and so are the layouts in
+MATRIX_PROVES that its CI points train too): each trains like one
 process (same seed checkpoint, same global batch and data order, deterministic fp32 on CPU):
 per-step losses within 1e-4 and the final gradient norm within 1e-3 (relative) over 6 steps (10 with scripts/loss_compare.py);
 float8 layouts, whose activation scales depend on each rank's rows, within 1e-3 of a float8
@@ -7,16 +8,56 @@ baseline; bf16 layouts within parity.BF16_TOLERANCES of one process computing in
 
 import pytest
 
+from tests.machinery.layout_matrix import ci_points
 from torchtitan.tools.parity import DOCUMENT_MASK, QWEN3_MOE_CAPACITY, SUITES, Layout, ParityError, all_layouts
 
+# Hand-picked layouts whose feature and dims the layout matrix's CI points train too (the same
+# factor values beside the same dims, against one process of the same numerics): CI runs them
+# there, once, and these only with scripts/loss_compare.py (every suite). Each entry: the factor
+# values and the dims a trained CI point of the matrix must hold for the layout to be left out.
+MATRIX_PROVES = {
+    "muon_fsdp2": ({"optimizer": "muon"}, ("dp_shard",)),
+    "muon_tp2": ({"optimizer": "muon"}, ("tp",)),
+    "muon_pp2": ({"optimizer": "muon"}, ("pp",)),
+    "muon_moe_ep2": ({"optimizer": "muon", "model": "moe"}, ("ep",)),
+    "muon_hsdp_zero1": ({"optimizer": "muon", "zero1": "on"}, ("dp_shard",)),
+    "docmask_tp2_sp_ac_op": ({"docmask": "on", "ac": "op"}, ("tp",)),
+    "docmask_pp2_interleaved": ({"docmask": "on", "schedule": "interleaved"}, ("pp",)),
+    "docmask_cp2_compile": ({"docmask": "on", "compile": "on"}, ("cp",)),
+    "docmask_cp2_fsdp2_allgather": ({"docmask": "on", "cp_method": "allgather"}, ("cp", "dp_shard")),
+    "docmask_cp2_tp2": ({"docmask": "on"}, ("cp", "tp")),
+    "docmask_cp2_pp2_allgather": ({"docmask": "on", "cp_method": "allgather"}, ("cp", "pp")),
+    "chunked_loss_pp2": ({"chunked": "on"}, ("pp",)),
+    "float8_tp2": ({"float8": "on", "sp": "off"}, ("tp",)),
+    "moe_ep2": ({"model": "moe"}, ("ep",)),
+    "moe_ep2_fsdp4": ({"model": "moe"}, ("ep", "dp_replicate")),
+    "moe_ep2_tp2": ({"model": "moe"}, ("ep", "tp")),
+    "moe_ep2_pp2": ({"model": "moe"}, ("ep", "pp")),
+    "moe_ep2_cp2": ({"model": "moe"}, ("ep", "cp")),
+    "dsv3_ep2": ({"model": "dsv3"}, ("ep",)),
+    "dsv3_ep2_tp2": ({"model": "dsv3"}, ("ep", "tp")),
+    "dsv3_tp2_no_sp": ({"model": "dsv3", "sp": "off"}, ("tp",)),
+    "dsv3_cp2": ({"model": "dsv3", "mtp": "off"}, ("cp",)),
+    "dsv3_fsdp2_no_mtp": ({"model": "dsv3", "mtp": "off"}, ("dp_shard",)),
+}
+
+
+def proven_by_the_matrix() -> set[str]:
+    trained = [p for p in ci_points() if not p.refused_by_design]
+    return {name for name, (values, dims) in MATRIX_PROVES.items()
+            if any(all(p.value(f) == v for f, v in values.items()) and set(dims) <= set(p.active_dims) for p in trained)}
+
+
+PROVEN = proven_by_the_matrix()
 # The fast tier's layouts: an FSDP option, float8, bf16, document masking, the Qwen3 MoE family and
-# DeepSeek-V3 (latent attention split by heads, MTP under loss parallelism, experts over the tp ranks).
+# DeepSeek-V3 (latent attention split by heads, MTP under loss parallelism, experts over the tp ranks),
+# those the matrix's CI points do not train already.
 FAST = ("fsdp2_cpu_offload", "float8_fsdp2", "bf16_tp2", "docmask_tp2_sp_ac_op", "moe_ep2", "dsv3_ep2_tp2")
 
 
 @pytest.mark.unmeasured("numerics only: trains and compares losses; the harness's verdicts are test_parity_harness.py's")
 @pytest.mark.parametrize("name", [pytest.param(layout.name, marks=pytest.mark.fast) if layout.name in FAST else layout.name
-                                  for suite in SUITES.values() for layout in suite])
+                                  for suite in SUITES.values() for layout in suite if layout.name not in PROVEN])
 def test_layout_matches_single_process(parity, name):
     result = parity.check(all_layouts()[name])
     print(f"{name}: max |loss diff| {result.max_loss_diff:.3e}, final grad norm rel diff {result.grad_norm_rel_diff:.3e}")
@@ -104,3 +145,13 @@ def test_the_records_say_what_each_run_applied_and_loaded(parity):
         [{"stage": 0, "blocks": ["layers.0"]}], [{"stage": 1, "blocks": ["layers.1"]}]]
     assert pp["activation_checkpoint"] == {"blocks": ["layers.0"], "wrapped": [],
                                            "op_level": False, "offloaded": []}
+
+
+def test_every_layout_left_to_the_matrix_exists_and_is_proven_there():
+    """MATRIX_PROVES names real layouts, and its specs name real factor values and dims."""
+    from tests.machinery.matrix_space import ALL_DIMS, FACTOR
+
+    assert set(MATRIX_PROVES) <= set(all_layouts())
+    for values, dims in MATRIX_PROVES.values():
+        assert all(v in FACTOR[f].values for f, v in values.items()) and set(dims) <= set(ALL_DIMS)
+    assert len(PROVEN) >= len(MATRIX_PROVES) // 2, sorted(set(MATRIX_PROVES) - PROVEN)

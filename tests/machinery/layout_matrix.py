@@ -192,10 +192,20 @@ def refusal(point: Point) -> str | None:
     from torchtitan.errors import UserError
 
     try:
-        preflight(parse_args(config_args(point)), point.degrees.nproc)
+        config = parse_args(config_args(point))
+        preflight(config, point.degrees.nproc, tokenizer=_tokenizer(config.model.tokenizer_path))
     except UserError as e:
         return str(e)
     return None
+
+
+@lru_cache(maxsize=None)
+def _tokenizer(path: str):
+    """Every point reads the debug job's tokenizer: built once, not once per judged point."""
+    from torchtitan.datasets.tokenizer import build_tokenizer
+    from torchtitan.config.manager import parse_args
+
+    return build_tokenizer(parse_args(["--model.tokenizer_path", path]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,6 +255,13 @@ def _learn_conflict(p: Point, reason: str) -> _Conflict:
     dims = frozenset(d for d in p.degrees.active if not same(current, dataclasses.replace(p.degrees, **{d: 1})))
     if not dims and not same(current, Degrees()):  # refused beside any one of several dims: beside all of these
         dims = frozenset(p.active_dims)
+    # A dim that only brings expert parallelism: the conflict is with ep if another dim that brings
+    # it is refused alike.
+    carriers = {"dp_shard", "cp", "tp"}
+    if "ep" in p.active_dims and len(dims) == 1 and dims <= carriers:
+        alone = dataclasses.replace(Degrees(), **{d: getattr(p.degrees, d) for d in p.degrees.active if d not in dims})
+        if any(same(current, dataclasses.replace(alone, **{d: 2})) for d in sorted(carriers - dims - set(alone.active))[:1]):
+            dims = frozenset({"ep"})
     others = [m for m in FACTOR["model"].values if m != p.value("model") and possible({**dict(values), "model": m})
               and all(not FACTOR[f].models or m in FACTOR[f].models for f, _ in values)]
     model = None if others and all(same({**current, "model": m}, p.degrees) for m in others) else p.value("model")
@@ -513,7 +530,7 @@ class MatrixRunner:
     """Judges points: refused by the preflight, or trained and compared with one process (and,
     for a point that resumes, trained again from its checkpoint and compared bit for bit)."""
 
-    def __init__(self, workdir: Path, steps: int = 10, timeout: int = 400, runner: Runner = run_trainer):
+    def __init__(self, workdir: Path, steps: int = 10, timeout: int = 1200, runner: Runner = run_trainer):
         self.harness = ParityHarness(workdir, steps=steps, global_batch=GLOBAL_BATCH, dataset_shards=DATASET_SHARDS,
                                      timeout=timeout, runner=runner, base_args=TINY_RUN)
 
