@@ -287,3 +287,68 @@ def test_a_position_file_that_cannot_be_written_warns_once_and_training_goes_on(
     assert _step(rg, loader, model) == ("batch1", True)
     assert _step(rg, loader, model) == ("batch2", True)
     assert caplog.text.count("could not write the data position file") == 1
+
+
+@pytest.fixture
+def fsdp_tp_mesh():
+    """Rank 0 of 4 on the "fake" backend (collectives do nothing): a 2 x 2 (dp_shard, tp) mesh whose
+    parameters carry the placements of FSDP 2 x TP 2 inside a replica group, with no peers running."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.runtime.torch_compat.fake import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_tp_model(mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 5))  # 5 rows: uneven shards
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
+def test_a_sharded_group_that_never_stepped_rebuilds_the_peers_optimizer_state(tmp_path, fsdp_tp_mesh):
+    """A group restarted before its first checkpoint has no optimizer state: the peer's shards become
+    DTensors with the parameters' mesh and placements (_StridedShard where FSDP shards a dimension TP
+    already shards, uneven shards), and both groups then step alike."""
+    from torch.distributed.tensor import DTensor
+
+    config = _config(tmp_path)
+    sender, receiver = _fsdp_tp_model(fsdp_tp_mesh), _fsdp_tp_model(fsdp_tp_mesh)
+    opt_s, opt_r = build_optimizers([sender], config, None), build_optimizers([receiver], config, None)
+    lr_s, lr_r = build_lr_schedulers(opt_s, config), build_lr_schedulers(opt_r, config)
+    for step in range(2):
+        for i, p in enumerate(sender.parameters()):
+            p.grad = torch.full_like(p, 0.1 * (i + 1) + step)
+        opt_s.step()
+        lr_s.step()
+    state = copy.deepcopy(live_state(named_tensors([sender]), opt_s, lr_s, TrainState(step=2)))
+    load_live_state(state, named_tensors([receiver]), opt_r, lr_r, TrainState())
+    strided = 0
+    for ps, pr in zip(sender.parameters(), receiver.parameters()):
+        sent, got = opt_s.optimizers[0].state[ps], opt_r.optimizers[0].state[pr]
+        assert sent.keys() == got.keys()
+        for key, value in sent.items():
+            if isinstance(value, DTensor):
+                assert isinstance(got[key], DTensor) and got[key].placements == value.placements
+                assert (got[key].device_mesh, got[key].shape, got[key].stride()) == (value.device_mesh, value.shape,
+                                                                                     value.stride())
+                assert torch.equal(got[key].to_local(), value.to_local())
+                strided += any(type(p).__name__ == "_StridedShard" for p in value.placements)
+            else:
+                assert torch.equal(got[key], value)
+    assert strided, "no _StridedShard placement was exercised"
+    for model, opt in ((sender, opt_s), (receiver, opt_r)):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(sender.parameters(), receiver.parameters()))
