@@ -46,6 +46,13 @@ def test_a_killed_group_restarts_recovers_live_and_ends_equal(tmp_path):
     assert trial.recovered_live, f"seed {seed}: the restarted group did not recover from its peer"
     assert trial.final_steps == [STEPS, STEPS]
     assert trial.params_equal, f"seed {seed}: {trial.detail}"
+    # The survivor says what happened in one warning line per failed attempt, naming the group that
+    # left, without torchft's traceback or a deprecation warning of its state transfer.
+    log = (tmp_path / "trial" / f"group_{survivor}.log").read_text(errors="replace")
+    assert "Traceback" not in log and "FutureWarning" not in log, log[-3000:]
+    for line in log.splitlines():
+        if "WARNING" in line and "not committed (" in line:
+            assert f"(replica group {trial.victim_group} failed mid-step" in line, line
 
 
 @pytest.mark.budget("an uninterrupted run of two groups of 2 ranks, then the same with a kill, a torchrun restart and "

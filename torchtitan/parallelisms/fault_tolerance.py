@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import time
 import warnings
@@ -103,9 +104,13 @@ class ReplicaGroups:
         os.environ.setdefault("RUST_LOG", "warn")
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        logging.getLogger("torchft.manager").addFilter(_NotOnThisDevice())
-        # torchft reads the peer's state from a read-only buffer and never writes to it.
+        # torchft logs a failed collective or recovery with its traceback; the step is then not committed,
+        # and the warning that says so carries the failure's first line instead (_not_committed).
+        self._torchft_log = _TorchftLog.install()
+        # torchft reads the peer's state from a read-only buffer and never writes to it, and unpickles it
+        # with a pytree check PyTorch has deprecated: neither is the user's to act on.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchft\.")
         ft = config.fault_tolerance
         self.config, self.ft, self.device = config, ft, device
         self.replica_id, self.groups = ft.replica_id, ft.group_size
@@ -135,6 +140,7 @@ class ReplicaGroups:
         self._position_unwritten = False  # the newest data position file could not be written
         self._healed_now = False
         self._participation: list[float] | None = None
+        self._present: list[int] = []  # the groups in the newest bookkeeping exchange (named when one fails)
         self._last_commit, self._last_warning = time.monotonic(), -math.inf
         self.manager = self._connect(group_rank, group_size)
         self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
@@ -156,7 +162,7 @@ class ReplicaGroups:
         # The live state travels over the cross-group process group itself, on the interface gloo
         # uses (GLOO_SOCKET_IFNAME): torchft's default HTTP transport names this host by
         # socket.gethostname(), which other hosts may not resolve to it.
-        pg = ProcessGroupGloo(timeout=timeout)
+        pg = self._pg = ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
         try:
             return Manager(
@@ -283,21 +289,33 @@ class ReplicaGroups:
             raise Hang(f"fault tolerance: no step committed for {waited:.0f} s: {n} replica group(s) in the quorum, "
                        f"fault_tolerance.min_replica_size is {needed} (fault_tolerance.quorum_timeout_seconds "
                        f"{self.ft.quorum_timeout_seconds})")
+        failure = self._torchft_log.take()
         if now - self._last_warning > 10:
             self._last_warning = now
-            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else "a group failed mid-step"
+            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else self._who_failed(failure)
             logger.warning(f"fault tolerance: step {self.manager.current_step() + 1} not committed ({why}); "
                            "trying it again with the same batch")
         if n < needed:
             time.sleep(0.5)  # the lighthouse needs time to see peers come back; do not spin on the same batch
 
+    def _who_failed(self, failure: str | None) -> str:
+        others = [g for g in self._present if g != self.replica_id]
+        who = (f"replica group {others[0]}" if len(others) == 1 else
+               f"one of replica groups {', '.join(map(str, others))}" if others else "a replica group")
+        return f"{who} failed mid-step" + (f": {failure}" if failure else "")
+
     def _wait_quorum(self) -> None:
         try:
             self.manager.wait_quorum()
         except Exception as e:  # noqa: BLE001 - torchft raises the lighthouse's timeout as RuntimeError
+            address = lighthouse_address(self.config)
+            if not _answers(address):
+                raise Hang(f"fault tolerance: the lighthouse at {address} is gone (nothing answers there any more), so "
+                           "no replica group can form a quorum; start it again and relaunch the groups, or run it "
+                           "apart from any group's launcher (docs/fault_tolerance.md)") from None
             raise Hang(f"fault tolerance: no quorum of at least {self.ft.min_replica_size} replica groups within "
                        f"{self.ft.quorum_timeout_seconds} s (fault_tolerance.quorum_timeout_seconds; lighthouse "
-                       f"{lighthouse_address(self.config)}): {str(e).splitlines()[0][:200]}") from None
+                       f"{address}): {str(e).splitlines()[0][:200]}") from None
 
     def participating(self) -> int:
         """The groups that took part in the newest committed step."""
@@ -321,23 +339,20 @@ class ReplicaGroups:
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
         """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
-        took part. First a few bookkeeping numbers travel alone: who takes part, and the groups'
-        configuration fingerprints, checked before buffers whose sizes depend on the layout."""
+        took part. First a few bookkeeping numbers travel alone (_exchange), checked before buffers
+        whose sizes depend on the layout."""
         self._wait_quorum()
-        tail = torch.zeros(self.groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64, device=self.device)
-        tail[self.replica_id] = 1.0
-        tail[self.groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
-        self.manager.allreduce(tail).wait()
-        if self.manager.errored() is not None:
+        summed = self._exchange()
+        if summed is None:
             return [0.0] * self.groups  # the step will not be committed; nothing to check
-        summed = (tail * self.manager.num_participants()).round().tolist()
-        participation = summed[:self.groups]
-        if max(participation) > 1:
-            twice = [g for g, n in enumerate(participation) if n > 1]
+        groups = self.groups
+        participation, present = summed[:groups], summed[groups:2 * groups]
+        self._present = [g for g, n in enumerate(present) if n]
+        if max(present) > 1:
+            twice = [g for g, n in enumerate(present) if n > 1]
             raise ConfigError(f"fault_tolerance: replica id(s) {twice} are used by more than one running group; give "
                               "each group its own fault_tolerance.replica_id")
-        took_part = sum(participation)
-        if took_part and not self._same_config(summed[self.groups:], took_part):
+        if not self._same_config(summed[2 * groups:], sum(present)):
             raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
                               "every option but fault_tolerance.replica_id and the group's own outputs "
                               "(job.dump_folder, metrics) must match, and so must the ranks per group (NGPU x "
@@ -361,6 +376,28 @@ class ReplicaGroups:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
         return participation
+
+    def _exchange(self) -> list[float] | None:
+        """Sums, over every group in the quorum, one-hot slots of the groups taking part in the average,
+        of the groups present (a group recovering this step is present but contributes nothing), and the
+        configuration fingerprints; None when it failed (the step is then not committed). It runs on the
+        quorum's process group itself, not through the manager's all-reduce, which zeroes a recovering
+        group's numbers: a group recovering from a peer with another configuration must stop, and so
+        must that peer."""
+        if self.manager.errored() is not None:
+            return None
+        groups = self.groups
+        tail = torch.zeros(2 * groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64)
+        tail[self.replica_id] = float(self.manager.is_participating())
+        tail[groups + self.replica_id] = 1.0
+        tail[2 * groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        try:
+            self._pg.allreduce([tail], dist.ReduceOp.SUM).wait()
+        except Exception as e:  # noqa: BLE001 - a peer that died mid-step: gloo's RuntimeError
+            self._torchft_log.failed(str(e))
+            self.manager.report_error(e)
+            return None
+        return tail.round().tolist()
 
     def _same_config(self, sums: list[float], count: float) -> bool:
         # Equal sums of c and of c^2 over the groups mean every group's chunk equals this group's.
@@ -454,12 +491,51 @@ class ReplicaGroups:
             self.record_sync_point()
 
 
-class _NotOnThisDevice(logging.Filter):
-    """Drops torchft's per-reconfiguration note that NCCL's flight recorder cannot be reset, which
-    holds for every run without NCCL."""
+class _TorchftLog(logging.Filter):
+    """torchft's manager log, quieted: its per-reconfiguration note that NCCL's flight recorder cannot
+    be reset (true of every run without NCCL) is dropped, and so is its traceback of a failed
+    collective or recovery, whose first line is kept for the warning that the step was not committed."""
+
+    def __init__(self):
+        super().__init__()
+        self._failure: str | None = None
+
+    @classmethod
+    def install(cls) -> _TorchftLog:
+        """A new filter on torchft's manager log, replacing an earlier one (of a manager closed before)."""
+        log, new = logging.getLogger("torchft.manager"), cls()
+        for old in [f for f in log.filters if isinstance(f, cls)]:
+            log.removeFilter(old)
+        log.addFilter(new)
+        return new
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.levelno >= logging.ERROR:
+            error = record.exc_info[1] if record.exc_info else None
+            self.failed(str(error) if error is not None else record.getMessage().split("] ", 1)[-1])
+            return False
         return "flight recorder" not in record.getMessage()
+
+    def failed(self, message: str) -> None:
+        """Keeps the first failure of a step: gloo's "[file:line] What happened. Advice..." as "What happened"."""
+        if self._failure is None:
+            first = message.strip().splitlines()[0] if message.strip() else "no message"
+            first = re.sub(r"^[^\]]*\[[^\]]*\.(cc|cpp|h|py):\d+\] ", "", first)  # gloo's source location
+            self._failure = first.split(". ")[0][:200]
+
+    def take(self) -> str | None:
+        failure, self._failure = self._failure, None
+        return failure
+
+
+def _answers(address: str, seconds: float = 3.0) -> bool:
+    """Whether anything accepts a connection at host:port (the lighthouse)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _advertised_host() -> str:
