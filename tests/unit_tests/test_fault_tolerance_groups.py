@@ -343,7 +343,7 @@ def test_a_torn_position_file_is_ignored_with_a_warning(tmp_path, monkeypatch, c
     folder.mkdir()
     (folder / "data_rank0.pt").write_bytes(b"not a torch file")
     rg, manager, loader, model = _groups(tmp_path, monkeypatch)
-    assert rg._previous_positions is None and "ignoring the unreadable data position file" in caplog.text
+    assert rg.position.previous is None and "ignoring the unreadable data position file" in caplog.text
 
 
 def test_a_position_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch, caplog):

@@ -8,20 +8,25 @@ others stepping with fewer replicas in the average; a group that comes back is s
 model, optimizer, schedule and step from a peer (torchft's checkpoint transport) instead of
 reading a checkpoint.
 
-What crosses the groups each step is one flat fp32 buffer per rank: this rank's local gradient
-shards (or, in the semi-synchronous modes, its parameter shards' drift since the last sync)
-followed by a few bookkeeping slots that ride along for free:
+What crosses the groups each step is, first, a few bookkeeping numbers, summed on the quorum's
+process group over every group in the quorum (a group recovering this step included):
 
-- one slot per group, 1 where that group took part: every group learns who contributed, which
-  keeps each group's data position exact (the ledger below);
-- a fingerprint of the configuration the groups must share, checked on every sync, so groups
-  launched with different options stop with one line instead of averaging unrelated models.
+- one-hot slots of the groups taking part in the average and of the groups present: every group
+  learns who contributed, which keeps each group's data position exact (the ledger below), and a
+  replica id used twice shows;
+- a fingerprint of the configuration the groups must share, so groups launched with different
+  options all stop with one line instead of averaging unrelated models;
+
+then this rank's local gradient shards (or, in the semi-synchronous modes, its parameter shards'
+drift since the last sync) in flat fp32 buckets, averaged through torchft's manager.
 
 The ledger counts, per group, the batches the committed steps consumed from that group's data
 shard. A group that restarts learns its own count from the peer's ledger and takes its data
-position from its position file (written before each batch is used, with the position before
-and after it), so its shard is neither read twice nor skipped. A step that is not committed
-keeps its batch and trains it again.
+position from its position files (shard_position.py), so its shard is neither read twice nor
+skipped. A step that is not committed keeps its batch and trains it again.
+
+The loop meets the groups through ReplicaStep (replica_step.py), which ReplicaGroups implements for
+the groups that average every step.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import time
 import warnings
@@ -47,6 +51,9 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.sections import lighthouse_address
 from torchtitan.errors import ConfigError, Hang, UserError
 from torchtitan.parallelisms.live_state import live_state, load_live_state, local_shard, named_tensors
+from torchtitan.parallelisms.replica_step import ReplicaStep
+from torchtitan.parallelisms.shard_position import ShardPosition
+from torchtitan.parallelisms.torchft_messages import TorchftLog, lighthouse_answers
 
 logger = logging.getLogger("torchtitan")
 
@@ -86,16 +93,18 @@ class Ledger:
     participants: list[int] = field(default_factory=list)  # per committed step of this run (for metrics)
 
 
-class ReplicaGroups:
+class ReplicaGroups(ReplicaStep):
     """This rank's side of the fault-tolerant job: the torchft Manager, the cross-group average,
     the commit, the ledger and the live state a recovering group is sent.
 
-    The trainer calls, per step: `start_step()` before the step's batch is drawn, `draw(next)` for
-    the batch, then after backward `average_gradients(params)` (synchronous mode), then `commit()`,
-    whose answer says whether to apply the step. The semi-synchronous modes (semi_sync.py) call
+    As the loop's ReplicaStep (fault-tolerant HSDP), every step: `start_step()` before the batch is
+    drawn, `draw(next)` for the batch, `average_gradients(params)` after backward, `commit()`, whose
+    answer says whether to apply the step. The semi-synchronous modes (SemiSync, semi_sync.py) call
     `start_step`, `average_parameters_drift` and `commit` once every fault_tolerance.sync_steps steps
     instead, after `count_syncs_from`: the manager's step then counts syncs, each committing
     sync_steps batches per participating group."""
+
+    settles_every_step = True  # a step committed across groups is not applied before it is known finite
 
     def __init__(self, config: JobConfig, group_rank: int, group_size: int, device: torch.device,
                  model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any, train_state: Any,
@@ -106,7 +115,7 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(logging.WARNING)
         # torchft logs a failed collective or recovery with its traceback; the step is then not committed,
         # and the warning that says so carries the failure's first line instead (_not_committed).
-        self._torchft_log = _TorchftLog.install()
+        self._torchft_log = TorchftLog.install()
         # torchft reads the peer's state from a read-only buffer and never writes to it, and unpickles it
         # with a pytree check PyTorch has deprecated: neither is the user's to act on.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -124,20 +133,12 @@ class ReplicaGroups:
         named = named_tensors(model_parts)
         self._state_fn = lambda: live_state(named, optimizers, lr_schedulers, train_state)
         self._load_fn = lambda state: load_live_state(state, named, optimizers, lr_schedulers, train_state)
-        self._data_state = data_state
-        self._position_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}.pt")
-        self._sync_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}_sync.pt")
-        # From before a restart, used at a recovery: the newest batch's positions, and the data
-        # position at the newest committed sync (semi-synchronous modes).
-        self._previous_positions = self._read_positions()
-        self._previous_sync = self._read_positions(self._sync_file)
+        self.position = ShardPosition(data_state, config.job.dump_folder, group_rank, self.replica_id)
+        self.position.drawn = self.ledger.consumed[self.replica_id]
         # Train steps per committed manager step, and the train step the manager's count starts at:
         # 1 and 0, except in the semi-synchronous modes (count_syncs_from).
         self.steps_per_commit, self.step_base = 1, 0
-        self._sync_point: dict[str, Any] | None = None  # the data position a discarded sync goes back to
-        self._drawn = self.ledger.consumed[self.replica_id]  # batches taken from the shard: consumed, or one more
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
-        self._position_unwritten = False  # the newest data position file could not be written
         self._healed_now = False
         self._participation: list[float] | None = None
         self._present: list[int] = []  # the groups in the newest bookkeeping exchange (named when one fails)
@@ -195,7 +196,7 @@ class ReplicaGroups:
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self._drawn = self.ledger.consumed[self.replica_id]
+        self.position.drawn = self.ledger.consumed[self.replica_id]
 
     def count_syncs_from(self, base: int, every: int) -> None:
         """Semi-synchronous modes: the manager counts syncs (of `every` steps each) from train step
@@ -203,24 +204,17 @@ class ReplicaGroups:
         and recovers from it. Batches are not held: each inner step draws a new one."""
         self.steps_per_commit, self.step_base = every, base
         self.manager.load_state_dict({"step": 0, "batches_committed": 0})
-        self._drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
+        self.position.drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
         # Where this start stands, for a recovery at the first sync (the file before a restart was read).
         self.record_sync_point()
 
     def record_sync_point(self) -> None:
-        """After a committed sync: the data position a later sync that is not committed goes back to,
-        also kept in a file for a recovery after a restart."""
-        position = self._data_state.state_dict()
-        self._sync_point = {"drawn": self._drawn, "position": position}
-        os.makedirs(os.path.dirname(self._sync_file), exist_ok=True)
-        partial = self._sync_file + ".partial"
-        torch.save({"drawn": self._drawn, "before": position, "after": position}, partial)
-        os.replace(partial, self._sync_file)
+        """After a committed sync: the data position a later sync that is not committed goes back to."""
+        self.position.record_sync_point()
 
     def rewind_to_sync_point(self) -> None:
         """After a sync that was not committed: the batches drawn since the last sync are read again."""
-        self._data_state.load_state_dict(self._sync_point["position"])
-        self._drawn = self._sync_point["drawn"]
+        self.position.rewind_to_sync_point()
         self._held = None
 
     # ------------------------------------------------------------------------------------------
@@ -236,10 +230,7 @@ class ReplicaGroups:
         position before and after recorded first (so a restart knows both)."""
         if self._held is not None:
             return self._held
-        before = self._data_state.state_dict()
-        batch = next_batch()
-        self._drawn += 1
-        self._write_positions(before, self._data_state.state_dict())
+        batch = self.position.next(next_batch)
         # Semi-synchronous modes hold no batch: a sync not committed rewinds the data instead.
         self._held = batch if self.steps_per_commit == 1 else None
         return batch
@@ -309,7 +300,7 @@ class ReplicaGroups:
             self.manager.wait_quorum()
         except Exception as e:  # noqa: BLE001 - torchft raises the lighthouse's timeout as RuntimeError
             address = lighthouse_address(self.config)
-            if not _answers(address):
+            if not lighthouse_answers(address):
                 raise Hang(f"fault tolerance: the lighthouse at {address} is gone (nothing answers there any more), so "
                            "no replica group can form a quorum; start it again and relaunch the groups, or run it "
                            "apart from any group's launcher (docs/fault_tolerance.md)") from None
@@ -320,6 +311,9 @@ class ReplicaGroups:
     def participating(self) -> int:
         """The groups that took part in the newest committed step."""
         return self.ledger.participants[-1] if self.ledger.participants else 0
+
+    def step_line(self) -> tuple[dict[str, Any], str]:
+        return {"replicas": self.participating()}, f"replicas: {self.participating()}/{self.groups}"
 
     def log_summary(self) -> None:
         ledger = self.ledger
@@ -432,110 +426,12 @@ class ReplicaGroups:
         logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at {at} "
                        f"({time.perf_counter() - started:.2f} s to apply)")
 
-    # ------------------------------------------------------------------------------------------
-    # The data position
-
-    def _write_positions(self, before: dict[str, Any], after: dict[str, Any]) -> None:
-        partial = self._position_file + ".partial"
-        try:
-            os.makedirs(os.path.dirname(self._position_file), exist_ok=True)
-            torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
-            os.replace(partial, self._position_file)
-        except OSError as e:  # a full or failing disk must not stop training; only a later recovery needs it
-            if not self._position_unwritten:
-                logger.warning(f"fault tolerance: could not write the data position file {self._position_file} "
-                               f"({e}); training goes on, but if this group recovers from a peer before a write "
-                               "succeeds, its shard may be read again or skipped (the summary would say so)")
-            self._position_unwritten = True
-            return
-        self._position_unwritten = False
-
-    def _read_positions(self, path: str | None = None) -> dict[str, Any] | None:
-        path = path or self._position_file
-        try:
-            return torch.load(path, weights_only=True)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001 - a torn or foreign file is reported, not fatal
-            logger.warning(f"fault tolerance: ignoring the unreadable data position file {path} ({e})")
-            return None
-
     def _move_data_to_ledger(self) -> None:
         """After a recovery: continue this group's shard after the batches the ledger says the
-        committed steps took from it. The position comes from this group's newest position file,
-        this process's or the one before a restart: a count names the same position in either,
-        as both count batches of the same shard."""
-        want = self.ledger.consumed[self.replica_id]
-        record = self._read_positions()
-        # The semi-synchronous modes' counts are at syncs, which the sync records name.
-        synced = self._read_positions(self._sync_file) if self.steps_per_commit > 1 else None
-        for candidate in (record, synced, self._previous_positions, self._previous_sync):
-            if candidate is None:
-                continue
-            if candidate["drawn"] == want:
-                self._data_state.load_state_dict(candidate["after"])
-                break
-            if candidate["drawn"] == want + 1:
-                self._data_state.load_state_dict(candidate["before"])
-                break
-        else:
-            have = record["drawn"] if record is not None else None
+        committed steps took from it."""
+        if not self.position.move_to(self.ledger.consumed[self.replica_id], at_syncs=self.steps_per_commit > 1):
             self.ledger.data_gaps += 1
-            logger.warning(f"fault tolerance: replica group {self.replica_id} has no data position for batch {want} "
-                           f"of its shard (position file: {have}); it continues from its checkpoint's position, "
-                           "so some of its batches are read again or skipped")
         self._held = None
-        self._drawn = want
-        self._previous_positions = self._previous_sync = None
-        if self.steps_per_commit > 1:
-            self.record_sync_point()
-
-
-class _TorchftLog(logging.Filter):
-    """torchft's manager log, quieted: its per-reconfiguration note that NCCL's flight recorder cannot
-    be reset (true of every run without NCCL) is dropped, and so is its traceback of a failed
-    collective or recovery, whose first line is kept for the warning that the step was not committed."""
-
-    def __init__(self):
-        super().__init__()
-        self._failure: str | None = None
-
-    @classmethod
-    def install(cls) -> _TorchftLog:
-        """A new filter on torchft's manager log, replacing an earlier one (of a manager closed before)."""
-        log, new = logging.getLogger("torchft.manager"), cls()
-        for old in [f for f in log.filters if isinstance(f, cls)]:
-            log.removeFilter(old)
-        log.addFilter(new)
-        return new
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info or record.levelno >= logging.ERROR:
-            error = record.exc_info[1] if record.exc_info else None
-            self.failed(str(error) if error is not None else record.getMessage().split("] ", 1)[-1])
-            return False
-        return "flight recorder" not in record.getMessage()
-
-    def failed(self, message: str) -> None:
-        """Keeps the first failure of a step: gloo's "[file:line] What happened. Advice..." as "What happened"."""
-        if self._failure is None:
-            first = message.strip().splitlines()[0] if message.strip() else "no message"
-            first = re.sub(r"^[^\]]*\[[^\]]*\.(cc|cpp|h|py):\d+\] ", "", first)  # gloo's source location
-            self._failure = first.split(". ")[0][:200]
-
-    def take(self) -> str | None:
-        failure, self._failure = self._failure, None
-        return failure
-
-
-def _answers(address: str, seconds: float = 3.0) -> bool:
-    """Whether anything accepts a connection at host:port (the lighthouse)."""
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def _advertised_host() -> str:
@@ -543,37 +439,11 @@ def _advertised_host() -> str:
     return os.environ.get("TORCHFT_HOSTNAME") or os.environ.get("LOCAL_ADDR") or socket.gethostname()
 
 
-# ----------------------------------------------------------------------------------------------
-# What train.py calls
-
-def replica_dump_folder(config: JobConfig) -> str:
-    """The folder this rank writes to: with fault tolerance <job.dump_folder>/replica_<id>, each
-    group's logs, metrics, checkpoints and data positions; else job.dump_folder."""
-    if not config.fault_tolerance.enable:
-        return config.job.dump_folder
-    return os.path.join(config.job.dump_folder, f"replica_{config.fault_tolerance.replica_id}")
-
-
-def empty_ledger(config: JobConfig) -> list[int]:
-    """TrainState.data_consumed before any step: a count per replica group (none without fault tolerance)."""
-    return [0] * config.fault_tolerance.group_size if config.fault_tolerance.enable else []
-
-
-def data_coordinates(config: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-    """The data-parallel coordinates the data is sharded by: with fault tolerance every group's ranks
-    read their own shards, as the data-parallel ranks of one HSDP job with the groups as replicas
-    would (group g's rank r reads shard g x dp + r of group_size x dp)."""
-    ft = config.fault_tolerance
-    if not ft.enable:
-        return dp_rank, dp_degree
-    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
-
-
 def join_replica_groups(config: JobConfig, model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any,
-                        train_state: Any, dataloader: Any, device: torch.device) -> ReplicaGroups | None:
-    """This rank's ReplicaGroups (None without fault_tolerance), after the checkpoint load."""
+                        train_state: Any, dataloader: Any, device: torch.device) -> ReplicaStep:
+    """This rank's ReplicaGroups after the checkpoint load; without fault tolerance the do-nothing ReplicaStep."""
     if not config.fault_tolerance.enable:
-        return None
+        return ReplicaStep()
     from torchtitan.checkpoint.states import DataState
 
     rank = dist.get_rank() if dist.is_initialized() else 0
