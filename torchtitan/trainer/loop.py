@@ -4,7 +4,10 @@ trains with and calls run().
 A step reads as its numerics, one method each: next_batch, forward_backward, gradient_norm,
 agree_to_continue, optimizer_step, log, save, after_step. What watches the step from outside (the
 watchdog's phases, the step line's timers, the profilers: instruments.py) is attached around those
-methods in the two that sequence them, train_step and end_step, and nowhere else.
+methods in the two that sequence them, train_step and end_step, and nowhere else. The other replica
+groups of a fault-tolerant job are met through one interface, called every step whatever the mode
+(parallelisms/replica_step.py: start_step, draw, average_gradients, commit, after_update), which
+does nothing without fault tolerance.
 """
 
 from __future__ import annotations
