@@ -2,9 +2,11 @@
 that the other groups keep stepping, the killed group comes back and recovers live from a peer,
 and every group ends with bitwise the same parameters.
 
-    .venv/bin/python scripts/ft_trials.py                      # 10 trials, 2 groups x 2 ranks
+    .venv/bin/python scripts/ft_trials.py                      # 10 trials, 2 groups x 2 ranks, FSDP 2 inside
+    .venv/bin/python scripts/ft_trials.py --inner tp           # TP 2 inside each group instead
     .venv/bin/python scripts/ft_trials.py --groups 3 --trials 3 --out trials.json
     .venv/bin/python scripts/ft_trials.py --two-hosts          # groups split over 2 network namespaces (root)
+    .venv/bin/python scripts/ft_trials.py --min-replicas 2 --reference   # losses against an uninterrupted run
 
 Per trial: a fresh lighthouse (a short heartbeat timeout, so a dead group leaves the quorum in about
 2 s), then G replica groups, each its own ./run_llama_train.sh job of R ranks with MAX_RESTARTS=1,
@@ -20,7 +22,10 @@ group's metrics.jsonl (a wall time per step) and log:
 - went back: a survivor's step count that did not rise (a step logged twice or lower);
 - retried: the survivors' "attempts not committed" (a step tried again with the same batch);
 - recovery: seconds from the kill to the killed group's first step logged after it;
-- equal: every group's final checkpoint holds bitwise the same model and optimizer tensors.
+- equal: every group's final checkpoint holds bitwise the same model and optimizer tensors;
+- losses equal (--reference, with --min-replicas equal to --groups, so that no step is committed
+  without every group): every step each group logged has bitwise the loss of the same group and step
+  in one uninterrupted run of the same groups, trained first.
 
 Prints a markdown table; exits 1 if a trial failed (see Trial.passed).
 """
@@ -55,6 +60,24 @@ PER_GROUP_STATE = ("dataloader", "rng", "train_state")
 
 
 @dataclass
+class Setup:
+    """What every trial of a run trains: G groups of R ranks, with FSDP (`inner` "fsdp": the group's
+    ranks shard the model) or TP (`inner` "tp": the group's ranks split every layer) inside each,
+    committing a step with at least `min_replicas` groups."""
+
+    groups: int = 2
+    ranks: int = 2
+    port: int = 29600
+    steps: int = 40
+    interval: int = 10  # checkpoint interval
+    flavor: str = "debugmodel"
+    seq_len: int = 128
+    inner: str = "fsdp"
+    min_replicas: int = 1
+    quorum_timeout: int = 60  # seconds a group waits for min_replicas groups (survivors wait out a restart)
+
+
+@dataclass
 class Trial:
     victim_group: int
     victim_rank: int
@@ -72,21 +95,24 @@ class Trial:
     exit_codes: list[int]
     seconds: float
     detail: str = ""
+    losses_equal: bool | None = None  # against the uninterrupted run (None: not compared)
 
     @property
     def passed(self) -> bool:
-        return (self.params_equal and self.recovered_live and self.went_back == 0 and self.fewer_groups > 0
-                and all(c == 0 for c in self.exit_codes))
+        alone = self.fewer_groups > 0 or self.losses_equal is not None  # survivors stepped alone, or waited
+        return (self.params_equal and self.recovered_live and self.went_back == 0 and alone
+                and self.losses_equal is not False and all(c == 0 for c in self.exit_codes))
 
 
-def group_args(folder: Path, group: int, groups: int, port: int, host: str, steps: int, interval: int,
-               flavor: str, seq_len: int) -> list[str]:
-    return ["--model.flavor", flavor, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
-            "--training.batch_size", "2", "--training.warmup_steps", "2", "--metrics.log_freq", "1",
+def group_args(folder: Path, group: int, setup: Setup, host: str) -> list[str]:
+    inner = ["--training.tensor_parallel_degree", str(setup.ranks)] if setup.inner == "tp" else []
+    return ["--model.flavor", setup.flavor, "--training.steps", str(setup.steps), "--training.seq_len",
+            str(setup.seq_len), "--training.batch_size", "2", "--training.warmup_steps", "2", "--metrics.log_freq", "1",
             "--metrics.disable_color_printing", "--checkpoint.enable_checkpoint", "--checkpoint.interval",
-            str(interval), "--job.dump_folder", str(folder), "--fault_tolerance.enable",
-            "--fault_tolerance.group_size", str(groups), "--fault_tolerance.replica_id", str(group),
-            "--fault_tolerance.lighthouse", f"{host}:{port}"]
+            str(setup.interval), "--job.dump_folder", str(folder), *inner, "--fault_tolerance.enable",
+            "--fault_tolerance.group_size", str(setup.groups), "--fault_tolerance.replica_id", str(group),
+            "--fault_tolerance.min_replica_size", str(setup.min_replicas), "--fault_tolerance.quorum_timeout_seconds",
+            str(setup.quorum_timeout), "--fault_tolerance.lighthouse", f"{host}:{setup.port}"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -103,24 +129,23 @@ def _env(**extra: str) -> dict[str, str]:
 class Cluster:
     """A lighthouse and G groups, on this machine or on two simulated hosts (groups alternate)."""
 
-    def __init__(self, folder: Path, groups: int, ranks: int, port: int, steps: int, interval: int, flavor: str,
-                 seq_len: int, hosts=None):
+    def __init__(self, folder: Path, setup: Setup, hosts=None):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.hosts, self.procs = folder, hosts, []
         kw = dict(cwd=REPO_ROOT, stderr=subprocess.STDOUT, start_new_session=True)
         host = "localhost" if hosts is None else hosts.addresses[0]
-        lighthouse = [lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}",
+        lighthouse = [lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{setup.port}",
                       "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
         log = open(folder / "lighthouse.log", "w")
         self.lighthouse = self._popen(0, lighthouse, _env(), stdout=log, **kw)
-        for g in range(groups):
-            args = group_args(folder, g, groups, port, host, steps, interval, flavor, seq_len)
-            env = _env(NGPU=str(ranks), MAX_RESTARTS="1", LOG_RANK="0")
+        for g in range(setup.groups):
+            env = _env(NGPU=str(setup.ranks), MAX_RESTARTS="1", LOG_RANK="0")
             if hosts is not None:  # the address peers reach this group's manager at (_advertised_host)
                 h = g % 2
                 env.update(TORCHFT_HOSTNAME=hosts.addresses[h], GLOO_SOCKET_IFNAME=hosts.interfaces[h])
             out = open(folder / f"group_{g}.log", "w")
-            self.procs.append(self._popen(g % 2, ["./run_llama_train.sh", *args], env, stdout=out, **kw))
+            self.procs.append(self._popen(g % 2, ["./run_llama_train.sh", *group_args(folder, g, setup, host)], env,
+                                          stdout=out, **kw))
 
     def _popen(self, host: int, cmd: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
         if self.hosts is None:
@@ -217,17 +242,18 @@ def kill_steps(steps: int) -> tuple[int, int]:
     return 3, max(3, steps // 3)
 
 
-def run_trial(folder: Path, rng: random.Random, groups: int, ranks: int, port: int, steps: int, interval: int,
-              flavor: str, seq_len: int, timeout: float, hosts=None, kill_range: tuple[int, int] | None = None) -> Trial:
+def run_trial(folder: Path, rng: random.Random, setup: Setup, timeout: float, hosts=None,
+              kill_range: tuple[int, int] | None = None, reference: list[dict[int, float]] | None = None) -> Trial:
+    """One trial: `reference` (reference_losses) compares every logged loss with an uninterrupted run's."""
     shutil.rmtree(folder, ignore_errors=True)
-    victim, victim_rank = rng.randrange(groups), rng.randrange(ranks)
-    wanted = rng.randint(*(kill_range or kill_steps(steps)))
+    victim, victim_rank = rng.randrange(setup.groups), rng.randrange(setup.ranks)
+    wanted = rng.randint(*(kill_range or kill_steps(setup.steps)))
     start = time.monotonic()
-    cluster = Cluster(folder, groups, ranks, port, steps, interval, flavor, seq_len, hosts)
+    cluster = Cluster(folder, setup, hosts)
     kill_time, kill_step = None, 0
     try:
         while time.monotonic() - start < timeout and all(p.poll() is None for p in cluster.procs):
-            logged = [group_rows(folder, g) for g in range(groups)]
+            logged = [group_rows(folder, g) for g in range(setup.groups)]
             if all(logged) and logged[victim][-1]["step"] >= wanted:
                 pid = rank_pids(folder, victim).get(victim_rank)
                 if pid is not None:
@@ -240,7 +266,37 @@ def run_trial(folder: Path, rng: random.Random, groups: int, ranks: int, port: i
         codes = cluster.wait(start + timeout)
     finally:
         cluster.close()
-    return measure(folder, groups, victim, victim_rank, kill_step, kill_time, codes, time.monotonic() - start)
+    trial = measure(folder, setup.groups, victim, victim_rank, kill_step, kill_time, codes, time.monotonic() - start)
+    if reference is not None:
+        trial.losses_equal, note = same_losses(folder, reference)
+        trial.detail = trial.detail or note
+    return trial
+
+
+def reference_losses(folder: Path, setup: Setup, timeout: float, hosts=None) -> list[dict[int, float]]:
+    """The uninterrupted run the trials' losses are compared with: {step: loss} of each group."""
+    shutil.rmtree(folder, ignore_errors=True)
+    cluster = Cluster(folder, setup, hosts)
+    try:
+        codes = cluster.wait(time.monotonic() + timeout)
+    finally:
+        cluster.close()
+    if any(codes):
+        raise RuntimeError(f"the uninterrupted run failed (exit codes {codes}); see {folder}/group_*.log")
+    return [{r["step"]: r["loss"] for r in group_rows(folder, g)} for g in range(setup.groups)]
+
+
+def same_losses(folder: Path, reference: list[dict[int, float]]) -> tuple[bool, str]:
+    """Whether every step each group logged (the killed group's before and after its restart) has
+    bitwise the uninterrupted run's loss for that group and step."""
+    for g, want in enumerate(reference):
+        rows = group_rows(folder, g)
+        if not rows or rows[-1]["step"] != max(want):
+            return False, f"group {g} logged up to step {rows[-1]['step'] if rows else 0} of {max(want)}"
+        for row in rows:
+            if want.get(row["step"]) != row["loss"]:
+                return False, f"group {g} step {row['step']}: loss {row['loss']!r}, uninterrupted {want.get(row['step'])!r}"
+    return True, ""
 
 
 def measure(folder: Path, groups: int, victim: int, victim_rank: int, kill_step: int, kill_time: float | None,
@@ -282,16 +338,21 @@ def measure(folder: Path, groups: int, victim: int, victim_rank: int, kill_step:
 
 HEADER = ("| trial | killed (group/rank) | kill step | survivors' longest pause s: after the kill / at the rejoin "
           "(median step s) | went back | retried | steps with fewer groups (survivors summed) | recovered live | "
-          "recovery s | final step | parameters equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "recovery s | final step | parameters equal | losses equal to an uninterrupted run | wall s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def format_row(index: int, t: Trial) -> str:
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
+    def yes(x: bool | None) -> str:
+        return "-" if x is None else ("yes" if x else "no")
+
     row = (f"| {index} | {t.victim_group}/{t.victim_rank} | {t.kill_step} | {num(t.pause_s)} / {num(t.rejoin_pause_s)} ({num(t.step_seconds)}) | "
-           f"{t.went_back} | {t.retried} | {t.fewer_groups} | {'yes' if t.recovered_live else 'no'} | "
-           f"{num(t.recovery_s)} | {'/'.join(map(str, t.final_steps))} | {'yes' if t.params_equal else 'no'} |")
+           f"{t.went_back} | {t.retried} | {t.fewer_groups} | {yes(t.recovered_live)} | "
+           f"{num(t.recovery_s)} | {'/'.join(map(str, t.final_steps))} | {yes(t.params_equal)} | {yes(t.losses_equal)} | "
+           f"{t.seconds:.0f} |")
     return row + (f" {t.detail}" if t.detail else "")
 
 
@@ -307,6 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--port", type=int, default=29600, help="the lighthouse's port")
     p.add_argument("--timeout", type=float, default=600, help="seconds per trial before it counts as hung")
+    p.add_argument("--inner", choices=("fsdp", "tp"), default="fsdp",
+                   help="the layout inside each group: FSDP over its ranks, or TP over its ranks")
+    p.add_argument("--min-replicas", type=int, default=1,
+                   help="fault_tolerance.min_replica_size: with it equal to --groups the survivors wait for the "
+                        "killed group instead of stepping alone")
+    p.add_argument("--reference", action="store_true",
+                   help="first train the groups once without a kill, and compare every trial's losses with it "
+                        "(needs --min-replicas equal to --groups)")
     p.add_argument("--two-hosts", action="store_true", help="groups alternate between two network namespaces (root)")
     p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="a JSON file of the rows")
@@ -314,9 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.groups < 2 or args.ranks < 1 or args.steps < 9:
         print("error: --groups must be at least 2, --ranks at least 1 and --steps at least 9", file=sys.stderr)
         return 2
+    if not 1 <= args.min_replicas <= args.groups or (args.reference and args.min_replicas != args.groups):
+        print("error: --min-replicas must be between 1 and --groups, and equal to --groups with --reference (a step "
+              "committed without every group is in no uninterrupted run)", file=sys.stderr)
+        return 2
+    setup = Setup(args.groups, args.ranks, args.port, args.steps, args.checkpoint_interval, args.flavor, args.seq_len,
+                  args.inner, args.min_replicas, quorum_timeout=120 if args.min_replicas > 1 else 60)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ft-trials-"))
-    print(f"runs in {workdir}; {args.trials} trials, {args.groups} groups x {args.ranks} ranks"
-          f"{' on two hosts' if args.two_hosts else ''}, {args.steps} steps, seed {args.seed}\n{HEADER}", flush=True)
+    print(f"runs in {workdir}; {args.trials} trials, {args.groups} groups x {args.ranks} ranks ({args.inner.upper()} "
+          f"{args.ranks} inside), at least {args.min_replicas} per step{' on two hosts' if args.two_hosts else ''}, "
+          f"{args.steps} steps, seed {args.seed}", flush=True)
     rng = random.Random(args.seed)
     rows = []
     hosts = None
@@ -329,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         hosts = TwoHosts().__enter__()
     try:
+        reference = reference_losses(workdir / "uninterrupted", setup, args.timeout, hosts) if args.reference else None
+        print(HEADER, flush=True)
         for i in range(args.trials):
-            rows.append(run_trial(workdir / f"trial-{i}", rng, args.groups, args.ranks, args.port, args.steps,
-                                  args.checkpoint_interval, args.flavor, args.seq_len, args.timeout, hosts))
+            rows.append(run_trial(workdir / f"trial-{i}", rng, setup, args.timeout, hosts, reference=reference))
             print(format_row(i + 1, rows[-1]), flush=True)
     finally:
         if hosts is not None:
@@ -340,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps([asdict(t) for t in rows], indent=1))
     passed = sum(t.passed for t in rows)
     print(f"{passed} of {len(rows)} trials: survivors never went back, the killed group recovered live, "
-          "parameters bitwise equal")
+          "parameters bitwise equal" + (", losses bitwise those of the uninterrupted run" if args.reference else ""))
     return 0 if passed == len(rows) else 1
 
 

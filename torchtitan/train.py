@@ -44,9 +44,10 @@ from torchtitan.observability.metrics import MetricsLogger
 from torchtitan.observability.progress import Progress
 from torchtitan.observability.setup_record import SetupRecord
 from torchtitan.observability.watchdog import collective_timeout, watch_this_rank
-from torchtitan.parallelisms.fault_tolerance import data_coordinates, empty_ledger, join_replica_groups, replica_dump_folder
+from torchtitan.parallelisms.fault_tolerance import join_replica_groups
 from torchtitan.parallelisms.mixed_precision import compute_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.replica_step import data_coordinates, empty_ledger, replica_dump_folder
 from torchtitan.parallelisms.semi_sync import join_semi_sync
 from torchtitan.runtime import device_setup, process_group
 from torchtitan.runtime.reports import attempt, mark_attempt, reporting_to_folder, say_how_it_ended
@@ -107,7 +108,7 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         checkpoint.load(resume)
         groups = join_replica_groups(job_config, model_parts, optimizers, lr_schedulers, train_state, dataloader, device)
         trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device,
-                               groups, join_semi_sync(groups, model_parts, lr_schedulers, train_state))
+                               join_semi_sync(groups, model_parts, lr_schedulers, train_state))
         setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
         metrics = MetricsLogger(job_config, device, flops_per_token, process_group.rank(), compute_dtype(training, device_type),
                                 resumed_step=train_state.step)

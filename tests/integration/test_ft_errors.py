@@ -1,6 +1,7 @@
 """Fault tolerance's bad inputs through run_llama_train.sh, each one `error:` line and exit code 2:
-the launcher's FT_LIGHTHOUSE variables (no torch started), a lighthouse nobody runs, and two
-replica groups launched with different options (docs/fault_tolerance.md). The option rules
+the launcher's FT_LIGHTHOUSE variables (no torch started), a lighthouse nobody runs, two replica
+groups launched with different options, and (exit code 5, a hang) a lighthouse gone mid-run
+(docs/fault_tolerance.md). The option rules
 themselves are tests/unit_tests/test_fault_tolerance_config.py."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from tests.helpers import REPO_ROOT
+from torchtitan.tools.replica_groups import lighthouse_binary
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "3"]
 FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
@@ -108,19 +110,21 @@ def test_unreachable_lighthouse_ends_within_the_timeout(tmp_path):
     assert time.monotonic() - started < 45
 
 
-@pytest.mark.budget("two replica groups start, one starting the lighthouse, and meet at their first step (~30 s on 2 cores)")
+@pytest.mark.budget("two replica groups start, one starting the lighthouse and training alone until the other joins "
+                    "(15-40 s on 2 cores)")
 def test_groups_with_different_options_both_stop_with_one_line(tmp_path):
-    """Group 0 starts the lighthouse (FT_LIGHTHOUSE=start), group 1 joins it with another learning
-    rate; the first cross-group average finds the groups' configurations differ, and both stop. The
-    lighthouse ends with group 0's launcher."""
+    """Group 0 starts the lighthouse (FT_LIGHTHOUSE=start) and trains alone (min_replica_size 1);
+    group 1 joins it later with another learning rate, and, being behind, recovers from group 0 at
+    its first step, taking no part in that step's average. Its configuration still reaches group 0:
+    both stop with the one line, neither trains on. The lighthouse ends with group 0's launcher."""
     port = free_port()
-    args = [*TINY, *FT, "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.timeout_seconds", "20",
-            "--job.dump_folder", str(tmp_path)]
-    first = launch([*args, "--fault_tolerance.replica_id", "0"], FT_LIGHTHOUSE="start", FT_LIGHTHOUSE_PORT=str(port),
-                   FT_MIN_REPLICAS="2")
+    args = ["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "3000", "--metrics.log_freq", "1",
+            *FT, "--fault_tolerance.timeout_seconds", "20", "--job.dump_folder", str(tmp_path)]
+    first = launch([*args, "--fault_tolerance.replica_id", "0"], FT_LIGHTHOUSE="start", FT_LIGHTHOUSE_PORT=str(port))
     try:
-        deadline = time.monotonic() + 30
-        while not listening(port) and first.poll() is None and time.monotonic() < deadline:
+        metrics = tmp_path / "replica_0" / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             time.sleep(0.2)
         second = launch([*args, "--fault_tolerance.replica_id", "1", "--optimizer.lr", "0.002"],
                         FT_LIGHTHOUSE=f"localhost:{port}")
@@ -130,8 +134,35 @@ def test_groups_with_different_options_both_stop_with_one_line(tmp_path):
     for code, out in results:
         assert code == 2, out[-3000:]
         assert "the replica groups were started with different configurations" in one_error(out)
+        assert "FutureWarning" not in out, out[-3000:]
     assert f"torchft lighthouse on {socket.gethostname()}:{port}" in results[1][1]
     assert not listening(port), "the started lighthouse outlived its launcher"
+
+
+@pytest.mark.budget("one replica group trains until its lighthouse is killed, then waits out a 5 s quorum timeout")
+def test_a_lighthouse_gone_mid_run_ends_the_group_naming_it(tmp_path):
+    """The lighthouse dies mid-run: the group ends as a hang (exit 5) once no quorum formed within
+    fault_tolerance.quorum_timeout_seconds, with a line that says the lighthouse at its address is gone."""
+    port = free_port()
+    lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        process = launch(["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "3000",
+                          "--metrics.log_freq", "1", "--fault_tolerance.enable", "--fault_tolerance.group_size", "1",
+                          "--fault_tolerance.quorum_timeout_seconds", "5", "--job.dump_folder", str(tmp_path)],
+                         FT_LIGHTHOUSE=f"localhost:{port}")
+        metrics = tmp_path / "replica_0" / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    code, out = finish(process)
+    assert code == 5, out[-3000:]
+    assert one_error(out) == (f"error: fault tolerance: the lighthouse at localhost:{port} is gone (nothing answers "
+                              "there any more), so no replica group can form a quorum; start it again and relaunch "
+                              "the groups, or run it apart from any group's launcher (docs/fault_tolerance.md)")
 
 
 @pytest.mark.budget("one launch that trains 2 steps before the signal (~20 s on 2 cores)")

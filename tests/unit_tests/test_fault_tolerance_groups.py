@@ -36,6 +36,8 @@ class FakeManager:
         self.commit_answer, self.participating, self.step = True, True, 0
         self.load_fn = self.state_fn = None
         self._errored = None
+        self.recovering_peers: set[int] = set()  # present in the quorum, taking no part in the average
+        self.peer_died: str | None = None  # the error the quorum's process group raises
 
     def register_state_dict_fn(self, key, load_fn, state_fn):
         self.load_fn, self.state_fn = load_fn, state_fn
@@ -58,18 +60,17 @@ class FakeManager:
     def current_step(self) -> int:
         return self.step
 
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def report_error(self, e: Exception) -> None:
+        self._errored = e
+
     def allreduce(self, tensor: torch.Tensor) -> _Work:
-        n = self.num_participants()
         if not self.participating:
             tensor.zero_()
-        if tensor.dtype == torch.float64:  # the bookkeeping numbers: each peer's one-hot and fingerprint
-            groups = len(tensor) - 2 * fault_tolerance._FINGERPRINT_CHUNKS
-            for peer in self.peers:
-                tensor[peer] += 1
-                tensor[groups:] += torch.tensor(fault_tolerance._fingerprint_slots(self.fingerprint), dtype=torch.float64)
-        else:
-            tensor += self.peer_value * len(self.peers)
-        tensor /= n
+        tensor += self.peer_value * len(self.peers)
+        tensor /= self.num_participants()
         return _Work()
 
     def should_commit(self) -> bool:
@@ -79,6 +80,26 @@ class FakeManager:
 
     def shutdown(self, wait=False):
         pass
+
+
+class FakeQuorumGroup:
+    """The quorum's process group, where the bookkeeping numbers are summed over every group present:
+    each peer adds its one-hot slots (taking part, present) and its configuration fingerprint."""
+
+    def __init__(self, manager: FakeManager):
+        self.manager = manager
+
+    def allreduce(self, tensors: list[torch.Tensor], op) -> _Work:
+        if self.manager.peer_died is not None:
+            raise RuntimeError(self.manager.peer_died)
+        (tail,) = tensors
+        groups = (len(tail) - 2 * fault_tolerance._FINGERPRINT_CHUNKS) // 2
+        slots = torch.tensor(fault_tolerance._fingerprint_slots(self.manager.fingerprint), dtype=torch.float64)
+        for peer in self.manager.peers:
+            tail[peer] += peer not in self.manager.recovering_peers
+            tail[groups + peer] += 1
+            tail[2 * groups:] += slots
+        return _Work()
 
 
 class Loader:
@@ -114,7 +135,11 @@ def _groups(tmp_path, monkeypatch, peers=(1,), replica_id=0, groups=2, peer_fing
     train_state = train_state or TrainState(data_consumed=[0] * groups)
     fingerprint = config_fingerprint(config, 1)
     manager = FakeManager(replica_id, list(peers), fingerprint if peer_fingerprint is None else peer_fingerprint)
-    monkeypatch.setattr(ReplicaGroups, "_connect", lambda self, rank, size: manager)
+    def connect(self, rank, size):
+        self._pg = FakeQuorumGroup(manager)
+        return manager
+
+    monkeypatch.setattr(ReplicaGroups, "_connect", connect)
     loader = Loader()
     rg = ReplicaGroups(config, 0, 1, torch.device("cpu"), [model], optimizers, lr_schedulers, train_state, loader)
     return rg, manager, loader, model
@@ -200,6 +225,39 @@ def test_groups_with_another_configuration_are_refused(tmp_path, monkeypatch):
         manager.load_fn({**manager.state_fn(), "fingerprint": 1})
 
 
+def test_a_recovering_peer_with_another_configuration_stops_this_group_too(tmp_path, monkeypatch):
+    """A group that joins late recovers from this one and takes no part in the average: its
+    fingerprint still reaches this group, which stops too instead of training on alone."""
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peer_fingerprint=12345)
+    manager.recovering_peers = {1}
+    with pytest.raises(ConfigError, match="different configurations"):
+        _step(rg, loader, model)
+
+
+def test_a_peer_that_dies_mid_step_is_one_warning_naming_it(tmp_path, monkeypatch, caplog):
+    """torchft logs a failed collective with its traceback: the output keeps only the warning that
+    the step was not committed, naming the group that left and gloo's reason."""
+    import logging
+
+    gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:945. "
+            "This is typically caused by a remote worker crashing. GLHF!")
+    warned = "replica group 1 failed mid-step: Connection closed by peer [127.0.0.1]:945"
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peers=(1,))
+    assert _step(rg, loader, model) == ("batch1", True)
+    manager.commit_answer = False
+    try:  # group 1 died during the gradients' all-reduce
+        raise RuntimeError(gloo)
+    except RuntimeError:
+        logging.getLogger("torchft.manager").exception("[torchtitan_ft_0:uuid/0 - step 1] got exception waiting for work")
+    assert _step(rg, loader, model) == ("batch2", False)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == [f"fault tolerance: step 2 not committed ({warned}); trying it again with the same batch"]
+    rg._last_warning = -1e9  # warnings come at most every 10 s
+    manager.peer_died = gloo  # now during the bookkeeping exchange
+    assert _step(rg, loader, model) == ("batch2", False)
+    assert caplog.records[-1].getMessage() == f"fault tolerance: step 2 not committed ({warned}); trying it again with the same batch"
+
+
 def test_the_fingerprint_covers_the_options_the_groups_share(tmp_path):
     a, b = _config(tmp_path), _config(tmp_path, replica_id=1)
     assert config_fingerprint(a, 2) == config_fingerprint(b, 2)  # the replica id is each group's own
@@ -258,14 +316,25 @@ def test_the_live_state_restores_model_optimizer_and_schedule(tmp_path):
         load_live_state(bad, named_tensors([receiver]), opt_r, lr_r, ts_r)
 
 
-def test_a_lighthouse_that_stops_answering_ends_as_a_hang(tmp_path, monkeypatch):
-    rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+def test_no_quorum_ends_as_a_hang_naming_a_lighthouse_that_is_gone(tmp_path, monkeypatch):
+    """torchft's quorum fails the same way (a gRPC status) whether the lighthouse is gone or forms no
+    quorum: the line says which, by whether anything still answers at the lighthouse's address."""
+    import socket
 
     def no_quorum():
-        raise RuntimeError("quorum timed out\nmore detail")
+        raise RuntimeError('status: Cancelled, message: "Timeout expired", details: []\nmore detail')
 
+    with socket.socket() as lighthouse:  # one that answers but forms no quorum
+        lighthouse.bind(("127.0.0.1", 0))
+        lighthouse.listen()
+        rg, manager, loader, model = _groups(tmp_path, monkeypatch)
+        rg.config.fault_tolerance.lighthouse = f"127.0.0.1:{lighthouse.getsockname()[1]}"
+        manager.wait_quorum = no_quorum
+        with pytest.raises(Hang, match="no quorum of at least 1 replica groups within 60 s.*Timeout expired.*details: \\[\\]$"):
+            _step(rg, loader, model)
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch)  # its lighthouse, localhost:1, answers nothing
     manager.wait_quorum = no_quorum
-    with pytest.raises(Hang, match="no quorum of at least 1 replica groups within 60 s.*quorum timed out$"):
+    with pytest.raises(Hang, match=r"^fault tolerance: the lighthouse at localhost:1 is gone \(nothing answers there"):
         _step(rg, loader, model)
 
 
@@ -274,7 +343,7 @@ def test_a_torn_position_file_is_ignored_with_a_warning(tmp_path, monkeypatch, c
     folder.mkdir()
     (folder / "data_rank0.pt").write_bytes(b"not a torch file")
     rg, manager, loader, model = _groups(tmp_path, monkeypatch)
-    assert rg._previous_positions is None and "ignoring the unreadable data position file" in caplog.text
+    assert rg.position.previous is None and "ignoring the unreadable data position file" in caplog.text
 
 
 def test_a_position_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
@@ -287,3 +356,68 @@ def test_a_position_file_that_cannot_be_written_warns_once_and_training_goes_on(
     assert _step(rg, loader, model) == ("batch1", True)
     assert _step(rg, loader, model) == ("batch2", True)
     assert caplog.text.count("could not write the data position file") == 1
+
+
+@pytest.fixture
+def fsdp_tp_mesh():
+    """Rank 0 of 4 on the "fake" backend (collectives do nothing): a 2 x 2 (dp_shard, tp) mesh whose
+    parameters carry the placements of FSDP 2 x TP 2 inside a replica group, with no peers running."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.runtime.torch_compat.fake import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_tp_model(mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 5))  # 5 rows: uneven shards
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
+def test_a_sharded_group_that_never_stepped_rebuilds_the_peers_optimizer_state(tmp_path, fsdp_tp_mesh):
+    """A group restarted before its first checkpoint has no optimizer state: the peer's shards become
+    DTensors with the parameters' mesh and placements (_StridedShard where FSDP shards a dimension TP
+    already shards, uneven shards), and both groups then step alike."""
+    from torch.distributed.tensor import DTensor
+
+    config = _config(tmp_path)
+    sender, receiver = _fsdp_tp_model(fsdp_tp_mesh), _fsdp_tp_model(fsdp_tp_mesh)
+    opt_s, opt_r = build_optimizers([sender], config, None), build_optimizers([receiver], config, None)
+    lr_s, lr_r = build_lr_schedulers(opt_s, config), build_lr_schedulers(opt_r, config)
+    for step in range(2):
+        for i, p in enumerate(sender.parameters()):
+            p.grad = torch.full_like(p, 0.1 * (i + 1) + step)
+        opt_s.step()
+        lr_s.step()
+    state = copy.deepcopy(live_state(named_tensors([sender]), opt_s, lr_s, TrainState(step=2)))
+    load_live_state(state, named_tensors([receiver]), opt_r, lr_r, TrainState())
+    strided = 0
+    for ps, pr in zip(sender.parameters(), receiver.parameters()):
+        sent, got = opt_s.optimizers[0].state[ps], opt_r.optimizers[0].state[pr]
+        assert sent.keys() == got.keys()
+        for key, value in sent.items():
+            if isinstance(value, DTensor):
+                assert isinstance(got[key], DTensor) and got[key].placements == value.placements
+                assert (got[key].device_mesh, got[key].shape, got[key].stride()) == (value.device_mesh, value.shape,
+                                                                                     value.stride())
+                assert torch.equal(got[key].to_local(), value.to_local())
+                strided += any(type(p).__name__ == "_StridedShard" for p in value.placements)
+            else:
+                assert torch.equal(got[key], value)
+    assert strided, "no _StridedShard placement was exercised"
+    for model, opt in ((sender, opt_s), (receiver, opt_r)):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(sender.parameters(), receiver.parameters()))

@@ -105,10 +105,10 @@ def test_a_sync_every_h_steps_averages_the_drift_and_applies_the_outer_rule():
         outer, model, groups, schedule, state = _outer_loop(method)
         start = [p.detach().clone() for p in model.parameters()]
         _inner_step(model, schedule, state, 0.1)
-        assert outer.after_step(1) and "start_step" not in groups.calls  # no sync between syncs
+        assert outer.after_update(1) and "start_step" not in groups.calls  # no sync between syncs
         _inner_step(model, schedule, state, 0.1)
         groups.peer_drift = [torch.full_like(p, 0.4) for p in model.parameters()]  # the other group moved 0.4
-        assert outer.after_step(2)
+        assert outer.after_update(2)
         avg = 0.3  # (0.2 + 0.4) / 2
         # local SGD: the groups' mean parameters; DiLoCo (lr 0.5, mu 0.5, m = g): backup - 0.5 * 1.5 g
         want = avg if method == "local_sgd" else 0.5 * 1.5 * avg
@@ -124,7 +124,7 @@ def test_a_sync_not_committed_goes_back_to_the_last_sync():
     _inner_step(model, schedule, state, 0.1)
     _inner_step(model, schedule, state, 0.1)
     groups.peer_drift = [torch.zeros_like(p) for p in model.parameters()]
-    assert not outer.after_step(2)
+    assert not outer.after_update(2)
     assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start))
     assert (state.step, state.tokens_seen, schedule.steps) == (0, 0, 0)
     assert groups.calls[-1] == "rewind_to_sync_point"
@@ -189,15 +189,13 @@ class _Shard:
 def _data_side(tmp_path, shard: _Shard, consumed: list[int]):
     """ReplicaGroups' data bookkeeping alone (no torchft manager): what a process of group 0 starts with."""
     from torchtitan.parallelisms.fault_tolerance import Ledger, ReplicaGroups
+    from torchtitan.parallelisms.shard_position import ShardPosition
 
     groups = ReplicaGroups.__new__(ReplicaGroups)
     groups.replica_id, groups.steps_per_commit, groups.step_base, groups._held = 0, 1, 0, None
     groups.ledger, groups._train_state = Ledger(consumed=consumed), SimpleNamespace(step=0)
-    groups._data_state, groups.manager = shard, SimpleNamespace(load_state_dict=lambda state: None)
-    groups._position_file = str(tmp_path / "data_rank0.pt")
-    groups._sync_file = str(tmp_path / "data_rank0_sync.pt")
-    groups._previous_positions = groups._read_positions()
-    groups._previous_sync = groups._read_positions(groups._sync_file)
+    groups.manager = SimpleNamespace(load_state_dict=lambda state: None)
+    groups.position = ShardPosition(shard, str(tmp_path), group_rank=0, replica_id=0)
     return groups
 
 
@@ -210,7 +208,7 @@ def test_a_discarded_sync_reads_its_batches_again(tmp_path):
     groups.record_sync_point()  # a committed sync after 3 batches
     assert [groups.draw(shard.next_batch) for _ in range(2)] == [[4], [5]]  # no batch is held between syncs
     groups.rewind_to_sync_point()
-    assert (shard.read, groups._drawn) == (3, 3)
+    assert (shard.read, groups.position.drawn) == (3, 3)
     assert groups.draw(shard.next_batch) == [4]
 
 
@@ -230,4 +228,4 @@ def test_a_restarted_group_recovers_its_data_position_from_its_last_sync(tmp_pat
         second.draw(shard.next_batch)
     second.ledger.consumed[:] = [3, 3]  # the peer's ledger: one sync of 3 batches with this group in it
     second._move_data_to_ledger()
-    assert (shard.read, second._drawn) == (3, 3)  # only the previous life's sync record names batch 3
+    assert (shard.read, second.position.drawn) == (3, 3)  # only the previous life's sync record names batch 3

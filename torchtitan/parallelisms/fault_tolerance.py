@@ -8,20 +8,25 @@ others stepping with fewer replicas in the average; a group that comes back is s
 model, optimizer, schedule and step from a peer (torchft's checkpoint transport) instead of
 reading a checkpoint.
 
-What crosses the groups each step is one flat fp32 buffer per rank: this rank's local gradient
-shards (or, in the semi-synchronous modes, its parameter shards' drift since the last sync)
-followed by a few bookkeeping slots that ride along for free:
+What crosses the groups each step is, first, a few bookkeeping numbers, summed on the quorum's
+process group over every group in the quorum (a group recovering this step included):
 
-- one slot per group, 1 where that group took part: every group learns who contributed, which
-  keeps each group's data position exact (the ledger below);
-- a fingerprint of the configuration the groups must share, checked on every sync, so groups
-  launched with different options stop with one line instead of averaging unrelated models.
+- one-hot slots of the groups taking part in the average and of the groups present: every group
+  learns who contributed, which keeps each group's data position exact (the ledger below), and a
+  replica id used twice shows;
+- a fingerprint of the configuration the groups must share, so groups launched with different
+  options all stop with one line instead of averaging unrelated models;
+
+then this rank's local gradient shards (or, in the semi-synchronous modes, its parameter shards'
+drift since the last sync) in flat fp32 buckets, averaged through torchft's manager.
 
 The ledger counts, per group, the batches the committed steps consumed from that group's data
 shard. A group that restarts learns its own count from the peer's ledger and takes its data
-position from its position file (written before each batch is used, with the position before
-and after it), so its shard is neither read twice nor skipped. A step that is not committed
-keeps its batch and trains it again.
+position from its position files (shard_position.py), so its shard is neither read twice nor
+skipped. A step that is not committed keeps its batch and trains it again.
+
+The loop meets the groups through ReplicaStep (replica_step.py), which ReplicaGroups implements for
+the groups that average every step.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.sections import lighthouse_address
 from torchtitan.errors import ConfigError, Hang, UserError
 from torchtitan.parallelisms.live_state import live_state, load_live_state, local_shard, named_tensors
+from torchtitan.parallelisms.replica_step import ReplicaStep
+from torchtitan.parallelisms.shard_position import ShardPosition
+from torchtitan.parallelisms.torchft_messages import TorchftLog, lighthouse_answers
 
 logger = logging.getLogger("torchtitan")
 
@@ -85,16 +93,18 @@ class Ledger:
     participants: list[int] = field(default_factory=list)  # per committed step of this run (for metrics)
 
 
-class ReplicaGroups:
+class ReplicaGroups(ReplicaStep):
     """This rank's side of the fault-tolerant job: the torchft Manager, the cross-group average,
     the commit, the ledger and the live state a recovering group is sent.
 
-    The trainer calls, per step: `start_step()` before the step's batch is drawn, `draw(next)` for
-    the batch, then after backward `average_gradients(params)` (synchronous mode), then `commit()`,
-    whose answer says whether to apply the step. The semi-synchronous modes (semi_sync.py) call
+    As the loop's ReplicaStep (fault-tolerant HSDP), every step: `start_step()` before the batch is
+    drawn, `draw(next)` for the batch, `average_gradients(params)` after backward, `commit()`, whose
+    answer says whether to apply the step. The semi-synchronous modes (SemiSync, semi_sync.py) call
     `start_step`, `average_parameters_drift` and `commit` once every fault_tolerance.sync_steps steps
     instead, after `count_syncs_from`: the manager's step then counts syncs, each committing
     sync_steps batches per participating group."""
+
+    settles_every_step = True  # a step committed across groups is not applied before it is known finite
 
     def __init__(self, config: JobConfig, group_rank: int, group_size: int, device: torch.device,
                  model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any, train_state: Any,
@@ -103,9 +113,13 @@ class ReplicaGroups:
         os.environ.setdefault("RUST_LOG", "warn")
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        logging.getLogger("torchft.manager").addFilter(_NotOnThisDevice())
-        # torchft reads the peer's state from a read-only buffer and never writes to it.
+        # torchft logs a failed collective or recovery with its traceback; the step is then not committed,
+        # and the warning that says so carries the failure's first line instead (_not_committed).
+        self._torchft_log = TorchftLog.install()
+        # torchft reads the peer's state from a read-only buffer and never writes to it, and unpickles it
+        # with a pytree check PyTorch has deprecated: neither is the user's to act on.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchft\.")
         ft = config.fault_tolerance
         self.config, self.ft, self.device = config, ft, device
         self.replica_id, self.groups = ft.replica_id, ft.group_size
@@ -119,22 +133,15 @@ class ReplicaGroups:
         named = named_tensors(model_parts)
         self._state_fn = lambda: live_state(named, optimizers, lr_schedulers, train_state)
         self._load_fn = lambda state: load_live_state(state, named, optimizers, lr_schedulers, train_state)
-        self._data_state = data_state
-        self._position_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}.pt")
-        self._sync_file = os.path.join(config.job.dump_folder, "fault_tolerance", f"data_rank{group_rank}_sync.pt")
-        # From before a restart, used at a recovery: the newest batch's positions, and the data
-        # position at the newest committed sync (semi-synchronous modes).
-        self._previous_positions = self._read_positions()
-        self._previous_sync = self._read_positions(self._sync_file)
+        self.position = ShardPosition(data_state, config.job.dump_folder, group_rank, self.replica_id)
+        self.position.drawn = self.ledger.consumed[self.replica_id]
         # Train steps per committed manager step, and the train step the manager's count starts at:
         # 1 and 0, except in the semi-synchronous modes (count_syncs_from).
         self.steps_per_commit, self.step_base = 1, 0
-        self._sync_point: dict[str, Any] | None = None  # the data position a discarded sync goes back to
-        self._drawn = self.ledger.consumed[self.replica_id]  # batches taken from the shard: consumed, or one more
         self._held: Any = None  # the batch of an attempt that was not committed, trained again
-        self._position_unwritten = False  # the newest data position file could not be written
         self._healed_now = False
         self._participation: list[float] | None = None
+        self._present: list[int] = []  # the groups in the newest bookkeeping exchange (named when one fails)
         self._last_commit, self._last_warning = time.monotonic(), -math.inf
         self.manager = self._connect(group_rank, group_size)
         self.manager.register_state_dict_fn("torchtitan", self._load_live_state, self._live_state)
@@ -156,7 +163,7 @@ class ReplicaGroups:
         # The live state travels over the cross-group process group itself, on the interface gloo
         # uses (GLOO_SOCKET_IFNAME): torchft's default HTTP transport names this host by
         # socket.gethostname(), which other hosts may not resolve to it.
-        pg = ProcessGroupGloo(timeout=timeout)
+        pg = self._pg = ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
         try:
             return Manager(
@@ -189,7 +196,7 @@ class ReplicaGroups:
     def resume_at(self, step: int) -> None:
         """After the checkpoint load (which restored the ledger): the manager counts steps from there."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self._drawn = self.ledger.consumed[self.replica_id]
+        self.position.drawn = self.ledger.consumed[self.replica_id]
 
     def count_syncs_from(self, base: int, every: int) -> None:
         """Semi-synchronous modes: the manager counts syncs (of `every` steps each) from train step
@@ -197,24 +204,17 @@ class ReplicaGroups:
         and recovers from it. Batches are not held: each inner step draws a new one."""
         self.steps_per_commit, self.step_base = every, base
         self.manager.load_state_dict({"step": 0, "batches_committed": 0})
-        self._drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
+        self.position.drawn = self.ledger.consumed[self.replica_id] + self._train_state.step - base
         # Where this start stands, for a recovery at the first sync (the file before a restart was read).
         self.record_sync_point()
 
     def record_sync_point(self) -> None:
-        """After a committed sync: the data position a later sync that is not committed goes back to,
-        also kept in a file for a recovery after a restart."""
-        position = self._data_state.state_dict()
-        self._sync_point = {"drawn": self._drawn, "position": position}
-        os.makedirs(os.path.dirname(self._sync_file), exist_ok=True)
-        partial = self._sync_file + ".partial"
-        torch.save({"drawn": self._drawn, "before": position, "after": position}, partial)
-        os.replace(partial, self._sync_file)
+        """After a committed sync: the data position a later sync that is not committed goes back to."""
+        self.position.record_sync_point()
 
     def rewind_to_sync_point(self) -> None:
         """After a sync that was not committed: the batches drawn since the last sync are read again."""
-        self._data_state.load_state_dict(self._sync_point["position"])
-        self._drawn = self._sync_point["drawn"]
+        self.position.rewind_to_sync_point()
         self._held = None
 
     # ------------------------------------------------------------------------------------------
@@ -230,10 +230,7 @@ class ReplicaGroups:
         position before and after recorded first (so a restart knows both)."""
         if self._held is not None:
             return self._held
-        before = self._data_state.state_dict()
-        batch = next_batch()
-        self._drawn += 1
-        self._write_positions(before, self._data_state.state_dict())
+        batch = self.position.next(next_batch)
         # Semi-synchronous modes hold no batch: a sync not committed rewinds the data instead.
         self._held = batch if self.steps_per_commit == 1 else None
         return batch
@@ -283,25 +280,40 @@ class ReplicaGroups:
             raise Hang(f"fault tolerance: no step committed for {waited:.0f} s: {n} replica group(s) in the quorum, "
                        f"fault_tolerance.min_replica_size is {needed} (fault_tolerance.quorum_timeout_seconds "
                        f"{self.ft.quorum_timeout_seconds})")
+        failure = self._torchft_log.take()
         if now - self._last_warning > 10:
             self._last_warning = now
-            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else "a group failed mid-step"
+            why = f"{n} of at least {needed} replica groups in the quorum" if n < needed else self._who_failed(failure)
             logger.warning(f"fault tolerance: step {self.manager.current_step() + 1} not committed ({why}); "
                            "trying it again with the same batch")
         if n < needed:
             time.sleep(0.5)  # the lighthouse needs time to see peers come back; do not spin on the same batch
 
+    def _who_failed(self, failure: str | None) -> str:
+        others = [g for g in self._present if g != self.replica_id]
+        who = (f"replica group {others[0]}" if len(others) == 1 else
+               f"one of replica groups {', '.join(map(str, others))}" if others else "a replica group")
+        return f"{who} failed mid-step" + (f": {failure}" if failure else "")
+
     def _wait_quorum(self) -> None:
         try:
             self.manager.wait_quorum()
         except Exception as e:  # noqa: BLE001 - torchft raises the lighthouse's timeout as RuntimeError
+            address = lighthouse_address(self.config)
+            if not lighthouse_answers(address):
+                raise Hang(f"fault tolerance: the lighthouse at {address} is gone (nothing answers there any more), so "
+                           "no replica group can form a quorum; start it again and relaunch the groups, or run it "
+                           "apart from any group's launcher (docs/fault_tolerance.md)") from None
             raise Hang(f"fault tolerance: no quorum of at least {self.ft.min_replica_size} replica groups within "
                        f"{self.ft.quorum_timeout_seconds} s (fault_tolerance.quorum_timeout_seconds; lighthouse "
-                       f"{lighthouse_address(self.config)}): {str(e).splitlines()[0][:200]}") from None
+                       f"{address}): {str(e).splitlines()[0][:200]}") from None
 
     def participating(self) -> int:
         """The groups that took part in the newest committed step."""
         return self.ledger.participants[-1] if self.ledger.participants else 0
+
+    def step_line(self) -> tuple[dict[str, Any], str]:
+        return {"replicas": self.participating()}, f"replicas: {self.participating()}/{self.groups}"
 
     def log_summary(self) -> None:
         ledger = self.ledger
@@ -321,23 +333,20 @@ class ReplicaGroups:
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> list[float]:
         """Averages `tensors` (local, in place) over the quorum in fp32 buckets; returns which groups
-        took part. First a few bookkeeping numbers travel alone: who takes part, and the groups'
-        configuration fingerprints, checked before buffers whose sizes depend on the layout."""
+        took part. First a few bookkeeping numbers travel alone (_exchange), checked before buffers
+        whose sizes depend on the layout."""
         self._wait_quorum()
-        tail = torch.zeros(self.groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64, device=self.device)
-        tail[self.replica_id] = 1.0
-        tail[self.groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
-        self.manager.allreduce(tail).wait()
-        if self.manager.errored() is not None:
+        summed = self._exchange()
+        if summed is None:
             return [0.0] * self.groups  # the step will not be committed; nothing to check
-        summed = (tail * self.manager.num_participants()).round().tolist()
-        participation = summed[:self.groups]
-        if max(participation) > 1:
-            twice = [g for g, n in enumerate(participation) if n > 1]
+        groups = self.groups
+        participation, present = summed[:groups], summed[groups:2 * groups]
+        self._present = [g for g, n in enumerate(present) if n]
+        if max(present) > 1:
+            twice = [g for g, n in enumerate(present) if n > 1]
             raise ConfigError(f"fault_tolerance: replica id(s) {twice} are used by more than one running group; give "
                               "each group its own fault_tolerance.replica_id")
-        took_part = sum(participation)
-        if took_part and not self._same_config(summed[self.groups:], took_part):
+        if not self._same_config(summed[2 * groups:], sum(present)):
             raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
                               "every option but fault_tolerance.replica_id and the group's own outputs "
                               "(job.dump_folder, metrics) must match, and so must the ranks per group (NGPU x "
@@ -361,6 +370,28 @@ class ReplicaGroups:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
         return participation
+
+    def _exchange(self) -> list[float] | None:
+        """Sums, over every group in the quorum, one-hot slots of the groups taking part in the average,
+        of the groups present (a group recovering this step is present but contributes nothing), and the
+        configuration fingerprints; None when it failed (the step is then not committed). It runs on the
+        quorum's process group itself, not through the manager's all-reduce, which zeroes a recovering
+        group's numbers: a group recovering from a peer with another configuration must stop, and so
+        must that peer."""
+        if self.manager.errored() is not None:
+            return None
+        groups = self.groups
+        tail = torch.zeros(2 * groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64)
+        tail[self.replica_id] = float(self.manager.is_participating())
+        tail[groups + self.replica_id] = 1.0
+        tail[2 * groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        try:
+            self._pg.allreduce([tail], dist.ReduceOp.SUM).wait()
+        except Exception as e:  # noqa: BLE001 - a peer that died mid-step: gloo's RuntimeError
+            self._torchft_log.failed(str(e))
+            self.manager.report_error(e)
+            return None
+        return tail.round().tolist()
 
     def _same_config(self, sums: list[float], count: float) -> bool:
         # Equal sums of c and of c^2 over the groups mean every group's chunk equals this group's.
@@ -395,71 +426,12 @@ class ReplicaGroups:
         logger.warning(f"fault tolerance: replica group {self.replica_id} recovered live from a peer at {at} "
                        f"({time.perf_counter() - started:.2f} s to apply)")
 
-    # ------------------------------------------------------------------------------------------
-    # The data position
-
-    def _write_positions(self, before: dict[str, Any], after: dict[str, Any]) -> None:
-        partial = self._position_file + ".partial"
-        try:
-            os.makedirs(os.path.dirname(self._position_file), exist_ok=True)
-            torch.save({"drawn": self._drawn, "before": before, "after": after}, partial)
-            os.replace(partial, self._position_file)
-        except OSError as e:  # a full or failing disk must not stop training; only a later recovery needs it
-            if not self._position_unwritten:
-                logger.warning(f"fault tolerance: could not write the data position file {self._position_file} "
-                               f"({e}); training goes on, but if this group recovers from a peer before a write "
-                               "succeeds, its shard may be read again or skipped (the summary would say so)")
-            self._position_unwritten = True
-            return
-        self._position_unwritten = False
-
-    def _read_positions(self, path: str | None = None) -> dict[str, Any] | None:
-        path = path or self._position_file
-        try:
-            return torch.load(path, weights_only=True)
-        except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001 - a torn or foreign file is reported, not fatal
-            logger.warning(f"fault tolerance: ignoring the unreadable data position file {path} ({e})")
-            return None
-
     def _move_data_to_ledger(self) -> None:
         """After a recovery: continue this group's shard after the batches the ledger says the
-        committed steps took from it. The position comes from this group's newest position file,
-        this process's or the one before a restart: a count names the same position in either,
-        as both count batches of the same shard."""
-        want = self.ledger.consumed[self.replica_id]
-        record = self._read_positions()
-        # The semi-synchronous modes' counts are at syncs, which the sync records name.
-        synced = self._read_positions(self._sync_file) if self.steps_per_commit > 1 else None
-        for candidate in (record, synced, self._previous_positions, self._previous_sync):
-            if candidate is None:
-                continue
-            if candidate["drawn"] == want:
-                self._data_state.load_state_dict(candidate["after"])
-                break
-            if candidate["drawn"] == want + 1:
-                self._data_state.load_state_dict(candidate["before"])
-                break
-        else:
-            have = record["drawn"] if record is not None else None
+        committed steps took from it."""
+        if not self.position.move_to(self.ledger.consumed[self.replica_id], at_syncs=self.steps_per_commit > 1):
             self.ledger.data_gaps += 1
-            logger.warning(f"fault tolerance: replica group {self.replica_id} has no data position for batch {want} "
-                           f"of its shard (position file: {have}); it continues from its checkpoint's position, "
-                           "so some of its batches are read again or skipped")
         self._held = None
-        self._drawn = want
-        self._previous_positions = self._previous_sync = None
-        if self.steps_per_commit > 1:
-            self.record_sync_point()
-
-
-class _NotOnThisDevice(logging.Filter):
-    """Drops torchft's per-reconfiguration note that NCCL's flight recorder cannot be reset, which
-    holds for every run without NCCL."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "flight recorder" not in record.getMessage()
 
 
 def _advertised_host() -> str:
@@ -467,37 +439,11 @@ def _advertised_host() -> str:
     return os.environ.get("TORCHFT_HOSTNAME") or os.environ.get("LOCAL_ADDR") or socket.gethostname()
 
 
-# ----------------------------------------------------------------------------------------------
-# What train.py calls
-
-def replica_dump_folder(config: JobConfig) -> str:
-    """The folder this rank writes to: with fault tolerance <job.dump_folder>/replica_<id>, each
-    group's logs, metrics, checkpoints and data positions; else job.dump_folder."""
-    if not config.fault_tolerance.enable:
-        return config.job.dump_folder
-    return os.path.join(config.job.dump_folder, f"replica_{config.fault_tolerance.replica_id}")
-
-
-def empty_ledger(config: JobConfig) -> list[int]:
-    """TrainState.data_consumed before any step: a count per replica group (none without fault tolerance)."""
-    return [0] * config.fault_tolerance.group_size if config.fault_tolerance.enable else []
-
-
-def data_coordinates(config: JobConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-    """The data-parallel coordinates the data is sharded by: with fault tolerance every group's ranks
-    read their own shards, as the data-parallel ranks of one HSDP job with the groups as replicas
-    would (group g's rank r reads shard g x dp + r of group_size x dp)."""
-    ft = config.fault_tolerance
-    if not ft.enable:
-        return dp_rank, dp_degree
-    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
-
-
 def join_replica_groups(config: JobConfig, model_parts: list[nn.Module], optimizers: Any, lr_schedulers: Any,
-                        train_state: Any, dataloader: Any, device: torch.device) -> ReplicaGroups | None:
-    """This rank's ReplicaGroups (None without fault_tolerance), after the checkpoint load."""
+                        train_state: Any, dataloader: Any, device: torch.device) -> ReplicaStep:
+    """This rank's ReplicaGroups after the checkpoint load; without fault tolerance the do-nothing ReplicaStep."""
     if not config.fault_tolerance.enable:
-        return None
+        return ReplicaStep()
     from torchtitan.checkpoint.states import DataState
 
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -35,6 +35,7 @@ from torch import nn
 
 from torchtitan.parallelisms.fault_tolerance import ReplicaGroups
 from torchtitan.parallelisms.live_state import local_shard
+from torchtitan.parallelisms.replica_step import ReplicaStep
 
 logger = logging.getLogger("torchtitan")
 
@@ -58,9 +59,13 @@ def nesterov_outer_update(backup: list[torch.Tensor], avg_drift: list[torch.Tens
     return new
 
 
-class SemiSync:
+class SemiSync(ReplicaStep):
     """The outer loop of local SGD / DiLoCo around one rank's parameter shards (those its optimizer
-    holds). The trainer calls `after_step(step)` after each optimizer step."""
+    holds), as the loop's ReplicaStep: each step's batch comes through the replica groups' data
+    ledger, its gradients stay the group's own and its update is applied; `after_update(step)` syncs
+    every H steps."""
+
+    settles_every_step = True  # as ReplicaGroups: a sync commits what the steps before it applied
 
     def __init__(self, groups: ReplicaGroups, model_parts: list[nn.Module], lr_schedulers: Any, train_state: Any):
         ft = groups.ft
@@ -87,7 +92,10 @@ class SemiSync:
         return {"step": self.train_state.step, "tokens_seen": self.train_state.tokens_seen,
                 "lr_scheduler": copy.deepcopy(self.lr_schedulers.state_dict())}
 
-    def after_step(self, step: int) -> bool:
+    def draw(self, next_batch: Any) -> Any:
+        return self.groups.draw(next_batch)
+
+    def after_update(self, step: int) -> bool:
         """Syncs when `step` is a multiple of H; False when that sync was not committed (the trainer
         then leaves the step: the counters are back at the last sync)."""
         if step % self.every:
@@ -131,7 +139,14 @@ class SemiSync:
         logger.warning(f"fault tolerance: the sync at step {step} was not committed; the {lost} steps since step "
                        f"{point['step']} are discarded and trained again on the same batches")
 
+    def step_line(self) -> tuple[dict[str, Any], str]:
+        return self.groups.step_line()
+
+    def close(self) -> None:
+        self.groups.close()
+
     def log_summary(self) -> None:
+        self.groups.log_summary()
         logger.info(f"fault tolerance ({self.method}, sync every {self.every} steps): {self.committed} syncs committed, "
                     f"{self.failed} not committed ({self.discarded} steps' batches discarded and read again)")
 
@@ -153,9 +168,9 @@ class SemiSync:
         self.groups.step_base = int(state["step_base"])
 
 
-def join_semi_sync(groups: ReplicaGroups | None, model_parts: list[nn.Module], lr_schedulers: Any,
-                   train_state: Any) -> SemiSync | None:
-    """The outer loop when fault_tolerance.semi_sync_method is local_sgd or diloco, else None."""
-    if groups is None or groups.ft.semi_sync_method == "none":
-        return None
+def join_semi_sync(groups: ReplicaStep, model_parts: list[nn.Module], lr_schedulers: Any, train_state: Any) -> ReplicaStep:
+    """The loop's ReplicaStep: with fault_tolerance.semi_sync_method local_sgd or diloco the outer loop
+    around `groups`, else `groups` themselves (ReplicaGroups, or the do-nothing ReplicaStep)."""
+    if not isinstance(groups, ReplicaGroups) or groups.ft.semi_sync_method == "none":
+        return groups
     return SemiSync(groups, model_parts, lr_schedulers, train_state)

@@ -4,7 +4,10 @@ trains with and calls run().
 A step reads as its numerics, one method each: next_batch, forward_backward, gradient_norm,
 agree_to_continue, optimizer_step, log, save, after_step. What watches the step from outside (the
 watchdog's phases, the step line's timers, the profilers: instruments.py) is attached around those
-methods in the two that sequence them, train_step and end_step, and nowhere else.
+methods in the two that sequence them, train_step and end_step, and nowhere else. The other replica
+groups of a fault-tolerant job are met through one interface, called every step whatever the mode
+(parallelisms/replica_step.py: start_step, draw, average_gradients, commit, after_update), which
+does nothing without fault tolerance.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import contextlib
 import gc
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from torchtitan.parallelisms import grad_clip
 from torchtitan.parallelisms.float8 import precompute_float8_scales
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
+from torchtitan.parallelisms.replica_step import ReplicaStep
 from torchtitan.runtime import collectives, process_group
 from torchtitan.runtime.signals import PREEMPTION_SIGNALS, StopRequests
 from torchtitan.trainer import step as shared_step
@@ -48,7 +52,8 @@ logger = logging.getLogger("torchtitan")
 @dataclass
 class TrainedModel:
     """The model as this rank trains it: its parts (its pipeline stages, with PP), their optimizers
-    and LR schedulers, and the spec its loss and after-step hook come from."""
+    and LR schedulers, the spec its loss and after-step hook come from, and how its steps meet the
+    other replica groups (parallelisms/replica_step.py: nothing to meet without fault tolerance)."""
 
     train_spec: TrainSpec
     parallel_dims: ParallelDims
@@ -57,8 +62,7 @@ class TrainedModel:
     optimizers: Any  # OptimizersContainer (optimizer.py)
     lr_schedulers: Any  # LRSchedulersContainer
     device: torch.device
-    replica_groups: Any = None  # fault_tolerance: this rank's ReplicaGroups (parallelisms/fault_tolerance.py)
-    semi_sync: Any = None  # fault_tolerance.semi_sync_method local_sgd/diloco: its SemiSync (parallelisms/semi_sync.py)
+    replicas: ReplicaStep = field(default_factory=ReplicaStep)
 
 
 @dataclass
@@ -116,7 +120,7 @@ class Trainer:
         self.train_spec, self.parallel_dims, self.device = model.train_spec, model.parallel_dims, model.device
         self.model_parts, self.pipeline = model.parts, model.pipeline
         self.optimizers, self.lr_schedulers = model.optimizers, model.lr_schedulers
-        self.replica_groups, self.semi_sync = model.replica_groups, model.semi_sync
+        self.replicas = model.replicas
         self.dataloader, self.train_state, self.eos_id = dataloader, train_state, eos_id
         self.checkpoint, self.metrics, self.progress = records.checkpoint, records.metrics, records.progress
         self.validator, self.setup = records.validator, records.setup
@@ -158,8 +162,7 @@ class Trainer:
             raise
         finally:
             self.metrics.close()
-            if self.replica_groups is not None:
-                self.replica_groups.close()
+            self.replicas.close()
 
     def train_what_is_left(self) -> str:
         """Validates a resumed step that missed its validation, then trains up to training.steps,
@@ -204,14 +207,11 @@ class Trainer:
     def train_step(self) -> bool:
         """One step, each of its phases marked and timed from outside its numerics; False when the
         data ran out before it (the last step trained is then ended as the run's last)."""
-        mark, groups = self.instruments, self.replica_groups
-        # The groups meet every step (fault-tolerant HSDP), or every sync_steps steps (semi_sync).
-        every_step = groups if self.semi_sync is None else None
-        if every_step is not None:
-            groups.start_step()  # the replica groups' quorum, found during forward
+        mark, replicas = self.instruments, self.replicas
+        replicas.start_step()  # fault-tolerant HSDP: the replica groups' quorum, found during forward
         with mark.phase("data loading", self.train_state.step + 1):
             with mark.own_time(loading_data=True):
-                micro_batches = groups.draw(self.next_batch) if groups is not None else self.next_batch()
+                micro_batches = replicas.draw(self.next_batch)
             ran_out = self.data_ran_out(micro_batches)
         if ran_out:
             self.settle_pending()  # the step trained last is the run's last: read its agreement first
@@ -221,26 +221,23 @@ class Trainer:
         step = self.begin_step()
         with mark.phase("forward/backward"):
             loss = self.forward_backward(micro_batches)
-        if every_step is not None:
-            with mark.phase("averaging across replica groups"):
-                every_step.average_gradients(self.params)
+        with mark.phase("averaging across replica groups"):
+            replicas.average_gradients(self.params)
         with mark.phase("gradient norm"):
             grad_norm = self.gradient_norm()
         with mark.phase("agreeing to go on"):
             stop_signal, found_inf = self.agree_to_continue(step, loss, grad_norm)
-            if every_step is not None:
-                if not every_step.commit():  # too few groups, or one failed: the step is tried again
-                    self.train_state.step -= 1
-                    return True
-                step = self.train_state.step  # a group that recovered this step took the peers' count
+            if not replicas.commit():  # too few groups, or one failed: the step is tried again
+                self.train_state.step -= 1
+                return True
+            step = self.train_state.step  # a group that recovered this step took the peers' count
         with mark.phase("optimizer step"):
             with mark.own_time():
                 self.optimizer_step(found_inf)
             lr = self.finish_update()
-        if self.semi_sync is not None:
-            with mark.phase("averaging across replica groups"):
-                if not self.semi_sync.after_step(step):  # a sync not committed: back to the last one
-                    return True
+        with mark.phase("averaging across replica groups"):
+            if not replicas.after_update(step):  # semi-synchronous: a sync not committed, back to the last one
+                return True
             step = self.train_state.step  # a group that recovered at this sync took the peers' count
         result = self.newest = StepResult(step, loss, grad_norm, lr, stop_signal)
         last = step == self.training.steps
@@ -314,7 +311,7 @@ class Trainer:
     def settles_every_step(self) -> bool:
         """Whether every step must read its agreement before its update: the update was applied in
         backward, is committed across replica groups this step, or cannot be skipped on the device."""
-        return (self.job_config.optimizer.early_step_in_backward or self.replica_groups is not None
+        return (self.job_config.optimizer.early_step_in_backward or self.replicas.settles_every_step
                 or (self.training.on_nonfinite_loss == "stop" and not self.skips_on_device))
 
     def reads_anyway(self, step: int, stop_signal: int) -> bool:
@@ -427,9 +424,9 @@ class Trainer:
         steps = result.step - window.first_step + 1
         stragglers = collectives.slowest_and_median(window.own_seconds / steps)
         values, summary = result.report or ({}, "")
-        if self.replica_groups is not None:  # the groups that took part in this step
-            values, summary = {**values, "replicas": self.replica_groups.participating()}, (
-                f"{summary}  replicas: {self.replica_groups.participating()}/{self.replica_groups.groups}".strip())
+        replica_values, replica_text = self.replicas.step_line()  # with replica groups, those in this step
+        if replica_text:
+            values, summary = {**values, **replica_values}, f"{summary}  {replica_text}".strip()
         self.metrics.log(StepMetrics(result.step, loss_value, result.grad_norm.item(), result.lr, tokens, elapsed,
                                      window.data_seconds, bubble, values, summary, own_seconds=stragglers,
                                      steps=steps, total_steps=self.training.steps, progress=self.progress.text(result.step),
@@ -489,9 +486,6 @@ class Trainer:
             self.validate(step)
 
     def summarize(self, ended: str) -> None:
-        if self.replica_groups is not None:
-            self.replica_groups.log_summary()
-        if self.semi_sync is not None:
-            self.semi_sync.log_summary()
+        self.replicas.log_summary()
         log_summary(self.job_config, self.metrics, self.progress, self.train_state.step,
                     self.train_state.tokens_seen - self.tokens_before, ended, self.without_loss.total)
