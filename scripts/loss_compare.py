@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO_ROOT))  # the checkout's tests/ (the matrix suites),
 
 from tests.machinery import layout_matrix  # noqa: E402
 from torchtitan.config.manager import ConfigError  # noqa: E402
-from torchtitan.tools.parity import SUITES, Layout, ParityError, ParityHarness, all_layouts  # noqa: E402
+from torchtitan.tools.parity import Layout, ParityError, ParityHarness  # noqa: E402
+from torchtitan.tools.parity_layouts import SUITES, all_layouts  # noqa: E402
 from torchtitan.tools.runs import Runner, TrainingFailed, run_trainer  # noqa: E402
 
 MATRIX_SUITES = ("matrix", "matrix-ci")

@@ -2,7 +2,7 @@
 layouts against one bf16 process are the parity harness's bf16 suite (test_parity.py)."""
 
 from tests.helpers import TINY_RUN, losses, run_train
-from torchtitan.tools.parity import BF16
+from torchtitan.tools.parity_layouts import BF16
 from torchtitan.tools.runs import read_setup
 
 STEPS = 30

@@ -4,12 +4,13 @@ MATRIX_PROVES that its CI points train too): each trains like one
 process (same seed checkpoint, same global batch and data order, deterministic fp32 on CPU):
 per-step losses within 1e-4 and the final gradient norm within 1e-3 (relative) over 6 steps (10 with scripts/loss_compare.py);
 float8 layouts, whose activation scales depend on each rank's rows, within 1e-3 of a float8
-baseline; bf16 layouts within parity.BF16_TOLERANCES of one process computing in bf16 too."""
+baseline; bf16 layouts within parity_layouts.BF16_TOLERANCES of one process computing in bf16 too."""
 
 import pytest
 
 from tests.machinery.layout_matrix import ci_points
-from torchtitan.tools.parity import DOCUMENT_MASK, QWEN3_MOE_CAPACITY, SUITES, Layout, ParityError, all_layouts
+from torchtitan.tools.parity import Layout, ParityError
+from torchtitan.tools.parity_layouts import DOCUMENT_MASK, QWEN3_MOE_CAPACITY, SUITES, all_layouts
 
 # Hand-picked layouts whose feature and dims the layout matrix's CI points train too (the same
 # factor values beside the same dims, against one process of the same numerics): CI runs them

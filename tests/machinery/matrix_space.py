@@ -23,7 +23,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from tests.machinery.matrix_model import DEPTHS, DSV3_MODEL_NAME, MODEL_NAME, MOE_MODEL_NAME, flavor_name
-from torchtitan.tools.parity import FLOAT8, FLOAT8_GRAD_NORM_RTOL, FLOAT8_SPLIT_TOLERANCE, POSITIVE, Check, Expectations, Layout
+from torchtitan.tools.parity import POSITIVE, Check, Expectations, Layout
+from torchtitan.tools.parity_layouts import FLOAT8, FLOAT8_GRAD_NORM_RTOL, FLOAT8_SPLIT_TOLERANCE
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 # Every dim a value must meet: the five degrees and expert parallelism.

@@ -13,7 +13,8 @@ from tests.machinery.matrix_space import FACTOR, GROUP_RANKS, cost, make_point
 from torchtitan.config.manager import parse_args
 from torchtitan.config.preflight import preflight
 from torchtitan.errors import UserError
-from torchtitan.tools.parity import FLOAT8_SPLIT_TOLERANCE, ParityError, unmet
+from torchtitan.tools.parity import ParityError, unmet
+from torchtitan.tools.parity_layouts import FLOAT8_SPLIT_TOLERANCE
 
 Degrees = lm.Degrees
 

@@ -91,7 +91,8 @@ class OptimizersContainer(Stateful):
         # Flattened ("state.<param>.<key>") so the parts' entries never collide when merged.
         merged: dict[str, Any] = {}
         for part, optimizers in zip(self.model_parts, self._part_optimizers):
-            merged.update(get_optimizer_state_dict(part, optimizers, options=_FLAT))
+            if _holding(optimizers):
+                merged.update(get_optimizer_state_dict(part, _holding(optimizers), options=_FLAT))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -99,11 +100,22 @@ class OptimizersContainer(Stateful):
         # a resumed run with another schedule (e.g. more steps) must apply the rate it logs, not
         # the one the checkpoint's param groups happened to hold.
         for part, optimizers in zip(self.model_parts, self._part_optimizers):
+            optimizers = _holding(optimizers)
+            if not optimizers:
+                continue
             lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
             set_optimizer_state_dict(part, optimizers, optim_state_dict=state_dict, options=_FLAT)
             for optimizer, saved in zip(optimizers, lrs):
                 for group, lr in zip(optimizer.param_groups, saved):
                     group["lr"] = lr
+
+
+def _holding(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The optimizers that hold a parameter. Under ZeRO-1 a replica may own no matrix (its Muon is
+    empty) or only matrices (its AdamW is): such an optimizer has no state to save or load, and
+    torch's flattened optimizer state dicts cannot take one (they name each group by its first
+    parameter)."""
+    return [o for o in optimizers if any(group["params"] for group in o.param_groups)]
 
 
 class OptimizersInBackwardContainer(OptimizersContainer):
