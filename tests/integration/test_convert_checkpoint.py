@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from scripts import convert_checkpoint
 from tests.helpers import REPO_ROOT, TINY_RUN, read_setup, run_train
+from tests.tolerances import assert_reordered, transformer_sums
 from torchtitan.checkpoint import folders
 from torchtitan.checkpoint.folders import Manifest
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
@@ -292,8 +293,8 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(tmp_path, caps
         reference = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     assert messages == []
     tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(reference(tokens).logits, model(tokens), rtol=0, atol=1e-4)
+    with torch.no_grad():  # transformers' kernels against ours: every sum of the debug model's forward
+        assert_reordered(reference(tokens).logits, model(tokens), transformer_sums(n_layers=8, dim=256, hidden=768, seq=16, head_dim=16))
 
 
 def test_a_sentencepiece_tokenizer_is_copied_too(sharded, tmp_path, capsys):

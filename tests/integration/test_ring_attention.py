@@ -9,8 +9,10 @@ skipped, masked and merged; the reference masks attention to each query's own do
 per method runs the compiled path (the custom operators inside a fullgraph torch.compile, aot_eager)."""
 
 import pytest
+import torch
 
 from tests.helpers import run_ranks_script
+from tests.tolerances import largest_difference
 
 SCRIPT = r'''
 import json
@@ -67,6 +69,7 @@ for name, method, heads, kv_heads, kernel, documents, tile in cases:
                         for a, b in zip(got, expected)], dtype=torch.float64)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     errors[name] = dict(zip(("out", "dq", "dk", "dv"), err.tolist()))
+    errors[name]["scale"] = max(t.abs().max().item() for t in expected)
 
 # The compiled path: the custom operators inside a fullgraph graph, against the eager function, for
 # both methods (the all-gather's key and value gradients come out of one reduce-scattered buffer,
@@ -113,7 +116,13 @@ def test_cp_attention_matches_full_attention(tmp_path, cp):
     # Rank 0 holds the first and the last of the 2 x cp chunks (two positions each here).
     assert result.pop("rank0_chunks") == [[0, 1, 4 * cp - 2, 4 * cp - 1]]
     assert len(result) == 14
+    # fp32 against float64: the scores' sums over the head dim (8), the softmax's and the weighted
+    # sum's over the sequence (12 cp), the backward's over those again (three over the sequence), the
+    # key/value heads' groups (up to 4) and the merges of the cp ranks' blocks.
+    seq = 12 * cp
+    terms = 8 + 2 * seq + 8 + 3 * seq + 4 + 2 * cp
     for case, errs in result.items():
         print(f"cp {cp} {case}: max abs error {errs}")
+        bound = largest_difference(torch.float32, terms, errs.pop("scale"))
         for what, err in errs.items():
-            assert err < 2e-5, (case, what, err)
+            assert err < bound, (case, what, err, bound)

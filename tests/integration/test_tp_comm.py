@@ -7,7 +7,10 @@ drops or converts a collective fails here. The block's output must also equal th
 block's, so the counts belong to a correct plan.
 """
 
+import torch
+
 from tests.helpers import run_ranks_script
+from tests.tolerances import largest_difference, transformer_sums
 
 SCRIPT = r"""
 import copy, json, sys
@@ -41,6 +44,8 @@ for sp in (True, False):
         full = torch.cat(parts, dim=1)
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     out["sp" if sp else "no_sp"] = {"counts": counts, "max_err": (full - expected).abs().max().item()}
+out["branches"] = (expected - x).abs().max().item()  # what the block adds to its input
+out["largest"] = expected.abs().max().item()
 if rank == 0:
     print("RESULT " + json.dumps(out))
 dist.destroy_process_group()
@@ -56,4 +61,8 @@ def test_block_forward_collectives_under_tp2(tmp_path):
     assert out["sp"]["counts"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, out["sp"]
     # Without it: activations stay replicated, and each row-wise projection ends in an all-reduce.
     assert out["no_sp"]["counts"] == {"all_reduce": 2}, out["no_sp"]
-    assert out["sp"]["max_err"] < 1e-5 and out["no_sp"]["max_err"] < 1e-5, out
+    # The sharded projections sum their halves apart, then add them: the block's sums reordered, at
+    # the scale of what the block adds, and the residual sum's own rounding.
+    block_sums = transformer_sums(n_layers=1, dim=64, hidden=176, seq=16, head_dim=16) - 2 * 64
+    bound = largest_difference(torch.float32, block_sums, out["branches"]) + torch.finfo().eps * out["largest"]
+    assert out["sp"]["max_err"] < bound and out["no_sp"]["max_err"] < bound, (out, bound)

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tests.tolerances import reordered_sums, rounded_ops
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, parse_args
 from torchtitan.optimizers.muon import Muon, orthogonalize, update_scale, whole_matrices
@@ -44,6 +45,15 @@ def reference_steps(w0, grads, lr, wd, mu, scale, nesterov=True):
     return w
 
 
+def steps_atol(w0, steps, lr, scale, longer_side):
+    """How far two evaluations of Muon's steps may end apart: each step's Newton-Schulz runs 5
+    iterations of three matmuls over at most `longer_side` terms, on values a few times 1 (the
+    coefficients reach 4.8), summed in another order (or association); a step moves the weights by lr x
+    scale x that. The momentum and decay take a few rounded operations on the weights."""
+    ns = reordered_sums(torch.float32, 5 * 3 * longer_side, 5.0)["atol"]
+    return steps * lr * scale * ns + rounded_ops(torch.float32, 6, float(w0.abs().max()))["atol"]
+
+
 def step_muon(param, grads, **kwargs):
     optimizer = Muon([param], **kwargs)
     for g in grads:
@@ -71,7 +81,9 @@ def test_steps_equal_the_reference_from_the_formulas(shape, rule, nesterov):
     param = nn.Parameter(w0.clone())
     step_muon(param, grads, lr=lr, weight_decay=wd, momentum=mu, nesterov=nesterov, scale=rule)
     expected = reference_steps(w0, grads, lr, wd, mu, update_scale(shape, rule), nesterov)
-    torch.testing.assert_close(param.detach(), expected, rtol=0, atol=2e-5)
+    # The reference associates and orients its products otherwise.
+    torch.testing.assert_close(param.detach(), expected, rtol=0,
+                               atol=steps_atol(w0, len(grads), lr, update_scale(shape, rule), max(shape)))
     assert (param.detach() - w0).abs().max() > 1e-2  # it moved far more than the tolerance
 
 
@@ -208,7 +220,9 @@ def test_experts_are_orthogonalised_one_by_one():
     for e in range(3):
         alone = nn.Parameter(w0[e].clone())
         step_muon(alone, [g[e] for g in grads], lr=0.02, weight_decay=0.1)
-        torch.testing.assert_close(stacked.detach()[e], alone.detach(), rtol=0, atol=1e-6)
+        # One batched matmul against one per matrix: other kernels, the same formula.
+        atol = steps_atol(w0, len(grads), 0.02, update_scale(w0.shape, "match_adamw_rms"), 16)
+        torch.testing.assert_close(stacked.detach()[e], alone.detach(), rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])

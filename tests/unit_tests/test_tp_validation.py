@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.tolerances import assert_reordered
 from torchtitan.config.manager import ConfigError, parse_args, validate_world_size
 from torchtitan.config.preflight import build_model_args
 from torchtitan.models import get_train_spec
@@ -49,7 +50,7 @@ def test_vocab_padding_from_config():
 
 
 def test_padded_vocabulary_never_changes_the_loss():
-    """Same real weights, with and without 5 padding rows: identical logits, loss and gradients;
+    """Same real weights, with and without 5 padding rows: the same logits, loss and gradients;
     the padding rows get no gradient and are never predicted."""
     torch.manual_seed(0)
     plain = Transformer(SMALL)
@@ -64,14 +65,18 @@ def test_padded_vocabulary_never_changes_the_loss():
     labels = torch.randint(0, SMALL.vocab_size, (2, 16))
     logits = padded(tokens)
     assert logits.shape[-1] == 101 and torch.isneginf(logits[..., 96:]).all()
-    torch.testing.assert_close(logits[..., :96], plain(tokens), rtol=0, atol=0)
+    # Only the output projection and the loss see the padding, as other shapes (101 columns): their
+    # sums (over the dim, the vocabulary, the 32 tokens) may be ordered otherwise, and the blocks'
+    # gradients carry that rounding of the hidden state's gradient.
+    head_sums = 64 + 101 + 32
+    assert_reordered(logits[..., :96], plain(tokens), head_sums)
     loss_plain, loss_padded = cross_entropy_loss(plain(tokens), labels), cross_entropy_loss(logits, labels)
-    torch.testing.assert_close(loss_padded, loss_plain, rtol=0, atol=0)
+    assert_reordered(loss_padded, loss_plain, head_sums)
     loss_plain.backward()
     loss_padded.backward()
     for name, p in plain.named_parameters():
         grad = dict(padded.named_parameters())[name].grad
-        torch.testing.assert_close(grad[: p.shape[0]], p.grad, rtol=0, atol=0)
+        assert_reordered(grad[: p.shape[0]], p.grad, head_sums, msg=name)
         assert torch.count_nonzero(grad[p.shape[0]:]) == 0
 
 
