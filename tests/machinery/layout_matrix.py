@@ -270,10 +270,10 @@ def ci_points(points: tuple[Point, ...] | None = None, budget: float | None = No
 
 def fast_points(points: list[Point]) -> list[Point]:
     """The fast tier's share of `points`: the cheapest few of up to 4 processes, eager, that train
-    every dim and every value of every factor but compile at least once (picked greedily, most of
-    them per cost first), and the cheapest refused point."""
+    every dim and every value of every factor but compile that a plain run does not (picked greedily,
+    most of them per cost first), and the cheapest refused point."""
     small = [p for p in points if p.nproc <= 4 and not p.on("compile") and not p.refused_by_design]
-    wanted = {(f.name, v) for f in FACTORS if f.name != "compile" for v in f.values} | {(d, "") for d in ALL_DIMS}
+    wanted = {(f.name, v) for f in FACTORS if f.name != "compile" for v in f.values[1:]} | {(d, "") for d in ALL_DIMS}
 
     def met(p: Point) -> set[tuple[str, str]]:
         return wanted & {*p.variants, *((d, "") for d in p.active_dims)}

@@ -58,3 +58,35 @@ def test_a_global_batch_the_layout_cannot_split_is_a_config_error():
     assert local_batch_size(8, ("--training.gradient_accumulation_steps", "2"), 2) == 2
     with pytest.raises(ConfigError, match="^global batch 8 does not divide by data-parallel degree x accumulation 3$"):
         local_batch_size(8, (), 3)
+
+
+RESUMING = Layout("fsdp2_resume", 2, ("--training.data_parallel_shard_degree", "2", "--checkpoint.enable_checkpoint",
+                                      "--checkpoint.interval", "1"))
+
+
+def test_replica_groups_compare_their_mean_loss(tmp_path):
+    """Two groups of 2 ranks (a lighthouse is started; the fake runner writes each group's folder):
+    the groups' mean loss is compared, and groups that logged other steps are an error."""
+    pytest.importorskip("torchft")
+    groups = Layout("groups", 2, ("--training.data_parallel_shard_degree", "2"), replica_groups=2)
+    lower = harness(tmp_path, replica_1=lambda rows: [{**r, "loss": r["loss"] - 0.5} if "loss" in r and "record" not in r
+                                                       else r for r in rows])
+    c = lower.compare(groups)
+    assert c.max_loss_diff == pytest.approx(0.25) and c.run.nproc == 4
+    short = harness(tmp_path / "short", replica_1=lambda rows: [r for r in rows if r.get("step") != 3 or "record" in r])
+    with pytest.raises(ParityError, match=r"^the replica groups logged different steps: \[\[1, 2, 3\], \[1, 2\]\]$"):
+        short.run(groups)
+
+
+def test_a_resume_needs_the_checkpoint_and_must_resume_from_it(tmp_path):
+    resumed = harness(tmp_path).resume(RESUMING, 2)
+    assert resumed == ([9.7], [9.7])
+    with pytest.raises(ParityError, match=r"^fsdp2: no checkpoint of step 2 in .* to resume from$"):
+        harness(tmp_path / "none").resume(LAYOUT, 2)
+    fresh = harness(tmp_path / "fresh", **{"fsdp2_resume-resumed-2": lambda rows: [
+        {**rows[0], "initial_load": {"path": "seed", "weights_only": True, "step": 0}}, *rows[1:]]})
+    with pytest.raises(ParityError, match=r"^fsdp2_resume: the second run did not resume from step 2"):
+        fresh.resume(RESUMING, 2)
+    short = harness(tmp_path / "short", **{"fsdp2_resume-resumed-2": lambda rows: rows[:1]})
+    with pytest.raises(ParityError, match=r"^fsdp2_resume: the resumed run logged steps \[\], the uninterrupted one \[3\]$"):
+        short.resume(RESUMING, 2)
