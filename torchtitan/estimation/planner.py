@@ -482,7 +482,20 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
             fitting.append(choice)
     if refused > MAX_REFUSALS_SHOWN:
         log(f"  ... and {refused - MAX_REFUSALS_SHOWN} more layouts the config checks refused")
+    if not fitting:
+        nothing = NothingFits(f"no layout of {model.name} {model.flavor} on {ngpu} devices fits")
+        nothing.choices, nothing.dry_runs = choices, dry_runs
+        raise nothing
     return fitting
+
+
+class NothingFits(UserError):
+    """No layout fits: plan() sets `choices` (every layout ranked, each with its screen figure, dry
+    run or refusal) and `dry_runs` (how many it spent); scripts/plan_layout.py says why in its
+    options' terms."""
+
+    choices: list[Choice] = []
+    dry_runs: int = 0
 
 
 def as_record(choice: Choice) -> dict[str, Any]:
