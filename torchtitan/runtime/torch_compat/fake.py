@@ -6,6 +6,7 @@ rank of the world."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from typing import Any, Iterator
 
@@ -34,6 +35,9 @@ PRIVATE_NAMES = (
     PrivateName("torch.distributed.device_mesh.DeviceMesh._init_one_process_group",
                 ("sub_layout", "rank_map", "dim_name", "backend_override"), optional=True),
     PrivateName("torch.distributed._mesh_layout._MeshLayout.remap_to_tensor", ("self", "rank_map"), optional=True),
+    PrivateName("torch.distributed._mesh_layout._FlatLayout", optional=True),  # 2.13's sub_layout (older: nest())
+    PrivateName("torch.distributed.device_mesh.DeviceMesh._rank_map", instance=True, optional=True),
+    PrivateName("torch.distributed.device_mesh.DeviceMesh._flatten_rank_map", instance=True, optional=True),
 )
 
 # Tensors with shapes and dtypes but no memory or values. Public only as torch._subclasses in
@@ -117,9 +121,12 @@ class _LazyChunks(Sequence):
 def _own_process_group(original):
     """DeviceMesh's `_init_one_process_group`, making only the group of this rank's row of the dim
     (the other rows' groups are the other ranks', which are not simulated). A dim that spans the
-    world is the default group, as in `original`."""
+    world is the default group, as in `original`. None for a torch whose method differs."""
     import torch.distributed as dist
-    from torch.distributed._mesh_layout import _MeshLayout
+    from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout  # noqa: F401 (2.13's layouts, else no patch)
+
+    if list(inspect.signature(original).parameters) != ["sub_layout", "rank_map", "dim_name", "backend_override"]:
+        return None  # another torch's mesh: built as it builds it
 
     def init_one_process_group(sub_layout, rank_map: torch.Tensor, dim_name: str, backend_override) -> str | None:
         if sub_layout.numel() == dist.get_world_size() and tuple(backend_override) == (None, None):
@@ -156,9 +163,12 @@ def _sharing_rank_maps(original):
 
     def init(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
-        kept = shared.get(id(self._rank_map))
-        if kept is None or kept[0] is not self._rank_map:
-            kept = shared[id(self._rank_map)] = (self._rank_map, _SharedRankMap(self._flatten_rank_map))
+        rank_map, flat = getattr(self, "_rank_map", None), getattr(self, "_flatten_rank_map", None)
+        if rank_map is None or not isinstance(flat, tuple):
+            return  # a build that keeps them otherwise: its own comparisons
+        kept = shared.get(id(rank_map))
+        if kept is None or kept[0] is not rank_map:
+            kept = shared[id(rank_map)] = (rank_map, _SharedRankMap(flat))
         self._flatten_rank_map = kept[1]
 
     return init
@@ -196,6 +206,8 @@ def own_share_only() -> Iterator[None]:
         chunk, init_group, init = fsdp_param._chunk_with_empty, DeviceMesh._init_one_process_group, DeviceMesh.__init__
         own_group, getitem = _own_process_group(init_group), DeviceMesh.__getitem__
     except (ImportError, AttributeError):
+        own_group = None
+    if own_group is None:
         yield
         return
     fsdp_param._chunk_with_empty = _LazyChunks
