@@ -8,7 +8,7 @@ import pytest
 from scripts import plan_layout
 from scripts.plan_layout import main, why_none_fit
 from torchtitan.estimation.dry_run import DryRunResult, RankEstimate
-from torchtitan.estimation.planner import GiB, Choice, Layout, Model, NothingFits
+from torchtitan.estimation.planner import Choice, GiB, Layout, Model, NothingFits
 from torchtitan.estimation.tracker import StepMemory
 
 TINY = ["--flavor", "tiny", "--ngpu", "2", "--seq-len", "64"]
