@@ -192,5 +192,5 @@ def test_an_expert_parallel_refusal_in_a_huge_world_is_answered_at_once():
     with pytest.raises(ConfigError) as refused:
         validate_world_size(config, 2**40)
     assert refused.value.line == ("error: training.expert_parallel_degree 3 must divide the ranks it is taken from "
-                                  f"(dp_shard {2**40} = {2**40}) and be a multiple of context x tensor parallel (1); "
-                                  f"e.g. 2 or 4 or 8 or 16 or 32 or 64 or {2**40} here")
+                                  f"(dp_shard {2**40} = {2**40}) and be a multiple of context x tensor parallel (1): "
+                                  f"keep 3 on {2**40 + 2} ranks (NGPU), or set it to 1 (no expert parallelism)")
