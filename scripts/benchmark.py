@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Measures training throughput of a config: tokens/s per device, TFLOP/s, MFU, peak memory.
 
     .venv/bin/python scripts/benchmark.py --config debug_model --nproc 2 --steps 12 [-- overrides...]

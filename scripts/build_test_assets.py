@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Builds the bundled corpus and its two tokenizers under torchtitan/assets/stdlib_docs/.
 
 The corpus is real English prose (with some code) taken from the docstrings of Python's own

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Checkpoint cost on this machine: how long each save blocks training, per checkpoint.async_mode,
 and the save / load throughput.
 

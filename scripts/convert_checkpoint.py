@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Converts model weights between this project's DCP checkpoints, Hugging Face safetensors folders and torch.save files.
 
 Any model family whose TrainSpec registers an `hf_adapter` (Llama 2 and 3; Qwen3 and Qwen3-MoE; DeepSeek-V3) can be

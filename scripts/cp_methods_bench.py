@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Context parallelism's two attention methods, ring and all-gather, with and without document masks:
 per-rank memory and time of one attention forward + backward, and the attention work masks skip.
 

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Context-parallel scaling on CPU: per-rank activation memory and step time for a long sequence.
 
     .venv/bin/python scripts/cp_scaling.py [--seq-len 16384] [--cps 1 2 4] [--layers 4] [--dim 256]

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Measures the data path: read amplification across data shards, and loader throughput per rank.
 
     .venv/bin/python scripts/data_benchmark.py corpus DIR --gb 2      # JSON lines, Parquet, token shards

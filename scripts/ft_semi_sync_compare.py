@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Compares the fault-tolerant modes at equal tokens: synchronous HSDP (gradients averaged every
 step), local SGD and DiLoCo (parameters synced every H steps), each as two replica groups of one
 rank on the debug model, joined by a lighthouse this script starts. Prints a table of each mode's

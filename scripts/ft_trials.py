@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Fault-tolerant replica groups, measured: SIGKILL a rank of one group at a random step and check
 that the other groups keep stepping, the killed group comes back and recovers live from a peer,
 and every group ends with bitwise the same parameters.

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Generates text from a trained model: a checkpoint of this project or a Hugging Face folder.
 
   # the newest checkpoint of a run, greedy, one prompt streamed as it grows

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """One command that checks this stack on a GPU machine and writes what it found as a JSON report.
 
     scripts/gpu_check.sh [--out gpu_check.json] [--seq-len 4096] [--budget-seconds 420] [--dry]

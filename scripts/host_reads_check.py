@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Counts the host reads of steady-state training steps per layout (docs/performance.md, "Host reads").
 
     python scripts/host_reads_check.py                          # every layout, 2-4 CPU ranks each

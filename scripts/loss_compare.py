@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Compares parallel layouts with a single-process run: per-step losses and final gradient norm.
 
     .venv/bin/python scripts/loss_compare.py --suite dp                 # a whole suite

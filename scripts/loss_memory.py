@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Peak memory (and time) of the loss's forward + backward: the whole logits against the chunked
 cross-entropy (training.loss_chunk_size), at a Llama 3 vocabulary.
 

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Checks the dry run's memory estimates against real runs, layout by layout (docs/memory.md).
 
 For each layout: the estimate of one process on fake tensors (the dry run), and the same layout

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """MoE benchmarks: the grouped expert matmul (`torch._grouped_mm`) against the per-expert loop.
 
     .venv/bin/python scripts/moe_bench.py [--devices cpu cuda] [--tokens N] [--reps 3] [--warmup 0]

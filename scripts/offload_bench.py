@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Activation offload on CPU: what the forward keeps for backward on the device and on the host, and
 the step time, with activation_checkpoint.offload none and all, per AC mode and sequence length.
 

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """AdamW against Muon on the bundled corpus: a small learning-rate sweep for each, at equal tokens,
 compared by the held-out loss at the last step (docs/optimizers.md).
 

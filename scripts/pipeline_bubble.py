@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Measures the pipeline bubble of each schedule: step time against a run without pipelining, and
 the share of the schedule's time the ranks spend not computing, next to the theory.
 

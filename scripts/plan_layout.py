@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Plans a parallel layout before queueing: the fastest layouts of a model that fit the cluster.
 
   python scripts/plan_layout.py --model llama3 --flavor 70B --ngpu 256 --device-memory 80
@@ -27,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's t
 from torchtitan.errors import UserError
 from torchtitan.estimation.planner import (  # noqa: E402
     EXPERT_IMBALANCE,
+    SCREEN_MARGIN,
     GiB,
     Hardware,
     Model,
+    NothingFits,
     as_record,
     capacity_option_available,
     plan,
@@ -126,6 +128,28 @@ def memory_lines(choice) -> list[str]:
     return lines
 
 
+def why_none_fit(ns: argparse.Namespace, model: Model, nothing: NothingFits) -> str:
+    """The line for a plan where no layout fits: what stopped it, and the options that would change that."""
+    larger = "raise --ngpu or --device-memory, or lower --seq-len or --global-batch"
+    choices, dry_runs = nothing.choices, nothing.dry_runs
+    under = [c for c in choices if c.screened_bytes <= ns.device_memory * GiB * SCREEN_MARGIN]
+    if not under:
+        least = min(choices, key=lambda c: c.screened_bytes)
+        return (f"no layout of {model.name} {model.flavor} on {ns.ngpu} devices fits {ns.device_memory:g} GiB by the "
+                f"rough memory figure (the smallest, {least.layout.text()}, needs about "
+                f"{least.screened_bytes / GiB:.3g} GiB), so none was dry-run: {larger}")
+    if not dry_runs:
+        first = next(c.refused for c in choices if c.refused)
+        return f"the config checks refused every layout tried, the first with: {first}"
+    untried = sum(1 for c in under if c.estimate is None and not c.refused)
+    if untried and dry_runs == ns.max_dry_runs:
+        return (f"none of the {dry_runs} layouts dry-run fits, and {untried} more pass the rough memory figure: raise "
+                f"--max-dry-runs to try them, or {larger}")
+    least = min((c for c in under if c.estimate is not None), key=lambda c: c.peak_bytes)
+    return (f"none of the {len(under)} layouts under the rough memory figure fits by the dry run (the smallest, "
+            f"{least.layout.text()}, needs {least.peak_bytes / GiB:.3g} GiB): {larger}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     init_logger()
@@ -156,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                             "routes dropless only: leave the option out")
         choices = plan(model, ns.ngpu, hw, ns.seq_len, ns.global_batch or ns.ngpu, base, ns.top, ns.max_dry_runs,
                        capacity_factors=ns.capacity_factors, imbalance=ns.expert_imbalance)
+    except NothingFits as e:
+        print(f"error: {why_none_fit(ns, model, e)}", file=sys.stderr)
+        return 2
     except UserError as e:
         print(e.line, file=sys.stderr)
         return 2
@@ -174,10 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         print("   " + " ".join(job_options(ns) + c.layout.overrides()))
     if ns.json:
         print(json.dumps([{**as_record(c), "options": job_options(ns) + c.layout.overrides()} for c in choices]))
-    if not choices:
-        print(f"error: none of the layouts dry-run (at most --max-dry-runs {ns.max_dry_runs}) fits; raise --max-dry-runs, "
-              "--ngpu or --device-memory, or lower --seq-len or --global-batch", file=sys.stderr)
-        return 2
     return 0
 
 

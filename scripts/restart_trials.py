@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Automatic restart, measured: kill a rank at a random step and check the job finishes by itself
 with bitwise the losses of a run that was never interrupted.
 

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Peak memory of one ring-attention forward + backward against the local sequence length, per kernel.
 
 Compares the fused block kernel with the materialised-scores ("math") kernel.

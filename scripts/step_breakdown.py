@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Where a training step's time goes, by op category, with achieved TFLOP/s against the peak.
 
     .venv/bin/python scripts/step_breakdown.py --config debug_model --nproc 1 --threads 1 [-- overrides...]

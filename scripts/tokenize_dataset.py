@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Tokenizes a text source once into memory-mapped token shards the trainer reads at no cost.
 
     .venv/bin/python scripts/tokenize_dataset.py --input data/web --out data/web-tokens \\

@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """Trains a byte-level BPE vocabulary on a JSONL corpus and writes it as a tiktoken rank file.
 
 The output has Llama 3's `tokenizer.model` format (`<base64 token bytes> <rank>` per line) and loads

@@ -201,6 +201,38 @@ def cannot_run_here(cmd: DocCommand, reads: Sequence[str], written_before: Seque
     return f"files that are not here: {', '.join(missing)}" if missing else ""
 
 
+# A script of this checkout runs with the project's interpreter as the docs show it: directly (its
+# first line hands it to scripts/project_python.sh, which sets up .venv on first use and runs it
+# there), or with the interpreter that set-up makes. A bare `python` or `torchrun` is whatever the
+# reader's PATH finds: on a fresh machine, a Python without torch.
+PROJECT_SHEBANG = "#!/usr/bin/env -S sh -c 'exec \"${0%/*}/project_python.sh\" \"$0\" \"$@\"'"
+PROJECT_PYTHON = ".venv/bin/python"
+
+
+def has_project_shebang(script: Path) -> bool:
+    """The script runs directly: executable, and its first line is PROJECT_SHEBANG."""
+    with script.open() as f:
+        return os.access(script, os.X_OK) and f.readline().rstrip("\n") == PROJECT_SHEBANG
+
+
+def runner_problem(cmd: DocCommand) -> str:
+    """Why a documented script command would not run with the project's interpreter as written ("":
+    it would)."""
+    if cmd.program != "script" or not (REPO_ROOT / cmd.script).is_file():
+        return ""
+    first = cmd.runner[0] if cmd.runner else ""
+    if first.removeprefix("./") == cmd.script:
+        if has_project_shebang(REPO_ROOT / cmd.script):
+            return ""
+        return (f"{cmd}\n{cmd.script} is run directly, so it must be executable (chmod +x) and start with the "
+                f"line {PROJECT_SHEBANG}")
+    if first == PROJECT_PYTHON:
+        return ""
+    return (f"{cmd}\n`{first}` is whatever the reader's PATH finds (on a fresh machine, a Python without torch): "
+            f"write `{cmd.script} ...` or `{PROJECT_PYTHON} {cmd.script} ...` (under torchrun: `{PROJECT_PYTHON} -m "
+            f"torch.distributed.run ... {cmd.script} ...`) in {cmd.doc}")
+
+
 def problem(cmd: DocCommand, written_before: Sequence[str]) -> str:
     """What is wrong with a documented command ("": nothing): its script is missing or refuses the
     arguments, the config pre-check refuses a trainer job it starts, or it is not marked syntax-only

@@ -71,6 +71,7 @@ class DocCommand:
     inline: bool = False  # an inline code span of prose
     syntax_only: str = ""  # the doc's reason why it cannot run here ("": it can)
     usage: bool = False  # a usage line with placeholders: recognised, not checked
+    runner: list[str] = field(default_factory=list)  # the words before `args`, as written (variables expanded)
 
     @property
     def where(self) -> str:
@@ -237,11 +238,19 @@ def parse_command(doc: str, line: int, text: str, variables: dict[str, str], exp
     if not words:
         return None
     cmd = DocCommand(doc, line, text, env, usage=any(PLACEHOLDER.search(w) for w in words))
+    found = _parse_program(cmd, words)
+    if found is not None:
+        found.runner = words[: len(words) - len(found.args)]
+    return found
+
+
+def _parse_program(cmd: DocCommand, words: list[str]) -> DocCommand | None:
+    """`cmd` with what its words start (program, args, script, world), or None."""
     program, rest = words[0], words[1:]
     if program == LAUNCHER:
         cmd.program, cmd.args = "launcher", rest
-        cmd.nproc = _number(env.get("NGPU"), DEFAULT_NGPU)
-        cmd.nnodes = _number(env.get("NNODES"), 1)
+        cmd.nproc = _number(cmd.env.get("NGPU"), DEFAULT_NGPU)
+        cmd.nnodes = _number(cmd.env.get("NNODES"), 1)
         return cmd
     if program == "sbatch":
         options, rest = _leading_options(rest)
@@ -250,7 +259,7 @@ def parse_command(doc: str, line: int, text: str, variables: dict[str, str], exp
         script_defaults = dict(re.findall(r"^#SBATCH\s+(--[\w-]+)=(\S+)", (REPO_ROOT / SLURM_SCRIPT).read_text(), re.M))
         cmd.program, cmd.script, cmd.args = "sbatch", SLURM_SCRIPT, rest[1:]
         cmd.nnodes = _number(options.get("--nodes", options.get("-N", script_defaults.get("--nodes"))), 1)
-        cmd.nproc = _number(env.get("NGPU", script_defaults.get("--gpus-per-node")), 1)
+        cmd.nproc = _number(cmd.env.get("NGPU", script_defaults.get("--gpus-per-node")), 1)
         return cmd
     if PYTHON.match(program) and rest[:2] in (["-m", "torch.distributed.run"], ["-m", "torchtitan.runtime.launch"]):
         program, rest = "torchrun", rest[2:]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from scripts import convert_checkpoint, loss_compare, plan_layout
+from scripts import convert_checkpoint, loss_compare
 from tests.documented_commands import LAUNCHER, REPO_ROOT, DocCommand, extract_all
 from tests.helpers import read_metrics
 from tests.machinery.warm_launcher import run_warm
@@ -44,6 +45,27 @@ def swap(args: list[str], replacements: dict[str, str]) -> list[str]:
 def environment(cmd: DocCommand, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     return {**env, "OMP_NUM_THREADS": "1", **cmd.env, **extra}
+
+
+def as_written(cmd: DocCommand, args: list[str], tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """The doc's shell line with `args` for its arguments (its interpreter or direct call as written),
+    and the environment of a reader who ran the README's set-up: the project's .venv is not on PATH,
+    and the `python` and `python3` PATH finds first fail, as a fresh machine's Python without torch would."""
+    stubs = tmp_path / "fresh_machine_bin"
+    stubs.mkdir(exist_ok=True)
+    for name in ("python", "python3"):
+        stub = stubs / name
+        stub.write_text(f"#!/bin/sh\necho '{name} from PATH: a fresh machine has no torch there' >&2\nexit 1\n")
+        stub.chmod(0o755)
+    project_bins = {str(Path(sys.prefix) / "bin"), str(REPO_ROOT / ".venv" / "bin"),
+                    os.path.join(os.environ.get("VIRTUAL_ENV", "-"), "bin")}
+    path = [str(stubs), *(d for d in os.environ.get("PATH", "").split(os.pathsep) if d and d not in project_bins)]
+    env = {k: v for k, v in environment(cmd).items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    runner = cmd.runner
+    venv = os.environ.get("TORCHTITAN_VENV")
+    if venv and runner[:1] == [".venv/bin/python"] and not (REPO_ROOT / ".venv").exists():
+        runner = [f"{venv}/bin/python", *runner[1:]]  # the README's .venv lives where TORCHTITAN_VENV says
+    return ["bash", "-c", shlex.join([*runner, *args])], {**env, "PATH": os.pathsep.join(path)}
 
 
 def run(argv: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -91,12 +113,12 @@ def test_the_readme_training_command_saves_and_validates(readme_run):
     assert (readme_run / "checkpoint" / "step-2").is_dir()
 
 
-def test_the_readme_generation_command_continues_the_prompt(readme_run):
+def test_the_readme_generation_command_continues_the_prompt(readme_run, tmp_path):
     """README's generate.py command on the run above (its outputs/ is the run's dump folder),
-    4 new tokens instead of 64, with this interpreter for .venv/bin/python."""
+    4 new tokens instead of 64, run as written (as_written)."""
     cmd = documented("README.md", "generate")[0]
     args = swap(cmd.args, {"outputs/": f"{readme_run}/"})
-    result = run([sys.executable, cmd.script, *args, "--max-new-tokens", "4"], environment(cmd))
+    result = run(*as_written(cmd, [*args, "--max-new-tokens", "4"], tmp_path))
     assert result.stdout.startswith("The os module"), result.stdout
     assert "generated" in result.stderr
 
@@ -128,18 +150,18 @@ def test_the_data_docs_tokenize_command_writes_shards(tmp_path):
         json.dumps({"text": f"Document {i}: the os module offers a portable way to use the system."}) + "\n"
         for i in range(40)))
     args = swap(cmd.args, {"data/web": str(tmp_path / "web"), "data/web-tokens": str(tmp_path / "web-tokens")})
-    run([sys.executable, cmd.script, *args], environment(cmd))
+    run(*as_written(cmd, args, tmp_path))
     assert (tmp_path / "web-tokens" / "manifest.json").is_file()
 
 
 @pytest.mark.fast
-def test_the_readme_planner_command_prints_layouts(capsys):
-    """README's plan_layout.py command (also docs/memory.md's), in this process. Cheaper: the tiny
-    flavor for 70B, and one layout confirmed by a dry run instead of three."""
+def test_the_readme_planner_command_prints_layouts(tmp_path):
+    """README's plan_layout.py command (also docs/memory.md's), run as written (as_written: the
+    script's own first line must find the project's interpreter). Cheaper: the tiny flavor for
+    70B, and one layout confirmed by a dry run instead of three."""
     cmd = documented("README.md", "plan")[0]
     assert cmd.args in [c.args for c in documented("docs/memory.md", "plan")]  # the same command there
-    assert plan_layout.main(swap(cmd.args, {"70B": "tiny"}) + ["--top", "1"]) == 0
-    out = capsys.readouterr().out
+    out = run(*as_written(cmd, swap(cmd.args, {"70B": "tiny"}) + ["--top", "1"], tmp_path)).stdout
     assert "on 256 devices of 80 GiB" in out and "1. " in out and "--training.data_parallel_shard_degree" in out
 
 

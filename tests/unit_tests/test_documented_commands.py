@@ -11,8 +11,16 @@ from collections import Counter
 
 import pytest
 
-from tests.documented_command_checks import in_repo_root, precheck_calls, problem, run_precheck, written_by_runnable
-from tests.documented_commands import Marker, extract, extract_all
+from tests.documented_command_checks import (
+    has_project_shebang,
+    in_repo_root,
+    precheck_calls,
+    problem,
+    run_precheck,
+    runner_problem,
+    written_by_runnable,
+)
+from tests.documented_commands import REPO_ROOT, Marker, extract, extract_all
 from torchtitan.config import rules
 from torchtitan.config.manager import parse_args
 from torchtitan.errors import ConfigError
@@ -49,6 +57,34 @@ def test_documented_command(index):
     starts (as run_llama_train.sh runs it: WORLD_SIZE = NGPU x NNODES), and an unmarked command
     needs nothing this machine lacks (tests/documented_commands.problem)."""
     assert problem(CHECKED[index], written_before()[index]) == ""
+
+
+def test_documented_scripts_run_with_the_projects_python():
+    """Every documented script command, usage lines included, runs its script with the project's
+    interpreter as written: directly (the script's first line finds it) or with .venv/bin/python;
+    never with whatever `python` or `torchrun` the reader's PATH finds."""
+    wrong = [runner_problem(cmd) for cmd in COMMANDS if runner_problem(cmd)]
+    assert not wrong, "\n\n".join(wrong)
+
+
+def test_every_script_runs_directly():
+    """Each script with a main is executable and starts with the line that hands it to
+    scripts/project_python.sh, so `scripts/<name>.py ...` works wherever a doc shows it."""
+    scripts = [p for p in sorted((REPO_ROOT / "scripts").glob("*.py")) if '__name__ == "__main__"' in p.read_text()]
+    assert len(scripts) > 20
+    assert [p.name for p in scripts if not has_project_shebang(p)] == []
+
+
+def test_a_bare_python_or_torchrun_is_refused(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("```bash\npython scripts/plan_layout.py --flavor 8B --ngpu 8\n"
+                   "torchrun --nproc_per_node 2 scripts/generate.py --checkpoint c --prompt x\n"
+                   ".venv/bin/python -m torch.distributed.run --nproc_per_node 2 scripts/generate.py --checkpoint c "
+                   "--prompt x\nscripts/plan_layout.py --flavor 8B --ngpu 8\n```\n")
+    found = [runner_problem(cmd) for cmd in extract(doc)]
+    assert "`python` is whatever the reader's PATH finds" in found[0]
+    assert "`torchrun` is whatever the reader's PATH finds" in found[1]
+    assert found[2:] == ["", ""]
 
 
 def test_every_marker_marks_a_command():

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.manager import parse_args
+from torchtitan.config.preflight import preflight
 from torchtitan.errors import ConfigError, UserError
-from torchtitan.estimation.dry_run import DoesNotFit, dry_run, main, ranks_to_simulate, report_lines
+from torchtitan.estimation.dry_run import DoesNotFit, DryRunResult, dry_run, main, ranks_to_simulate, report_lines
 from torchtitan.estimation.pipeline_replay import _compute_actions
 from torchtitan.estimation.tracker import CATEGORIES
 from torchtitan.models import get_train_spec, register_train_spec, registered_names
@@ -133,9 +134,15 @@ def test_balanced_routing_stands_for_moe_on_fake_tensors():
 
 
 def test_the_process_group_and_patches_are_gone_afterwards():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
     estimate(world=2)
     assert not torch.distributed.is_initialized()
     assert torch.nn.init.trunc_normal_.__module__ == "torch.nn.init"
+    assert _fsdp_param._chunk_with_empty.__module__.startswith("torch.")
+    assert DeviceMesh.__init__.__module__.startswith("torch.")
+    assert DeviceMesh._init_one_process_group.__module__.startswith("torch.")
 
 
 def test_ddp_options_that_mean_something_across_replicas_are_accounted_for():
@@ -241,3 +248,83 @@ def test_the_dropping_mode_has_the_same_buffers_whatever_the_load():
     capped = [*MOE[:-4], "--job.dry_run_world_size", "4", "--moe.capacity_factor", "1.25"]
     even, busy = (dry_run(parse_args(capped), expert_load=load).ranks[0].memory for load in (1.0, 2.0))
     assert 0 < even.experts["dispatch buffers"] == busy.experts["dispatch buffers"] and even.peak == busy.peak
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 7, 8, 9, 100])
+def test_fsdp_chunks_made_on_demand_are_fsdps_own(rows):
+    """own_share_only's chunks: the same shapes and views as FSDP's `_chunk_with_empty` (torch.chunk
+    padded with empty tensors), for tensors with fewer rows than chunks too."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from torchtitan.runtime.torch_compat.fake import _LazyChunks
+
+    for shape, dim in (((rows, 3), 0), ((2, rows), 1)):
+        tensor = torch.empty(shape)
+        for n in (1, 2, 3, 8, 1000):
+            lazy, eager = _LazyChunks(tensor, n, dim), _chunk_with_empty(tensor, n, dim)
+            assert len(lazy) == len(eager) == n and lazy[-1].shape == eager[-1].shape
+            assert [(c.shape, c.storage_offset()) for c in lazy] == [(c.shape, c.storage_offset()) for c in eager]
+
+
+def test_a_torch_without_the_names_builds_every_rank_as_before(monkeypatch):
+    """own_share_only changes nothing where a torch build lacks a private name it relies on (the
+    dry run is then slower at large worlds, not wrong)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from torchtitan.runtime.torch_compat.fake import own_share_only
+
+    monkeypatch.delattr(_fsdp_param, "_chunk_with_empty")
+    init = DeviceMesh.__init__
+    with own_share_only():
+        assert DeviceMesh.__init__ is init and not hasattr(_fsdp_param, "_chunk_with_empty")
+
+
+def _groups_made(monkeypatch, *args: str, world: int):
+    """The process groups a dry run of `world` ranks creates (each torch.distributed.new_group)."""
+    from torch.distributed import distributed_c10d
+
+    made = []
+    original = distributed_c10d._new_group_with_tag
+    monkeypatch.setattr(distributed_c10d, "_new_group_with_tag", lambda *a, **k: made.append(1) or original(*a, **k))
+    result = estimate(*args, world=world)
+    monkeypatch.setattr(distributed_c10d, "_new_group_with_tag", original)
+    return len(made), result
+
+
+def test_ranks_that_are_alike_cost_nothing(monkeypatch):
+    """A rank of 2^16 (HSDP: 2 replicas of 2^15 shards) is built from its own share: the mesh makes
+    its own process groups only, as many as for 8 ranks, and FSDP cuts each parameter for it alone
+    (without own_share_only: 2^15 groups for the replicas' dim and 2^15 chunks per parameter, which
+    grows to hours at a million ranks). Its shard is the first row of each parameter."""
+    hsdp = ["--training.data_parallel_replicate_degree", "2", "--training.batch_size", "1"]
+    small, _ = _groups_made(monkeypatch, *hsdp, world=8)
+    large, result = _groups_made(monkeypatch, *hsdp, world=2**16)
+    assert large == small and result.ranks[0].coordinates == {"dp_replicate": 0, "dp_shard": 0}
+    config = parse_args([*DEBUG, "--job.dry_run_world_size", str(2**16), *hsdp])
+    model = preflight(config, 2**16, "cpu", check_memory=False).model  # on the meta device
+    assert max(p.shape[0] for p in model.parameters()) < 2**15  # so each rank holds one row or none
+    assert result.ranks[0].memory.raw["Sharded Param"] == sum(4 * p[0].numel() for p in model.parameters())
+
+
+def test_the_verdict_names_what_it_compares_with(monkeypatch):
+    """memory_estimation.device_memory_gib 0: a job on this CPU is judged against the host's
+    available memory shared by its ranks, and the verdict says so; a GPU job planned on a machine
+    without a GPU gets no verdict, and the line says why and what to set."""
+    from torchtitan.estimation.device_memory import LOCAL_WORLD_SIZE_ENV, device_memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("LOCAL_WORLD_SIZE", LOCAL_WORLD_SIZE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    config = parse_args(DEBUG)
+    cpu, cuda = device_memory(config, "cpu", 2), device_memory(config, "cuda", 2)
+    assert cpu.bytes > 0 and cpu.source == ("this host's available memory shared by its 2 ranks: the job runs on this "
+                                            "CPU")
+    assert cuda.bytes is None and cuda.source == "no GPU here to compare with: set memory_estimation.device_memory_gib"
+    given = device_memory(parse_args([*DEBUG, "--memory_estimation.device_memory_gib", "80"]), "cuda", 2)
+    assert (given.bytes, given.source) == (80 * 2**30, "memory_estimation.device_memory_gib")
+    rank = estimate(world=2).ranks[0]
+    verdicts = [report_lines(DryRunResult(2, "cpu", "float32", [], [rank], m.bytes, m.source), "layout")[-1]
+                for m in (cpu, cuda)]
+    assert verdicts[0].endswith(f"GiB per device ({cpu.source}): fits")
+    assert verdicts[1].endswith(f"GiB at its peak; no verdict ({cuda.source})")

@@ -69,18 +69,28 @@ def test_without_ep_dp_shard_is_one_dim():
 # ParallelDims: refusals
 
 @pytest.mark.parametrize("kwargs,fragments", [
-    # ep does not divide the ranks it is taken from (dp_shard x cp x tp).
-    (dict(world_size=2, dp_shard=2, ep=3), ["training.expert_parallel_degree 3", "(dp_shard 2 = 2)", "e.g. 2 here"]),
-    (dict(world_size=4, dp_shard=4, ep=8), ["training.expert_parallel_degree 8", "(dp_shard 4 = 4)", "e.g. 2 or 4 here"]),
-    (dict(world_size=4, dp_shard=2, tp=2, ep=8), ["training.expert_parallel_degree 8", "dp_shard 2 x tp 2 = 4"]),
+    # ep does not divide the ranks it is taken from (dp_shard x cp x tp): the advice is a divisor of
+    # ep (it divides the experts if ep does), ep on the ranks it needs, or 1; never a degree that
+    # only the ranks allow (the experts are not known before the model: the pre-check is torch-free).
+    (dict(world_size=2, dp_shard=2, ep=3), ["training.expert_parallel_degree 3", "(dp_shard 2 = 2)",
+                                            ": keep 3 with training.data_parallel_shard_degree 3, or set it to 1"]),
+    (dict(world_size=4, dp_shard=4, ep=8), ["training.expert_parallel_degree 8", "(dp_shard 4 = 4)",
+                                            ": set it to 4 or 2 (divisors of 8, so they divide the experts as 8 does)"]),
+    (dict(world_size=4, dp_shard=2, tp=2, ep=8), ["training.expert_parallel_degree 8", "dp_shard 2 x tp 2 = 4",
+                                                  "keep 8 with training.data_parallel_shard_degree 4"]),
+    # DeepSeek-V3's configs on a world of 7 (16B: ep 2) and 3 (671B: ep 64) ranks, dp_shard -1.
+    (dict(world_size=7, dp_shard=-1, ep=2), ["(dp_shard 7 = 7)", ": keep 2 on 8 ranks (NGPU), or set it to 1 (no "]),
+    (dict(world_size=3, dp_shard=-1, ep=64), ["(dp_shard 3 = 3)", ": keep 64 on 64 ranks (NGPU), or set it to 1"]),
     # ep is not a multiple of cp x tp (it must take whole sequences' ranks).
     (dict(world_size=8, dp_shard=2, cp=2, tp=2, ep=2),
      ["training.expert_parallel_degree 2", "dp_shard 2 x cp 2 x tp 2 = 8", "multiple of context x tensor parallel (4)",
-      "e.g. 4 or 8 here"]),
-    (dict(world_size=4, cp=2, tp=2, ep=2), ["training.expert_parallel_degree 2", "(4)", "e.g. 4 here"]),
+      "set it to a multiple of 4 that divides both these ranks and the model's experts (4 or 8 here)"]),
+    (dict(world_size=4, cp=2, tp=2, ep=2), ["training.expert_parallel_degree 2", "(4)", "experts (4 here)"]),
     # Nothing to borrow: one process, or replicas without sharding.
-    (dict(world_size=1, ep=2), ["training.expert_parallel_degree 2", "raise training.data_parallel_shard_degree"]),
-    (dict(world_size=2, dp_replicate=2, ep=2), ["training.expert_parallel_degree 2", "(dp_shard 1 = 1)"]),
+    (dict(world_size=1, dp_shard=-1, ep=2), ["training.expert_parallel_degree 2", ": keep 2 on 2 ranks (NGPU), or set "
+                                             "it to 1 (no expert parallelism)"]),
+    (dict(world_size=2, dp_replicate=2, dp_shard=-1, ep=2), ["training.expert_parallel_degree 2", "(dp_shard 1 = 1)",
+                                                             "keep 2 on 4 ranks"]),
     # Not a degree at all.
     (dict(world_size=2, dp_shard=2, ep=0), ["training.expert_parallel_degree must be >= 1, got 0"]),
     (dict(world_size=2, dp_shard=2, ep=-2), ["training.expert_parallel_degree must be >= 1, got -2"]),
@@ -123,8 +133,12 @@ def test_ep_on_a_dense_flavor_is_refused():
 def test_ep_must_divide_the_experts():
     six = dataclasses.replace(MOE, num_experts=6)
     validate_qwen3(six, dims(2, dp_shard=2, ep=2), None, qwen3_job())  # 3 experts per rank
-    with refused(["training.expert_parallel_degree 4 must divide the 6 experts", "qwen3 debugmodel_moe"]):
+    with refused(["training.expert_parallel_degree 4 must divide the 6 experts", "qwen3 debugmodel_moe",
+                  ": set it to 2 (dividing both the 6 experts and the 4 ranks it is taken from), or to 1"]):
         validate_qwen3(six, dims(4, dp_shard=4, ep=4), None, qwen3_job())
+    with refused(["training.expert_parallel_degree 3 must divide the 8 experts", ": no degree above 1 divides both the 8 "
+                  "experts and the 3 ranks it is taken from; set it to 1 (no expert parallelism)"]):
+        validate_qwen3(MOE, dims(3, dp_shard=3, ep=3), None, qwen3_job())
 
 
 def test_moe_under_tp_needs_each_ranks_slice_of_the_sequence_whole():
@@ -167,7 +181,7 @@ def test_preflight_refuses_ep_for_a_dense_qwen3_and_passes_the_moe_flavor():
 
 
 def test_preflight_refuses_more_ep_ranks_than_the_world_lends():
-    with refused(["training.expert_parallel_degree 4", "(dp_shard 2 = 2)", "e.g. 2 here"]):
+    with refused(["training.expert_parallel_degree 4", "(dp_shard 2 = 2)", "set it to 2 (divisors of 4"]):
         preflight(qwen3_job("debugmodel_moe", "--training.expert_parallel_degree", "4"), world_size=2)
 
 
@@ -178,5 +192,5 @@ def test_an_expert_parallel_refusal_in_a_huge_world_is_answered_at_once():
     with pytest.raises(ConfigError) as refused:
         validate_world_size(config, 2**40)
     assert refused.value.line == ("error: training.expert_parallel_degree 3 must divide the ranks it is taken from "
-                                  f"(dp_shard {2**40} = {2**40}) and be a multiple of context x tensor parallel (1); "
-                                  f"e.g. 2 or 4 or 8 or 16 or 32 or 64 or {2**40} here")
+                                  f"(dp_shard {2**40} = {2**40}) and be a multiple of context x tensor parallel (1): "
+                                  f"keep 3 on {2**40 + 2} ranks (NGPU), or set it to 1 (no expert parallelism)")

@@ -6,7 +6,10 @@ integration/test_memory_estimate.py)."""
 import pytest
 
 from scripts import plan_layout
-from scripts.plan_layout import main
+from scripts.plan_layout import main, why_none_fit
+from torchtitan.estimation.dry_run import DryRunResult, RankEstimate
+from torchtitan.estimation.planner import Choice, GiB, Layout, Model, NothingFits
+from torchtitan.estimation.tracker import StepMemory
 
 TINY = ["--flavor", "tiny", "--ngpu", "2", "--seq-len", "64"]
 
@@ -47,11 +50,39 @@ def test_a_global_batch_no_layout_takes(capsys):
 
 
 def test_a_device_too_small_for_every_layout(capsys):
-    """Every layout's rough figure is over the device: no dry run is spent, and the line says what to change."""
+    """Every layout's rough figure is over the device: no dry run is spent, and the line says so and
+    what to change (not --max-dry-runs, which would change nothing)."""
     line, out = _refused(capsys, [*TINY, "--device-memory", "0.00001"])
-    assert "dry run:" not in out and "0 layouts that fit" in out
-    assert line == ("error: none of the layouts dry-run (at most --max-dry-runs 8) fits; raise --max-dry-runs, --ngpu "
-                    "or --device-memory, or lower --seq-len or --global-batch")
+    assert "  dry run " not in out and "0 under the device's memory by the rough figure" in out
+    assert line.startswith("error: no layout of llama3 tiny on 2 devices fits 1e-05 GiB by the rough memory figure "
+                           "(the smallest, ")
+    assert line.endswith("GiB), so none was dry-run: raise --ngpu or --device-memory, or lower --seq-len or "
+                         "--global-batch")
+
+
+def _choice(ac: str, screened_gib: float, peak_gib: float | None = None) -> Choice:
+    """A planned layout with its rough figure and, given a peak, a dry run's verdict."""
+    layout = Layout(1, 2, 1, 1, 1, ac, 1, 1, 0)
+    estimate = None
+    if peak_gib is not None:
+        memory = StepMemory(int(peak_gib * GiB), {}, {})
+        estimate = DryRunResult(2, "cuda", "bfloat16", [], [RankEstimate(0, {}, (), memory, {}, 0.0)], GiB)
+    return Choice(layout, None, int(screened_gib * GiB), estimate)
+
+
+def test_a_budget_spent_on_layouts_that_do_not_fit_asks_for_more_dry_runs():
+    """Only where layouts under the rough figure were left untried does the line name --max-dry-runs."""
+    ns = plan_layout.parser().parse_args([*TINY, "--device-memory", "1", "--max-dry-runs", "1"])
+    model = Model.from_flavor("llama3", "tiny")
+    spent, every = NothingFits("none fits"), NothingFits("none fits")
+    spent.choices, spent.dry_runs = [_choice("none", 0.9, 1.2), _choice("full", 0.5)], 1
+    assert why_none_fit(ns, model, spent) == (
+        "none of the 1 layouts dry-run fits, and 1 more pass the rough memory figure: raise --max-dry-runs to try "
+        "them, or raise --ngpu or --device-memory, or lower --seq-len or --global-batch")
+    every.choices, every.dry_runs = [_choice("none", 0.9, 1.2), _choice("full", 0.5, 1.1), _choice("selective", 3.0)], 2
+    assert why_none_fit(ns, model, every) == (
+        "none of the 2 layouts under the rough memory figure fits by the dry run (the smallest, dp_shard 2, AC full, "
+        "batch 1, needs 1.1 GiB): raise --ngpu or --device-memory, or lower --seq-len or --global-batch")
 
 
 def test_a_config_every_layout_refuses(capsys, tmp_path):
@@ -62,7 +93,8 @@ def test_a_config_every_layout_refuses(capsys, tmp_path):
     line, out = _refused(capsys, [*TINY, "--config", str(config), "--max-dry-runs", "1"])
     refusals = [row for row in out.splitlines() if row.startswith("  refused: ")]
     assert len(refusals) > 1 and all("training.warmup_steps 9 is longer than the run" in row for row in refusals)
-    assert line.startswith("error: none of the layouts dry-run")
+    assert line.startswith("error: the config checks refused every layout tried, the first with: "
+                           "training.warmup_steps 9 is longer than the run")
 
 
 def test_capacity_factors_need_a_build_with_the_dropping_mode(capsys, monkeypatch):

@@ -412,7 +412,9 @@ class MemoryEstimation:
                                          "rank measures its own step with the same tracker (how docs/memory.md "
                                          "checks the estimates).")
     device_memory_gib: float = opt(0.0, "The memory of one device the estimate is compared with, in GiB; 0: this "
-                                        "machine's GPU, or none (no verdict) where there is none.")
+                                        "machine's GPU; for a job on this CPU (no GPU, no job.dry_run_world_size), the "
+                                        "host's available memory shared by its ranks; no verdict for a GPU job on a "
+                                        "machine without one.")
 
 
 @dataclass

@@ -44,7 +44,7 @@ from torchtitan.config.preflight import preflight
 from torchtitan.datasets.text_dataset import training_source
 from torchtitan.datasets.tokenizer import TokenizerError
 from torchtitan.errors import ConfigError, UserError
-from torchtitan.estimation.memory_floor import rank_memory_bytes
+from torchtitan.estimation.device_memory import device_memory
 from torchtitan.estimation.pipeline_replay import PipelineReplay, replayable
 from torchtitan.estimation.shapes_only import on_fake_tensors
 from torchtitan.estimation.tracker import CATEGORIES, StepMemory, StepTracker
@@ -98,6 +98,7 @@ class DryRunResult:
     notes: list[str]
     ranks: list[RankEstimate]
     device_memory: int | None  # bytes of one device, when known
+    memory_source: str = ""  # where device_memory comes from (device_memory.py), or why there is none
 
     @property
     def largest(self) -> RankEstimate:
@@ -220,8 +221,11 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
     # training.loss_chunk_size and the token-weighted loss, as the trainer runs them
     spec = with_token_weights(with_chunked_loss(spec, job_config), parallel_dims)
     hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]" prefix, once per simulated rank
+    own_share = contextlib.ExitStack()
     if fake:
         dist.init_process_group("fake", store=torch_compat_fake.fake_store(), rank=rank, world_size=world_size)
+        # The rank's own parameter shards and process groups only: the others' are alike and unused.
+        own_share.enter_context(torch_compat_fake.own_share_only())
     try:
         device = torch.device("cpu") if fake else torch.device(device_setup.device_type(), 0 if target == "cpu" else
                                                                   int(os.environ.get("LOCAL_RANK", "0")))
@@ -295,6 +299,7 @@ def simulate_rank(job_config: JobConfig, world_size: int, rank: int, target: str
         return RankEstimate(rank, _coordinates(parallel_dims, rank), tuple(stages), memory, parallelisms,
                             time.perf_counter() - start)
     finally:
+        own_share.close()
         if fake:
             dist.destroy_process_group()
             torch_compat_fake.forget_sharding_caches()
@@ -379,8 +384,8 @@ def dry_run(job_config: JobConfig, expert_load: float = 1.0) -> DryRunResult:
             log.setLevel(max(level, logging.WARNING))  # the build's lines once, for the first rank
     finally:
         log.setLevel(level)
-    return DryRunResult(world_size, target, compute_dtype(config, target), notes, ranks,
-                        device_memory_bytes(job_config, target, world_size))
+    memory = device_memory(job_config, target, world_size)
+    return DryRunResult(world_size, target, compute_dtype(config, target), notes, ranks, memory.bytes, memory.source)
 
 
 def compute_dtype(config: JobConfig, target: str) -> str:
@@ -414,30 +419,6 @@ def _tokenizer(job_config: JobConfig, notes: list[str]) -> Any:
             raise
         notes.append(f"{e}: estimated with the flavor's vocabulary ({vocab:,} tokens); the real job needs the file")
         return _Vocabulary(vocab)
-
-
-LOCAL_WORLD_SIZE_ENV = "TORCHTITAN_DRY_RUN_LOCAL_WORLD_SIZE"  # the launcher's NGPU: ranks on this host
-
-
-def device_memory_bytes(job_config: JobConfig, target: str, world_size: int) -> int | None:
-    """What one rank may use: memory_estimation.device_memory_gib; else this machine's GPU (for a
-    CUDA target), or its available host memory shared by the ranks it starts (for a CPU one)."""
-    given = job_config.memory_estimation.device_memory_gib
-    if given > 0:
-        return int(given * GiB)
-    if target == "cuda":
-        return rank_memory_bytes("cuda") if torch.cuda.is_available() else None
-    if "LOCAL_WORLD_SIZE" in os.environ:  # a rank of a real job (memory_estimation.enabled)
-        return rank_memory_bytes("cpu")
-    available = rank_memory_bytes("cpu")  # this process alone
-    local = int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "0")) or world_size
-    return None if available is None else available // max(1, local)
-
-
-def _device_memory_source(job_config: JobConfig, target: str) -> str:
-    if job_config.memory_estimation.device_memory_gib > 0:
-        return "memory_estimation.device_memory_gib"
-    return "this GPU's" if target == "cuda" else "this host's available memory shared by its ranks"
 
 
 def estimate_before_training(job_config: JobConfig) -> None:
@@ -489,8 +470,8 @@ def report_lines(result: DryRunResult, parallel_dims_text: str) -> list[str]:
                          f"{e['dispatch buffers']:.3f} GiB of dispatch buffers (tokens sorted for their experts, "
                          "all-to-all buffers, expert intermediates)")
     big = result.largest
-    verdict = ("" if result.device_memory is None else
-               f" of {result.device_memory / GiB:.1f} GiB per device: "
+    verdict = (f"; no verdict ({result.memory_source})" if result.device_memory is None else
+               f" of {result.device_memory / GiB:.1f} GiB per device ({result.memory_source}): "
                + ("fits" if result.fits else "does NOT fit"))
     lines.append(f"largest: rank {big.rank} needs {big.memory.peak / GiB:.2f} GiB at its peak{verdict}")
     return lines
@@ -525,7 +506,7 @@ def main(job_config: JobConfig) -> None:
         big = result.largest
         raise DoesNotFit(f"rank {big.rank} would need {big.memory.peak / GiB:.3g} GiB at its peak, more than the "
                          f"device's {result.device_memory / GiB:.3g} GiB "
-                         f"({_device_memory_source(job_config, result.device_type)}); lower "
+                         f"({result.memory_source}); lower "
                          "training.batch_size or training.seq_len, use activation_checkpoint.mode full, or shard over "
                          "more ranks (FSDP, tensor, pipeline or context parallel)")
 
@@ -555,8 +536,8 @@ def _measure_real(job_config: JobConfig) -> None:
             ranks = [RankEstimate(r, {}, tuple(rec["stages"]), StepMemory(**rec["memory"]), {}, rec["seconds"])
                      for r, rec in enumerate(records)]
             dtype = compute_dtype(config, target)
-            result = DryRunResult(world_size, target, dtype, notes, ranks,
-                                  device_memory_bytes(job_config, target, world_size))
+            memory = device_memory(job_config, target, world_size)
+            result = DryRunResult(world_size, target, dtype, notes, ranks, memory.bytes, memory.source)
             for line in report_lines(result, layout_text(config, world_size, target)):
                 logger.info(line.replace("dry run:", "measured:").replace("simulated in one process on fake tensors",
                                                                          "each rank on real tensors"))

@@ -57,6 +57,7 @@ overlap, stragglers. Its figures rank layouts; they are no promise of throughput
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -432,7 +433,7 @@ def routing_modes(capacity_factors: tuple[float, ...] | None = None) -> tuple[fl
 
 
 def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int, base_args: list[str],
-         top: int = 3, max_dry_runs: int = 8, log: Callable[[str], None] = print,
+         top: int = 3, max_dry_runs: int = 8, log: Callable[[str], None] = lambda line: print(line, flush=True),
          capacity_factors: tuple[float, ...] | None = None, imbalance: float = EXPERT_IMBALANCE) -> list[Choice]:
     """The `top` fastest layouts that fit, each confirmed by the dry run. `base_args`: trainer
     options every layout shares (the model, a config file, the tokenizer...). MoE models:
@@ -449,8 +450,11 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
                         "data-parallel degree, with at least as many sequences per rank as pipeline stages")
     choices.sort(key=lambda c: -c.timing.tokens_per_second)
     budget = hw.device_memory_gib * GiB
-    log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices; dry-running the fastest whose "
-        "rough memory figure is under the device's")
+    under = sum(1 for c in choices if c.screened_bytes <= budget * SCREEN_MARGIN)
+    # Each dry run is a whole simulated step of the model (minutes for 70B on 2 cores): a line
+    # when each ends, with its time, is the plan's progress.
+    log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices, {under} under the device's memory by "
+        f"the rough figure; dry-running them fastest first until {top} fit (at most {max_dry_runs})")
     fitting, dry_runs, refused = [], 0, 0
     for choice in choices:
         if len(fitting) == top or dry_runs == max_dry_runs:
@@ -467,6 +471,7 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
             dry_runs += 1
             # Dropless under EP: the busiest rank's share; the dropping mode's shapes are fixed.
             load = expert_load(choice.layout, imbalance) if model.is_moe and not choice.layout.capacity else 1.0
+            start = time.perf_counter()
             choice.estimate = dry_run(job_config, expert_load=load)
         except UserError as e:
             choice.refused = str(e)
@@ -475,14 +480,27 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
                 log(f"  refused: {choice.layout.text()}: {e}")
             continue
         peak = choice.peak_bytes / GiB
-        log(f"  dry run: {choice.layout.text()}: {peak:.1f} GiB at the peak "
+        log(f"  dry run {dry_runs}: {choice.layout.text()}: {peak:.1f} GiB at the peak "
             f"({'fits' if choice.estimate.fits else 'does not fit'}); predicted "
-            f"{choice.timing.tokens_per_second / ngpu:,.0f} tokens/s per device")
+            f"{choice.timing.tokens_per_second / ngpu:,.0f} tokens/s per device ({time.perf_counter() - start:.0f}s)")
         if choice.estimate.fits:
             fitting.append(choice)
     if refused > MAX_REFUSALS_SHOWN:
         log(f"  ... and {refused - MAX_REFUSALS_SHOWN} more layouts the config checks refused")
+    if not fitting:
+        nothing = NothingFits(f"no layout of {model.name} {model.flavor} on {ngpu} devices fits")
+        nothing.choices, nothing.dry_runs = choices, dry_runs
+        raise nothing
     return fitting
+
+
+class NothingFits(UserError):
+    """No layout fits: plan() sets `choices` (every layout ranked, each with its screen figure, dry
+    run or refusal) and `dry_runs` (how many it spent); scripts/plan_layout.py says why in its
+    options' terms."""
+
+    choices: list[Choice] = []
+    dry_runs: int = 0
 
 
 def as_record(choice: Choice) -> dict[str, Any]:

@@ -184,7 +184,12 @@ def check_moe_layout(num_experts: int, parallel_dims: ParallelDims, plan: Pipeli
     (A dense flavor with ep > 1 is refused by preflight's `experts` rule, for every family.)"""
     ep, tp, cp = parallel_dims.ep, parallel_dims.tp, parallel_dims.cp
     if ep > 1 and num_experts % ep:
-        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {num_experts} experts of {flavor}")
+        borrowed = parallel_dims.dp_shard * cp * tp  # the ranks EP is taken from (parallel_dims.py)
+        fits = [d for d in range(borrowed, 1, -1) if borrowed % d == 0 and num_experts % d == 0 and d % (cp * tp) == 0]
+        both = f"both the {num_experts} experts and the {borrowed} ranks it is taken from"
+        raise ConfigError(f"training.expert_parallel_degree {ep} must divide the {num_experts} experts of {flavor}: "
+                          + (f"set it to {' or '.join(map(str, fits))} (dividing {both}), or to 1 (no expert parallelism)"
+                             if fits else f"no degree above 1 divides {both}; set it to 1 (no expert parallelism)"))
     if ep > 1 or tp > 1:
         # The MoE layers then have FSDP units of their own inside each block.
         ac = job_config.activation_checkpoint

@@ -68,7 +68,8 @@ class ParallelDims:
         # A ParallelDims built by hand (tools, tests) passes the same rule as a config's degrees.
         check_degrees({name: getattr(self, name) for name in _OPTION})
         others = self.dp_replicate * self.cp * self.tp * self.pp
-        if self.dp_shard == -1:
+        derived = self.dp_shard == -1
+        if derived:
             if self.world_size % others or self.world_size < others:
                 given = [f"{_OPTION[n]} {getattr(self, n)}" for n in MESH_DIM_ORDER
                         if n != "dp_shard" and getattr(self, n) > 1]
@@ -87,9 +88,9 @@ class ParallelDims:
                 f"change the degrees or the number of processes ({self.world_size_from}), or set "
                 "training.data_parallel_shard_degree = -1 to use the remaining ranks"
             )
-        self._validate_ep()
+        self._validate_ep(derived)
 
-    def _validate_ep(self) -> None:
+    def _validate_ep(self, dp_shard_derived: bool = False) -> None:
         if self.ep == 1:
             return
         borrowed = self.dp_shard * self.cp * self.tp
@@ -97,9 +98,34 @@ class ParallelDims:
             named = " x ".join(f"{n} {getattr(self, n)}" for n in ("dp_shard", "cp", "tp") if n == "dp_shard" or getattr(self, n) > 1)
             raise ConfigError(
                 f"training.expert_parallel_degree {self.ep} must divide the ranks it is taken from ({named} = "
-                f"{borrowed}) and be a multiple of context x tensor parallel ({self.cp * self.tp}); "
-                f"{_ep_choices(self.dp_shard, self.cp * self.tp)}"
+                f"{borrowed}) and be a multiple of context x tensor parallel ({self.cp * self.tp}): "
+                f"{self._ep_advice(dp_shard_derived)}"
             )
+
+    def _ep_advice(self, dp_shard_derived: bool) -> str:
+        """What would work instead of an expert-parallel degree the ranks cannot hold. The model's
+        expert count is not known here (the launcher's torch-free pre-check), so a smaller degree
+        is offered only as a divisor of the one asked for (which divides the experts if that one
+        does: the model's own rule checks it), and the degree asked for with the ranks it needs."""
+        unit, ep = self.cp * self.tp, self.ep
+        # Candidates up to 64 ranks each: a degree or a world of any size is answered at once.
+        fitting = [d for d in range(min(ep - 1, 64), 1, -1) if ep % d == 0 and d % unit == 0
+                   and (self.dp_shard * unit) % d == 0]
+        options = []
+        if fitting:
+            options.append(f"set it to {' or '.join(map(str, fitting))} (divisors of {ep}, so they divide the experts as "
+                           f"{ep} does)")
+        if ep % unit == 0:
+            step = ep // unit  # dp_shard must divide by it
+            shard = -(-self.dp_shard // step) * step
+            options.append(f"keep {ep} on {self.world_size // self.dp_shard * shard} ranks ({self.world_size_from})"
+                           if dp_shard_derived else f"keep {ep} with training.data_parallel_shard_degree {shard}")
+        else:
+            multiples = [d for d in range(unit, min(self.dp_shard, 64) * unit + 1, unit) if (self.dp_shard * unit) % d == 0]
+            options.append(f"set it to a multiple of {unit} that divides both these ranks and the model's experts "
+                           f"({' or '.join(map(str, multiples))} here)")
+        options.append("set it to 1 (no expert parallelism)")
+        return ", ".join(options[:-1]) + f", or {options[-1]}"
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Builds the named world mesh (size-1 dims left out), its FLATTENED_VIEWS and the role views.
@@ -415,17 +441,6 @@ def _prod(values) -> int:
     for v in values:
         result *= v
     return result
-
-
-def _ep_choices(dp_shard: int, unit: int) -> str:
-    """Expert-parallel degrees a layout allows (multiples of cp x tp = `unit` dividing
-    dp_shard x unit: unit x d for each d dividing dp_shard), for the refusal's hint. The divisors
-    up to 64 and dp_shard itself: a world of any size is answered at once."""
-    divisors = sorted({*(d for d in range(1, min(dp_shard, 64) + 1) if dp_shard % d == 0), dp_shard})
-    valid = [unit * d for d in divisors if unit * d > 1]
-    if not valid:
-        return "this layout has no ranks to take it from (raise training.data_parallel_shard_degree)"
-    return f"e.g. {' or '.join(map(str, valid))} here"
 
 
 def _join(world: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:

@@ -31,15 +31,49 @@ PRIVATE_NAMES = (
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker.FSDPMemTracker._instrument_optimizer", ("self",), checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker._FSDPModState"),
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker._FSDPModMemStats.local_peak", instance=True),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._update_peak_stats", ("self", "peak_state")),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker.memory_tracking", instance=True),
 )
 
 __all__ = ["FSDPMemTracker", "FSDPPartsTracker", "MemTracker", "PartsTracker"]
 _TOTAL = "Total"  # the trackers' key of a snapshot's sum
 
 
+class _TrackedModules:
+    """What `_update_peak_stats` reads of `memory_tracking`: its values, from a plain list."""
+
+    def __init__(self, stats: list[Any]):
+        self.stats = stats
+
+    def values(self) -> list[Any]:
+        return self.stats
+
+
+class _PeaksFromAList:
+    """PyTorch's trackers update every tracked module's peak after every op by walking
+    `memory_tracking`, a dictionary of weak references whose every read asks the module for
+    `_fix_weakref`: an attribute lookup that fails, through each wrapper (activation
+    checkpointing's), for every module and op, about half of a dry run's step for an 80-block
+    model. The same walk over a plain list of the same statistics (renewed when a module is
+    added) computes the same peaks."""
+
+    _stats_list: list[Any] = []
+    _stats_count = -1
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        tracking = self.memory_tracking
+        if len(tracking) != self._stats_count:
+            self._stats_list, self._stats_count = list(tracking.values()), len(tracking)
+        self.memory_tracking = _TrackedModules(self._stats_list)
+        try:
+            super()._update_peak_stats(peak_state)
+        finally:
+            self.memory_tracking = tracking
+
+
 # PyTorch measures a step's memory by category only with these trackers, in a private package; the
 # two subclasses below override and call their private hooks (listed above) to take several parts.
-class FSDPPartsTracker(FSDPMemTracker):
+class FSDPPartsTracker(_PeaksFromAList, FSDPMemTracker):
     """FSDPMemTracker over several FSDP roots (the stages a pipeline rank holds) and several
     optimizers (one per part). PyTorch's tracker takes one root and one optimizer; it reads the
     root only through `.modules()` and `.buffers()`, which a ModuleList of the parts answers for
@@ -102,7 +136,7 @@ class FSDPPartsTracker(FSDPMemTracker):
         self._optimizer_hook_handles = tuple(handles)
 
 
-class PartsTracker(MemTracker):
+class PartsTracker(_PeaksFromAList, MemTracker):
     """MemTracker that, like FSDPPartsTracker, takes a model part's forward run several times in
     one step (pipeline microbatches, gradient accumulation)."""
 
