@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchtitan.config.job_config import Training
 from torchtitan.errors import ConfigError
+from torchtitan.parallelisms.ddp_reduction import apply_same_layout_reduction
 from torchtitan.parallelisms.mixed_precision import resolve_param_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
@@ -104,7 +105,8 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dty
     """Replicated data parallelism (DDP) through PyTorch's composable `replicate`.
 
     Gradients are all-reduced in buckets of `bucket_cap_mb` as backward produces them, so
-    communication overlaps the rest of backward.
+    communication overlaps the rest of backward; over more than two ranks, every step in the
+    same bucket layout (ddp_reduction.py), so that a resumed run repeats the uninterrupted one.
     """
     if compiled:
         # Dynamo splits compiled graphs at bucket boundaries so the all-reduces still overlap.
@@ -119,6 +121,10 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dty
                               "which needs CUDA and NCCL; on CPU leave it at float32")
         # Halves the all-reduce volume; gradients are cast back to their own dtype afterwards.
         model.register_comm_hook(mesh.get_group(), default_hooks.bf16_compress_hook)
+    elif mesh.size() > 2:
+        # Over more than two ranks the sums depend on the bucket layout, which DDP changes after
+        # the first step: a resumed run's first step must be reduced as the same step was.
+        apply_same_layout_reduction(model, mesh.get_group())
     logger.info(f"applied DDP over mesh {_mesh_text(mesh)} (bucket {bucket_cap_mb} MB, reduce {reduce_dtype})")
 
 

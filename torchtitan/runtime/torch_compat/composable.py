@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed._composable.replicate import replicate as _replicate
@@ -16,6 +17,8 @@ from torchtitan.runtime.torch_compat import CPU, CPU_AND_GPU_CHECK, CPU_AND_PRES
 PRIVATE_NAMES = (
     PrivateName("torch.distributed._composable.replicate.replicate", ("module", "ignored_modules")),
     PrivateName("torch.distributed._composable.replicate._ReplicateState._ddp", instance=True),
+    PrivateName("torch.distributed.Reducer._rebuild_buckets", checked=CPU),
+    PrivateName("torch.distributed.Reducer._get_zeros_like_grad_buckets", checked=CPU),
     PrivateName("torch.distributed._composable.replicate_with_fsdp.replicate", ("module", "mesh", "mp_policy"),
                 checked=CPU_AND_PRESENT_IN_2_11),
     PrivateName("torch.distributed._composable.contract._get_registry", ("module",), checked=CPU_AND_PRESENT_IN_2_11),
@@ -101,6 +104,15 @@ def ddp_of(module: nn.Module) -> Any:
     """The DistributedDataParallel object composable DDP built for `module` (at its first forward),
     or None before; it is kept in replicate's private state."""
     return getattr(_replicate.state(module), "_ddp", None)
+
+
+def rebuild_ddp_buckets(ddp: Any) -> list[tuple[torch.Tensor, list[nn.Parameter]]]:
+    """Has DDP rebuild its gradient buckets now, in the order the gradients of the backward that
+    just ended arrived, as it does by itself before the next forward (a no-op once rebuilt); returns
+    each bucket as a zero buffer and its parameters in their order in it. DDP's reducer offers
+    both only as private methods."""
+    ddp.reducer._rebuild_buckets()
+    return [(bucket.buffer(), bucket.parameters()) for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
 def compiled_call(module: nn.Module) -> Any:
