@@ -42,7 +42,9 @@ def test_list_and_bad_names(capsys):
     assert loss_compare.main(["--list"]) == 0
     listed = capsys.readouterr().out
     assert "fsdp2_cpu_offload" in listed
-    assert "matrix rep2_fsdp2_cp2 " in listed  # the generated matrix's points are listed too
+    from tests.machinery import layout_matrix
+
+    assert all(f"matrix {p.name} " in listed for p in layout_matrix.generate())  # the generated points too
     bad = run_script("--layout", "nope")
     assert bad.returncode != 0 and "unknown layout 'nope'" in bad.stderr
 
@@ -53,7 +55,7 @@ def test_matrix_table_shows_refusals_and_fails_an_unplanned_outcome(tmp_path, ca
     from tests.machinery import layout_matrix as lm
 
     refused = next(p for p in lm.generate() if p.refused_by_design)
-    plain = lm._point({}, dp_shard=1)
+    plain = lm.make_point({}, dp_shard=1)
     mislabelled = lm.Point(plain.degrees, plain.variants, plain.schedule, refused_by_design=True)
     assert loss_compare.run_matrix([refused, mislabelled], tmp_path, steps=2, runner=run_warm) == 1
     rows = table_rows(capsys.readouterr().out)
