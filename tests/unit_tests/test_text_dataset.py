@@ -323,3 +323,32 @@ def test_workers_leave_stop_signals_to_the_training_process(tmp_path, small_chun
     got += [next(it)[0].tolist() for _ in range(35)]
     reference = iter(PackedTextDataset(path, CharTokenizer(), 12, 2, [0], 1))
     assert got == [next(reference)[0].tolist() for _ in range(40)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_starting_a_loader_leaves_the_training_random_state_alone(tmp_path, small_chunks, workers):
+    """The training and validation loaders' iterators draw their seed from a generator of their own,
+    not torch's global one: a resumed run, which starts its loaders after the checkpoint restored
+    the random state, then draws what the uninterrupted run draws (with dropout, say); validation
+    starts its loader anew each time."""
+    import types
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchtitan.config.manager import parse_args
+    from torchtitan.datasets.text_dataset import build_text_dataloader, build_validation_dataloader
+
+    path = _corpus(tmp_path, [f"document {i} " * 5 for i in range(200)])
+    config = parse_args(["--training.dataset_path", str(path), "--training.seq_len", "16", "--training.batch_size", "2",
+                         "--training.dataset_num_workers", str(workers), "--validation.enabled"])
+    shards = types.SimpleNamespace(owned=[0], count=1)
+    before = torch.random.get_rng_state()
+    train = build_text_dataloader(config, CharTokenizer(), shards)
+    validation = build_validation_dataloader(config, CharTokenizer(), shards)
+    next(iter(train))
+    for _ in range(2):  # validation reads its data from the start each time
+        next(iter(validation))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    # torch's default would have moved it: what the loaders avoid.
+    next(iter(StatefulDataLoader(validation.dataset, batch_size=None, num_workers=0)))
+    assert not torch.equal(torch.random.get_rng_state(), before)

@@ -137,7 +137,7 @@ class _Packer:
         if self.workers == 0:
             return self.items.items(start)
         loader = StatefulDataLoader(_WorkerItems(self.items, start), batch_size=None, num_workers=self.workers,
-                                    prefetch_factor=2, worker_init_fn=_ignore_stop_signals)
+                                    prefetch_factor=2, worker_init_fn=_ignore_stop_signals, generator=own_generator())
         return iter(loader)
 
     def _keep_position(self, item: dict[str, Any]) -> None:
@@ -385,7 +385,16 @@ def build_text_dataloader(job_config: JobConfig, tokenizer: Tokenizer, shards: D
                                 ignore_after=loss_mask_token(job_config, tokenizer), shuffle=training_shuffle(job_config))
     # batch_size=None: the dataset yields whole batches (each assembled from its shards). Any worker
     # processes belong to the dataset's shard readers; packing runs here.
-    return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=own_generator())
+
+
+def own_generator() -> torch.Generator:
+    """A generator of a loader's own. Starting an iterator draws a seed from the generator a loader
+    is given, torch's global one by default: every validation, every start of the shard readers'
+    workers, and a resumed run's first loader (started after the checkpoint restored the random
+    state) would move the training's random state, and a resumed run would draw ahead of the
+    uninterrupted one. Nothing here uses the seed (shuffling has its own, training.seed)."""
+    return torch.Generator()
 
 
 def validation_batch_size(job_config: JobConfig) -> int:
@@ -410,4 +419,4 @@ def build_validation_dataloader(job_config: JobConfig, tokenizer: Tokenizer, sha
     dataset = PackedTextDataset(source, tokenizer, training.seq_len, validation_batch_size(job_config), shards.owned, shards.count,
                                 infinite=False, skip_bad_lines=training.dataset_skip_bad_lines, split=split,
                                 ignore_after=loss_mask_token(job_config, tokenizer))
-    return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0, generator=own_generator())

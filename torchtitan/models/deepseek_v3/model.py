@@ -30,7 +30,9 @@ value is kept (`take_mtp_loss`) for the logs.
 The idioms that let parallelism reach the model by module name are the Llama model's
 (torchtitan/models/llama/model.py): `view(..., -1, head_dim)`, blocks in a ModuleDict keyed by
 index, optional embedding/norm/output for pipeline stages, `Attention.kernel`, a RoPE table
-passed to each block, `init_weights` separate from construction.
+passed to each block, `init_weights` separate from construction. One more seam is latent attention's
+own: `Attention.shared_by_heads`, applied to the rotated key part that every head shares (tensor
+parallelism sums its gradient over the ranks that split the heads).
 """
 
 from __future__ import annotations
@@ -158,6 +160,10 @@ def rope_table(args: DeepSeekV3ModelArgs, device: torch.device | None = None) ->
     return (torch.stack((angles.cos(), angles.sin()), dim=-1) * factor).float()
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class Attention(nn.Module):
     """Multi-head latent attention (module docstring)."""
 
@@ -185,6 +191,10 @@ class Attention(nn.Module):
         # Values padded to the query/key head size for kernels that need equal sizes (ring attention's
         # block kernels); set by context parallelism. Exact: the padded columns come out zero.
         self.pad_values = False
+        # Applied to the rotated key part, which every head shares. Tensor parallelism gives a rank
+        # only some heads, whose gradients for it are then a partial sum: it sets this to sum them over
+        # the tp ranks in backward (parallelize_deepseek_v3.sum_gradient_over_tp).
+        self.shared_by_heads: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
@@ -205,6 +215,7 @@ class Attention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = self.shared_by_heads(k_rope)
         k_rope = apply_rope(k_rope.unsqueeze(2), rope).expand(-1, -1, k_nope.shape[2], -1)  # one per token, every head
         k = torch.cat([k_nope, k_rope], dim=-1)
         if self.pad_values:

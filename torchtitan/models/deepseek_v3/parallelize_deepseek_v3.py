@@ -6,20 +6,23 @@ MoE layers' own FSDP units wrapped before their blocks (torchtitan/parallelisms/
 Tensor parallelism of multi-head latent attention: the projections that produce per-head
 outputs (`wq` or `wq_b`, `wkv_b`) are split by heads (column-wise), `wo` row-wise; the
 compressions (`wq_a`, `wkv_a`) and their norms are small and shared by all heads, so they stay
-whole on every tp rank (replicated, their gradients identical across tp). The shared experts
-are split like a dense feed-forward; the routed ones take their rank's slice of the sequence, as
-in Qwen3-MoE. The MTP modules get the same block plan, and their `eh_proj` and norms, which act per
-token, run on the sequence slice under sequence parallelism.
+whole on every tp rank (replicated, their gradients identical across tp). The rotated key part of
+`wkv_a`'s output serves all heads too, but a rank's heads give it only their share of the
+gradient: `sum_gradient_over_tp` adds the shares up, or the ranks' copies of `wkv_a` would drift
+apart. The shared experts are split like a dense feed-forward; the routed ones take their rank's
+slice of the sequence, as in Qwen3-MoE. The MTP modules get the same block plan, and their
+`eh_proj` and norms, which act per token, run on the sequence slice under sequence parallelism.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -147,6 +150,19 @@ def replicate_on_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
                       output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out)
 
 
+def sum_gradient_over_tp(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Identity in forward; in backward, the gradient summed over the tp ranks. For a tensor computed
+    whole on every tp rank but used by each rank's heads only (latent attention's rotated key, shared
+    by all heads): each rank's gradient is then its heads' share, and the replicated weights that
+    made the tensor need the sum to stay identical across tp (and equal to one process's)."""
+
+    def summed_in_backward(t: torch.Tensor) -> torch.Tensor:
+        # The gradient of to_local is taken as a partial sum; from_local's backward makes it Replicate.
+        return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    return summed_in_backward
+
+
 def replicated_parts(block: nn.Module) -> list[str]:
     """Latent attention's compressions and their norms: small, shared by every head, kept whole."""
     names = ["attention.wkv_a", "attention.kv_norm"]
@@ -188,6 +204,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
         for name in replicated_parts(block):
             replicate_on_tp(block.get_submodule(name), tp_mesh)
+        block.attention.shared_by_heads = sum_gradient_over_tp(tp_mesh)
     # MTP modules' per-token parts: on the sequence slice, or whole without sequence parallelism.
     for module in mtp:
         for part in (module.enorm, module.hnorm, module.eh_proj, module.norm):
