@@ -8,6 +8,7 @@ runs that tier alone; `./scripts/test.sh` runs every test.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -70,6 +71,9 @@ class SuiteClock:
         write(f"slowest {SLOWEST_SHOWN}:")
         for nodeid, seconds in sorted(self.durations.items(), key=lambda kv: -kv[1])[:SLOWEST_SHOWN]:
             write(f"  {seconds:6.1f} s  {nodeid}{'  [fast]' if nodeid in self.fast else ''}")
+        if path := os.environ.get("TORCHTITAN_TEST_TIMES"):
+            # Every test's seconds, to choose what to make cheaper (docs/testing.md).
+            Path(path).write_text(json.dumps(self.durations, indent=0, sort_keys=True))
         for nodeid, seconds in self.durations.items():
             if seconds > TEST_BUDGET_SECONDS and nodeid not in self.reasons:
                 write(f"over the {TEST_BUDGET_SECONDS:.0f} s budget without a reason (@pytest.mark.budget): "
