@@ -73,14 +73,15 @@ def test_a_write_the_disk_refuses_is_one_line_and_leaves_nothing(inputs, tmp_pat
     assert write_failure(RuntimeError("shape mismatch")) is None and write_failure(KeyError("w")) is None  # bugs
 
 
-# The converter in a mount namespace of its own, onto two small tmpfs mounts: one read-only, one of
-# 256 KiB, which the 0.7 MiB of tensors do not fit. `filled` cases skip the free-space check, as when the
-# disk fills up after it, so the writers themselves meet the full disk.
+# The converter in a mount namespace of its own, onto two small tmpfs mounts of 256 KiB, which the
+# 0.7 MiB of tensors do not fit, one of them read-only (said as read-only, not as too small). `filled`
+# cases skip the free-space check, as when the disk fills up after it, so the writers themselves meet
+# the full disk.
 DRIVER = """
 import contextlib, io, json, os, subprocess, sys
 from scripts import convert_checkpoint
 read_only, full, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", read_only], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,ro", "tmpfs", read_only], check=True)
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", full], check=True)
 check_room, results = convert_checkpoint.check_room, {}
 for name, (args, filled) in cases.items():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, free_bytes, one_line, save_failure
+from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, free_bytes, one_line, read_only, save_failure
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 STATE = {"model": {"w": torch.zeros(256, 256)}}  # 256 KiB
@@ -68,3 +68,20 @@ def test_free_space_that_cannot_be_measured_is_left_out(tmp_path, monkeypatch):
     assert free_bytes(str(tmp_path / "not" / "yet")) is None
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x"))
     assert save_failure(full, str(tmp_path)) == f"No space left on device: {tmp_path}/x"
+
+
+def test_a_read_only_disk_is_told_from_its_mount_and_an_unreadable_one_is_not_called_so(tmp_path, monkeypatch):
+    assert not read_only(str(tmp_path / "not" / "yet"))  # the nearest existing folder's disk: writable
+    flags = os.statvfs(tmp_path).f_flag
+
+    def statvfs(path, flag=flags | os.ST_RDONLY):
+        return type("Stat", (), {"f_flag": flag})()
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    assert read_only(str(tmp_path / "out"))
+
+    def unreadable(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(os, "statvfs", unreadable)
+    assert not read_only(str(tmp_path / "out"))

@@ -70,6 +70,7 @@ def test_ranks_that_said_nothing(tmp_path):
     assert summarize([], {}) == (0, "")
     code, text = summarize([], {0: -15, 1: -9})
     assert code == 143 and text.startswith("error: rank 0 ended with signal SIGTERM without saying why")
+    assert "LOG_RANK" not in text and "dmesg" in text  # a killed rank's output says no more than this
     code, text = summarize([], {0: -15, 1: 1})  # rank 1 failed; rank 0 was stopped because of it
     assert code == 1 and text.startswith("error: rank 1 ended with exit code 1") and "LOG_RANK=1" in text
     assert summarize([], {}, signum=signal.SIGINT)[0] == 130

@@ -222,6 +222,15 @@ def test_a_rank_logs_notices_only_as_rank_0(rank, shown, monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [INTEGRATION_NOTICE] * shown
 
 
+def test_the_launchers_pre_check_leaves_the_notices_to_rank_0(capsys, monkeypatch):
+    # run_llama_train.sh asks with --launch-mode on every node; rank 0 alone then says each notice.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--launch-mode", "--job.use_for_integration_test"]) == 0
+    assert capsys.readouterr() == ("torchrun\n", "")
+    assert main(["--job.use_for_integration_test"]) == 0
+    assert capsys.readouterr().err == INTEGRATION_NOTICE + "\n"
+
+
 def test_a_refused_config_shows_no_notice(capsys):
     assert main(["--job.use_for_integration_test", "--training.steps", "0"]) == 2
     assert capsys.readouterr().err == "error: training.steps must be >= 1, got 0\n"

@@ -90,16 +90,29 @@ def save_failure(exc: BaseException, folder: str) -> str:
     return line if free is None else f"{line} ({mib(free)} free on the disk holding {folder})"
 
 
-def free_bytes(path: str) -> int | None:
-    """Free bytes on the file system that holds `path` (or would hold it: its nearest existing
-    parent); None when that cannot be measured."""
+def _nearest_existing(path: str) -> str:
     path = os.path.abspath(path)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
+    return path
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the file system that holds `path` (or would hold it: its nearest existing
+    parent); None when that cannot be measured."""
     try:
-        return shutil.disk_usage(path).free
+        return shutil.disk_usage(_nearest_existing(path)).free
     except OSError:
         return None
+
+
+def read_only(path: str) -> bool:
+    """Whether the file system that holds (or would hold) `path` is mounted read-only: its free space
+    then says nothing about why a write fails."""
+    try:
+        return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def mib(n: int) -> str:

@@ -224,6 +224,9 @@ def check_fits(path: str, adapter: Any, args: Any, whole: dict[str, tuple], excl
     # What the folder's own config.json promises and its weights lack, in the family's words, first.
     promised = hf_folder.promised_but_missing(adapter, theirs_args, parts)
     problems = ([promised] if promised else []) + computed + ([tie_problem] if tie_problem else []) + missing
+    if promised and not allow_partial:
+        # The tensors it lacks are the promise's; its fix (edit config.json) is the one to give.
+        raise CheckpointError(f"{option} {path}: {promised}")
     if problems and not allow_partial:
         why = f" (its {CONFIG} differs: {', '.join(shape_fields.values())})" if shape_fields else ""
         output = adapter.from_hf_names(hf_folder.HF_OUTPUT)[0].removesuffix(".weight")

@@ -37,9 +37,12 @@ def temporary_sibling(path: str) -> str:
 
 
 def check_room(out: str, nbytes: int) -> None:
-    """Refuses, before anything is written, an output whose tensors alone (`nbytes`) would not fit on
-    the disk that is to hold it."""
+    """Refuses, before anything is written, an output on a read-only disk, or whose tensors alone
+    (`nbytes`) would not fit on the disk that is to hold it."""
     folder = os.path.dirname(os.path.abspath(out))
+    if failures.read_only(folder):  # the same line the writers give when they meet it (`writing`)
+        raise CheckpointError(f"cannot write {out}: {os.strerror(errno.EROFS)}; write it to another folder "
+                              "(nothing was left there)")
     free = failures.free_bytes(folder)
     if free is not None and nbytes > free:
         raise CheckpointError(f"not enough space for {out}: its tensors need {failures.mib(nbytes)}, the disk holding "

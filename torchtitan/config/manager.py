@@ -269,7 +269,7 @@ def read_config(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]
 
 def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
     """Builds and checks the JobConfig (read_config); its notices go to the log of rank 0 only, so
-    that a job of N ranks says each once (the launcher's pre-check has said it once before)."""
+    that a job of N ranks (on any number of nodes) says each once, in the run's log."""
     config, notices = read_config(argv)
     if os.environ.get("RANK", "0") == "0":
         for notice in notices:
@@ -284,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with one line and exit code 2, instead of once per rank behind torchrun's error report. It
     runs the rule phases that need no torch: options (read_config), shapes, and layout when the
     launcher exports the number of ranks (WORLD_SIZE). A config that passes gets its notices here,
-    on stderr, one line each.
+    on stderr, one line each, unless the launcher asks (--launch-mode): then rank 0 says them, once
+    per job rather than once per node and again from the rank.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -306,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # ConfigError, and a feature rule's own kind (all one line, exit 2)
         print(e.line, file=sys.stderr)
         return 2
-    for notice in notices:
+    for notice in [] if launch_mode else notices:
         print(f"notice: {notice}", file=sys.stderr)
     if launch_mode:
         print("dry_run" if dry_run else "torchrun")

@@ -320,8 +320,8 @@ class ReplicaGroups(ReplicaStep):
         fewer = sum(1 for n in ledger.participants if n < self.groups)
         unit = "steps" if self.steps_per_commit == 1 else f"syncs of {self.steps_per_commit} steps"
         logger.info(f"fault tolerance: {ledger.committed} {unit} committed by replica group {self.replica_id}, "
-                    f"{fewer} of them with fewer than {self.groups} groups; {ledger.retried} attempts not committed "
-                    f"(retried with the same batch); {ledger.healed} live recoveries; batches per group's shard: "
+                    f"{fewer} of them with fewer than {self.groups} groups; {_count(ledger.retried, 'attempt')} not "
+                    f"committed (retried with the same batch); {_count(ledger.healed, 'live recovery', 'live recoveries')}; batches per group's shard: "
                     f"{ledger.consumed}" + (f"; {ledger.data_gaps} recoveries without the data position (batches of this "
                                             "group's shard read again or skipped)" if ledger.data_gaps else ""))
 
@@ -455,3 +455,7 @@ def join_replica_groups(config: JobConfig, model_parts: list[nn.Module], optimiz
                 f"{config.fault_tolerance.group_size}, lighthouse {lighthouse_address(config)}, at least "
                 f"{config.fault_tolerance.min_replica_size} per step")
     return groups
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"

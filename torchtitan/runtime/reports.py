@@ -121,10 +121,12 @@ def summarize(reports: list[Report], exit_codes: dict[int, int], signum: int = 0
     # by the launcher because of it.
     rank = min(failed, key=lambda r: (failed[r] < 0, r))
     code = failed[rank]
-    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    return (code if code > 0 else 128 - code), (
-        f"error: rank {rank} ended with {how} without saying why (killed from outside, or out of host memory?); "
-        f"rerun with LOG_RANK={rank} to see its output")
+    if code < 0:  # a killed process wrote nothing more: its output cannot say why, the host's log may
+        return 128 - code, (f"error: rank {rank} ended with signal {signal.Signals(-code).name} without saying why "
+                            "(killed from outside, or out of host memory? the kernel's log, dmesg, names what the "
+                            "out-of-memory killer ended)")
+    return code, (f"error: rank {rank} ended with exit code {code} without saying why; rerun with LOG_RANK={rank} "
+                  "to see its output")
 
 
 # What gloo and NCCL say when a peer of a collective is gone (killed, crashed, its node lost).
