@@ -454,7 +454,8 @@ def plan(model: Model, ngpu: int, hw: Hardware, seq_len: int, global_batch: int,
     # Each dry run is a whole simulated step of the model (minutes for 70B on 2 cores): a line
     # when each ends, with its time, is the plan's progress.
     log(f"{len(choices)} layouts of {model.name} {model.flavor} on {ngpu} devices, {under} under the device's memory by "
-        f"the rough figure; dry-running them fastest first until {top} fit (at most {max_dry_runs})")
+        "the rough figure" + (f"; dry-running them fastest first until {top} fit (at most {max_dry_runs})" if under
+                              else ": none to dry-run"))
     fitting, dry_runs, refused = [], 0, 0
     for choice in choices:
         if len(fitting) == top or dry_runs == max_dry_runs:
