@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -170,6 +171,25 @@ def test_refused_with_multi_token_prediction():
         check_mtp(config, spec)
     config.model.mtp_depth = 0
     check_mtp(config, spec)  # MTP off: allowed
+
+
+@pytest.mark.parametrize("name,flavor,depth,weight,said", [
+    ("llama3", "tiny", -1, 0.5, True),  # a family without MTP
+    ("deepseek_v3", "tiny", 0, 0.5, True),  # MTP turned off
+    ("deepseek_v3", "tiny", -1, 0.5, False),  # the flavor's MTP weighs it
+    ("llama3", "tiny", -1, 0.3, False),  # the default says nothing
+])
+def test_an_mtp_loss_weight_without_mtp_gets_a_notice(name, flavor, depth, weight, said, caplog, monkeypatch):
+    from torchtitan.config.preflight import check_mtp
+
+    monkeypatch.delenv("RANK", raising=False)
+    config = JobConfig()
+    config.model.name, config.model.flavor, config.model.mtp_depth, config.model.mtp_loss_weight = name, flavor, depth, weight
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        check_mtp(config, get_train_spec(name))
+    notices = [r.getMessage() for r in caplog.records if "mtp_loss_weight" in r.getMessage()]
+    assert notices == ([f"notice: model.mtp_loss_weight {weight} has no effect: it weighs the multi-token prediction "
+                        f"loss, and model {name} {flavor} has none in this job (model.mtp_depth 0)"] if said else [])
 
 
 def test_the_measurement_script_counts_less_for_chunks():

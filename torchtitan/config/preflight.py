@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -24,6 +26,8 @@ from torchtitan.parallelisms.mixed_precision import warn_if_emulated
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.runtime import device_setup
+
+logger = logging.getLogger("torchtitan")
 
 
 def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
@@ -114,6 +118,13 @@ def check_mtp(job_config: JobConfig, train_spec: TrainSpec) -> None:
         raise ConfigError(f"model.mtp_depth {depth}: model {job_config.model.name!r} has no multi-token prediction "
                           "(deepseek_v3 has); leave it at -1 or 0")
     flavor_depth = getattr(train_spec.config[job_config.model.flavor], "mtp_depth", 0)
+    weight, default = job_config.model.mtp_loss_weight, type(job_config.model)().mtp_loss_weight
+    if (depth if depth >= 0 else flavor_depth) == 0 and weight != default and os.environ.get("RANK", "0") == "0":
+        # Only here is the model's depth known (the pre-check has no model registry); said once, as
+        # the pre-check's notices are.
+        logger.warning(f"notice: model.mtp_loss_weight {weight} has no effect: it weighs the multi-token prediction "
+                       f"loss, and model {job_config.model.name} {job_config.model.flavor} has none in this job "
+                       "(model.mtp_depth 0)")
     if job_config.training.loss_chunk_size and (depth if depth >= 0 else flavor_depth) > 0:
         # MTP projects its own hidden states through the shared output, whose chunked head returns a loss.
         raise ConfigError(f"training.loss_chunk_size does not compose with multi-token prediction (model.mtp_depth "
