@@ -133,7 +133,7 @@ def test_groups_with_different_options_both_stop_with_one_line(tmp_path):
         first.kill()
     for code, out in results:
         assert code == 2, out[-3000:]
-        assert "the replica groups were started with different configurations" in one_error(out)
+        assert "the replica groups were started with different configurations (they differ in [optimizer]); " in one_error(out)
         assert "FutureWarning" not in out, out[-3000:]
     assert f"torchft lighthouse on {socket.gethostname()}:{port}" in results[1][1]
     assert not listening(port), "the started lighthouse outlived its launcher"

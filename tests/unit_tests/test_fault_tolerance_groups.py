@@ -17,7 +17,7 @@ from torchtitan.checkpoint.states import TrainState
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError, Hang
 from torchtitan.parallelisms import fault_tolerance
-from torchtitan.parallelisms.fault_tolerance import ReplicaGroups, config_fingerprint
+from torchtitan.parallelisms.fault_tolerance import ReplicaGroups, config_fingerprint, section_fingerprints
 from torchtitan.parallelisms.live_state import live_state, load_live_state, named_tensors
 from torchtitan.trainer.optimizer import build_lr_schedulers, build_optimizers
 
@@ -31,8 +31,8 @@ class FakeManager:
     """The peers: `peers` groups (indices) that take part with the given config fingerprint and add
     `peer_value` to every averaged element."""
 
-    def __init__(self, me: int, peers: list[int], fingerprint: int, peer_value: float = 1.0):
-        self.me, self.peers, self.fingerprint, self.peer_value = me, peers, fingerprint, peer_value
+    def __init__(self, me: int, peers: list[int], fingerprints: list[int], peer_value: float = 1.0):
+        self.me, self.peers, self.fingerprints, self.peer_value = me, peers, fingerprints, peer_value
         self.commit_answer, self.participating, self.step = True, True, 0
         self.load_fn = self.state_fn = None
         self._errored = None
@@ -93,8 +93,8 @@ class FakeQuorumGroup:
         if self.manager.peer_died is not None:
             raise RuntimeError(self.manager.peer_died)
         (tail,) = tensors
-        groups = (len(tail) - 2 * fault_tolerance._FINGERPRINT_CHUNKS) // 2
-        slots = torch.tensor(fault_tolerance._fingerprint_slots(self.manager.fingerprint), dtype=torch.float64)
+        slots = torch.tensor(fault_tolerance._fingerprint_slots(self.manager.fingerprints), dtype=torch.float64)
+        groups = (len(tail) - len(slots)) // 2
         for peer in self.manager.peers:
             tail[peer] += peer not in self.manager.recovering_peers
             tail[groups + peer] += 1
@@ -127,14 +127,17 @@ def _config(tmp_path, groups=2, replica_id=0) -> JobConfig:
     return config
 
 
-def _groups(tmp_path, monkeypatch, peers=(1,), replica_id=0, groups=2, peer_fingerprint=None, train_state=None):
+def _groups(tmp_path, monkeypatch, peers=(1,), replica_id=0, groups=2, peer_config=None, train_state=None):
+    """`peer_config(config)`: what the peers changed in their copy of this group's options."""
     config = _config(tmp_path, groups, replica_id)
     model = nn.Linear(4, 3)
     optimizers = build_optimizers([model], config, None)
     lr_schedulers = build_lr_schedulers(optimizers, config)
     train_state = train_state or TrainState(data_consumed=[0] * groups)
-    fingerprint = config_fingerprint(config, 1)
-    manager = FakeManager(replica_id, list(peers), fingerprint if peer_fingerprint is None else peer_fingerprint)
+    theirs = _config(tmp_path, groups, replica_id)
+    if peer_config is not None:
+        peer_config(theirs)
+    manager = FakeManager(replica_id, list(peers), list(section_fingerprints(theirs, 1).values()))
     def connect(self, rank, size):
         self._pg = FakeQuorumGroup(manager)
         return manager
@@ -216,10 +219,18 @@ def test_a_recovery_without_a_position_for_the_ledgers_count_says_so(tmp_path, m
     assert rg.ledger.data_gaps == 1
 
 
-def test_groups_with_another_configuration_are_refused(tmp_path, monkeypatch):
-    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peer_fingerprint=12345)
-    with pytest.raises(ConfigError, match="different configurations"):
+def _other_lr_and_steps(config: JobConfig) -> None:
+    config.optimizer.lr, config.training.steps = 1e-3, 7
+
+
+def test_groups_with_another_configuration_are_refused_naming_where_they_differ(tmp_path, monkeypatch):
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peer_config=_other_lr_and_steps)
+    with pytest.raises(ConfigError, match=r"different configurations \(they differ in \[optimizer\], \[training\]\); "):
         _step(rg, loader, model)
+    # What each group may set for itself is no difference.
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch,
+                                         peer_config=lambda c: setattr(c.job, "dump_folder", str(tmp_path / "peer")))
+    assert _step(rg, loader, model) == ("batch1", True)
     rg, manager, loader, model = _groups(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="another configuration"):
         manager.load_fn({**manager.state_fn(), "fingerprint": 1})
@@ -228,7 +239,7 @@ def test_groups_with_another_configuration_are_refused(tmp_path, monkeypatch):
 def test_a_recovering_peer_with_another_configuration_stops_this_group_too(tmp_path, monkeypatch):
     """A group that joins late recovers from this one and takes no part in the average: its
     fingerprint still reaches this group, which stops too instead of training on alone."""
-    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peer_fingerprint=12345)
+    rg, manager, loader, model = _groups(tmp_path, monkeypatch, peer_config=_other_lr_and_steps)
     manager.recovering_peers = {1}
     with pytest.raises(ConfigError, match="different configurations"):
         _step(rg, loader, model)
@@ -264,6 +275,9 @@ def test_the_fingerprint_covers_the_options_the_groups_share(tmp_path):
     assert config_fingerprint(a, 2) != config_fingerprint(a, 4)  # ranks per group must match
     b.optimizer.lr *= 2
     assert config_fingerprint(a, 2) != config_fingerprint(b, 2)
+    mine, theirs = section_fingerprints(a, 2), section_fingerprints(b, 2)
+    assert list(mine) == list(theirs) and [s for s in mine if mine[s] != theirs[s]] == ["optimizer"]
+    assert [s for s, f in section_fingerprints(a, 4).items() if f != mine[s]] == ["ranks per group"]
 
 
 def test_a_replica_id_used_twice_is_refused(tmp_path, monkeypatch):

@@ -14,8 +14,9 @@ process group over every group in the quorum (a group recovering this step inclu
 - one-hot slots of the groups taking part in the average and of the groups present: every group
   learns who contributed, which keeps each group's data position exact (the ledger below), and a
   replica id used twice shows;
-- a fingerprint of the configuration the groups must share, so groups launched with different
-  options all stop with one line instead of averaging unrelated models;
+- a fingerprint per section of the configuration the groups must share, so groups launched with
+  different options all stop with one line, naming the sections that differ, instead of averaging
+  unrelated models;
 
 then this rank's local gradient shards (or, in the semi-synchronous modes, its parameter shards'
 drift since the last sync) in flat fp32 buckets, averaged through torchft's manager.
@@ -65,19 +66,42 @@ _FINGERPRINT_CHUNKS = 3  # 10-bit pieces of the configuration hash (and their sq
 _BUFFER_BYTES = 256 * 2**20  # gradients cross the groups in buckets of at most this many bytes
 
 
-def config_fingerprint(config: JobConfig, group_size: int) -> int:
-    """A 30-bit hash of every option the groups must share (all but PER_GROUP_OPTIONS) and of the
-    group's rank count (rank r of every group must hold the same shards)."""
-    shared = {section: {k: v for k, v in values.items() if (section, k) not in PER_GROUP_OPTIONS}
-              for section, values in config.to_dict().items()}
-    shared["ranks per group"] = group_size
-    digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).digest()
+RANKS_PER_GROUP = "ranks per group"
+
+
+def _shared_options(config: JobConfig, group_size: int) -> dict[str, Any]:
+    """Every option the groups must share (all but PER_GROUP_OPTIONS) by section, and the group's
+    rank count (rank r of every group must hold the same shards)."""
+    shared: dict[str, Any] = {section: {k: v for k, v in values.items() if (section, k) not in PER_GROUP_OPTIONS}
+                              for section, values in sorted(config.to_dict().items())}
+    shared[RANKS_PER_GROUP] = group_size
+    return shared
+
+
+def _hash30(value: Any) -> int:
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:4], "big") & (2**30 - 1)
 
 
-def _fingerprint_slots(fingerprint: int) -> list[float]:
-    chunks = [(fingerprint >> (10 * i)) & 1023 for i in range(_FINGERPRINT_CHUNKS)]
-    return [float(c) for c in chunks] + [float(c * c) for c in chunks]
+def config_fingerprint(config: JobConfig, group_size: int) -> int:
+    """A 30-bit hash of every option the groups must share and of the group's rank count."""
+    return _hash30(_shared_options(config, group_size))
+
+
+def section_fingerprints(config: JobConfig, group_size: int) -> dict[str, int]:
+    """config_fingerprint by section (the same sections, in the same order, in every group of one
+    version), so that groups started differently are told where they differ."""
+    return {section: _hash30(values) for section, values in _shared_options(config, group_size).items()}
+
+
+def _fingerprint_slots(fingerprints: list[int]) -> list[float]:
+    """Each fingerprint as 10-bit pieces and their squares: summed over the groups, equal sums of
+    both mean every group's piece equals this group's."""
+    slots = []
+    for fingerprint in fingerprints:
+        chunks = [(fingerprint >> (10 * i)) & 1023 for i in range(_FINGERPRINT_CHUNKS)]
+        slots += [float(c) for c in chunks] + [float(c * c) for c in chunks]
+    return slots
 
 
 @dataclass
@@ -128,6 +152,7 @@ class ReplicaGroups(ReplicaStep):
         self.ledger = Ledger(consumed=train_state.data_consumed)
         self._train_state = train_state
         self.fingerprint = config_fingerprint(config, group_size)
+        self.sections = section_fingerprints(config, group_size)
         # The parameters as the optimizer holds them (FSDP's shards), named now: during forward FSDP
         # swaps unsharded tensors into the modules, and torchft reads the state in its own thread.
         named = named_tensors(model_parts)
@@ -346,11 +371,13 @@ class ReplicaGroups(ReplicaStep):
             twice = [g for g, n in enumerate(present) if n > 1]
             raise ConfigError(f"fault_tolerance: replica id(s) {twice} are used by more than one running group; give "
                               "each group its own fault_tolerance.replica_id")
-        if not self._same_config(summed[2 * groups:], sum(present)):
-            raise ConfigError("fault_tolerance: the replica groups were started with different configurations; "
-                              "every option but fault_tolerance.replica_id and the group's own outputs "
-                              "(job.dump_folder, metrics) must match, and so must the ranks per group (NGPU x "
-                              "NNODES); compare their config files, command lines and launches")
+        differ = self._differing_sections(summed[2 * groups:], sum(present))
+        if differ:
+            where = ", ".join("the ranks per group" if s == RANKS_PER_GROUP else f"[{s}]" for s in differ)
+            raise ConfigError(f"fault_tolerance: the replica groups were started with different configurations "
+                              f"(they differ in {where}); every option but fault_tolerance.replica_id and the "
+                              "group's own outputs (job.dump_folder, metrics) must match, and so must the ranks per "
+                              "group (NGPU x NNODES); compare their config files, command lines and launches")
         buckets, current, size = [], [], 0
         for t in tensors:
             if current and size + t.numel() * 4 > _BUFFER_BYTES:
@@ -381,10 +408,11 @@ class ReplicaGroups(ReplicaStep):
         if self.manager.errored() is not None:
             return None
         groups = self.groups
-        tail = torch.zeros(2 * groups + 2 * _FINGERPRINT_CHUNKS, dtype=torch.float64)
+        slots = _fingerprint_slots(list(self.sections.values()))
+        tail = torch.zeros(2 * groups + len(slots), dtype=torch.float64)
         tail[self.replica_id] = float(self.manager.is_participating())
         tail[groups + self.replica_id] = 1.0
-        tail[2 * groups:] = torch.tensor(_fingerprint_slots(self.fingerprint), dtype=torch.float64)
+        tail[2 * groups:] = torch.tensor(slots, dtype=torch.float64)
         try:
             self._pg.allreduce([tail], dist.ReduceOp.SUM).wait()
         except Exception as e:  # noqa: BLE001 - a peer that died mid-step: gloo's RuntimeError
@@ -393,10 +421,13 @@ class ReplicaGroups(ReplicaStep):
             return None
         return tail.round().tolist()
 
-    def _same_config(self, sums: list[float], count: float) -> bool:
-        # Equal sums of c and of c^2 over the groups mean every group's chunk equals this group's.
-        mine = _fingerprint_slots(self.fingerprint)
-        return all(abs(s - count * m) < 0.5 for s, m in zip(sums, mine))
+    def _differing_sections(self, sums: list[float], count: float) -> list[str]:
+        """The sections whose summed slots are not `count` times this group's: some group has
+        another value there."""
+        per = 2 * _FINGERPRINT_CHUNKS
+        return [section for i, (section, fingerprint) in enumerate(self.sections.items())
+                if any(abs(s - count * m) >= 0.5 for s, m in zip(sums[i * per:(i + 1) * per],
+                                                                 _fingerprint_slots([fingerprint])))]
 
     # ------------------------------------------------------------------------------------------
     # Live recovery
