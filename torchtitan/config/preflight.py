@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torchtitan.config import rules
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, Model
 from torchtitan.errors import ConfigError
 from torchtitan.models import TrainSpec, get_train_spec
 from torchtitan.parallelisms.mixed_precision import warn_if_emulated
@@ -118,8 +118,8 @@ def check_mtp(job_config: JobConfig, train_spec: TrainSpec) -> None:
         raise ConfigError(f"model.mtp_depth {depth}: model {job_config.model.name!r} has no multi-token prediction "
                           "(deepseek_v3 has); leave it at -1 or 0")
     flavor_depth = getattr(train_spec.config[job_config.model.flavor], "mtp_depth", 0)
-    weight, default = job_config.model.mtp_loss_weight, type(job_config.model)().mtp_loss_weight
-    if (depth if depth >= 0 else flavor_depth) == 0 and weight != default and os.environ.get("RANK", "0") == "0":
+    weight = job_config.model.mtp_loss_weight
+    if (depth if depth >= 0 else flavor_depth) == 0 and weight != Model().mtp_loss_weight and os.environ.get("RANK", "0") == "0":
         # Only here is the model's depth known (the pre-check has no model registry); said once, as
         # the pre-check's notices are.
         logger.warning(f"notice: model.mtp_loss_weight {weight} has no effect: it weighs the multi-token prediction "
