@@ -16,6 +16,7 @@ from torchtitan.models import get_train_spec
 from torchtitan.models.qwen3.flavors import qwen3_configs
 from torchtitan.models.qwen3.parallelize_qwen3 import validate_qwen3
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline import plan_pipeline
 
 MOE = qwen3_configs["debugmodel_moe"]  # 8 experts, top-2
 DENSE = qwen3_configs["debugmodel"]
@@ -151,6 +152,19 @@ def test_moe_under_tp_needs_each_ranks_slice_of_the_sequence_whole():
         validate_qwen3(MOE, dims(4, tp=4), None, qwen3_job("debugmodel_moe", "--training.seq_len", "66"))
     # The dense flavor routes nothing: the same sequence is fine for it.
     validate_qwen3(DENSE, dims(4, tp=4), None, qwen3_job("debugmodel", "--training.seq_len", "66"))
+
+
+def test_moe_under_tp_refuses_a_schedule_with_a_second_backward_pass():
+    """Zero-bubble schedules compute weight gradients in a backward of their own, which does not
+    reach the MoE layers' parameters under TP; a schedule without one passes."""
+    pipelined = ["--experimental.pipeline_parallel_degree", "2", "--experimental.pipeline_parallel_schedule"]
+    job = qwen3_job("debugmodel_moe", *pipelined, "ZBVZeroBubble")
+    with refused(["experimental.pipeline_parallel_schedule ZBVZeroBubble computes weight gradients in a second "
+                  "backward pass", "training.tensor_parallel_degree > 1", "use a schedule without zero bubble"]):
+        validate_qwen3(MOE, dims(4, tp=2, pp=2), plan_pipeline(job), job)
+    validate_qwen3(MOE, dims(4, dp_shard=2, pp=2), plan_pipeline(job), job)  # no TP: the schedule is fine
+    job = qwen3_job("debugmodel_moe", *pipelined, "Interleaved1F1B")
+    validate_qwen3(MOE, dims(4, tp=2, pp=2), plan_pipeline(job), job)
 
 
 def test_moe_under_tp_with_ddp_is_refused():
