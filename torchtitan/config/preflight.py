@@ -117,18 +117,18 @@ def check_mtp(job_config: JobConfig, train_spec: TrainSpec) -> None:
     if depth > 0 and not hasattr(train_spec.config[job_config.model.flavor], "mtp_depth"):
         raise ConfigError(f"model.mtp_depth {depth}: model {job_config.model.name!r} has no multi-token prediction "
                           "(deepseek_v3 has); leave it at -1 or 0")
-    flavor_depth = getattr(train_spec.config[job_config.model.flavor], "mtp_depth", 0)
+    effective = depth if depth >= 0 else getattr(train_spec.config[job_config.model.flavor], "mtp_depth", 0)
     weight = job_config.model.mtp_loss_weight
-    if (depth if depth >= 0 else flavor_depth) == 0 and weight != Model().mtp_loss_weight and os.environ.get("RANK", "0") == "0":
+    if effective == 0 and weight != Model().mtp_loss_weight and os.environ.get("RANK", "0") == "0":
         # Only here is the model's depth known (the pre-check has no model registry); said once, as
         # the pre-check's notices are.
         logger.warning(f"notice: model.mtp_loss_weight {weight} has no effect: it weighs the multi-token prediction "
                        f"loss, and model {job_config.model.name} {job_config.model.flavor} has none in this job "
                        "(model.mtp_depth 0)")
-    if job_config.training.loss_chunk_size and (depth if depth >= 0 else flavor_depth) > 0:
+    if job_config.training.loss_chunk_size and effective > 0:
         # MTP projects its own hidden states through the shared output, whose chunked head returns a loss.
         raise ConfigError(f"training.loss_chunk_size does not compose with multi-token prediction (model.mtp_depth "
-                          f"{depth if depth >= 0 else flavor_depth}); set model.mtp_depth 0 or training.loss_chunk_size 0")
+                          f"{effective}); set model.mtp_depth 0 or training.loss_chunk_size 0")
 
 
 def check_model_shapes(train_spec: TrainSpec, model_args: Any, parallel_dims: ParallelDims,
