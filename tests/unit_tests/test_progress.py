@@ -70,3 +70,15 @@ def test_summary_names_steps_tokens_throughput_validation_and_outputs(clock):
     assert lines[2] == "outputs: checkpoints out/checkpoint/step-20"
     assert record["best_validation_step"] == 16 and record["final_validation_loss"] == 3.0
     assert record["steps"] == 10 and record["wall_seconds"] == 65
+    assert "steady_tokens_per_second_per_device" not in record  # a single step line: no steady state
+
+
+def test_summary_gives_the_steady_state_rate_beside_the_whole_run(clock):
+    """The first step line holds compilation; the steady state is what the later ones measured."""
+    p = Progress(total_steps=20, first_step=1, start=clock.now)
+    clock.now += 30
+    lines, record = summary(p, 20, 40960, 1234.5, 12.345, {}, {}, steady=(4321.0, 43.21))
+    assert lines[0].endswith("; steady state 4,321 tokens/s per device, MFU 43.21% (after the first step line); "
+                             "whole run 1,234 tokens/s, MFU 12.35%")
+    assert record["steady_tokens_per_second_per_device"] == 4321.0 and record["steady_mfu_percent"] == 43.21
+    assert record["tokens_per_second_per_device"] == 1234.5

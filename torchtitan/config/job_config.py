@@ -336,6 +336,11 @@ class Float8:
     enable_float8_linear: bool = opt(False, "Float8 linear layers through torchao (GPUs of compute capability 8.9+).")
     enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8.")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "Compute float8 scales for all parameters at once.")
+    recipe: str = opt(
+        "tensorwise", "Float8 scaling: tensorwise (one scale a tensor; FSDP float8 all-gather and float8 TP "
+        "collectives possible), rowwise (one scale a row: more accurate; torchao's recommended recipe, TP moves "
+        "high-precision activations) or rowwise_with_gw_hp (rowwise, the weight gradient's matmul in high precision).",
+        choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     emulate: bool = opt(False, "Emulate the float8 matmuls in high precision, so float8 runs where the hardware has "
                                "no float8 units (CPU, older GPUs): for tests and debugging, never faster.")
     scaling_type_input: str = opt(

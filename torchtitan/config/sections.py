@@ -180,6 +180,10 @@ def check_float8(config: JobConfig) -> None:
     if (f8.enable_fsdp_float8_all_gather or f8.precompute_float8_dynamic_scale_for_fsdp) and not f8.enable_float8_linear:
         raise ConfigError("float8.enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp need "
                           "float8.enable_float8_linear")
+    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
+        raise ConfigError(f"float8.enable_fsdp_float8_all_gather needs float8.recipe tensorwise (torchao all-gathers "
+                          f"weights in float8 with one scale a tensor only); float8.recipe {f8.recipe} all-gathers "
+                          "them in high precision: drop one of the two")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather")
     for key in ("scaling_type_input", "scaling_type_weight", "scaling_type_grad_output"):

@@ -62,19 +62,37 @@ def _rotate_method(value: str, config: JobConfig, given: Given) -> str:
     if value not in _ROTATE_TO_METHOD:
         raise ConfigError(f"{old} must be allgather or alltoall, got {value!r} (it is read as {new}: allgather, or "
                           "ring for alltoall)")
-    method, source = _ROTATE_TO_METHOD[value], given.legacy[old][1]
-    new_source = given.options.get(new)
-    current = config.experimental.context_parallel_method
-    if new_source is not None and current != method:
-        if new_source == source:
-            raise ConfigError(f"{old} {value!r} asks for {new} {method}, but the {_where(source)} also sets {new} "
-                              f"{current}; keep one of the two")
-        if new_source == COMMAND_LINE:  # the command line overrides the file, as for any option
-            return f"{old} {value!r} in {source} is overridden by --{new} {current}"
-    config.experimental.context_parallel_method = method
-    return (f"{old} {value!r} (the late-2024 name) is read as {new} {method}: the same exchange of keys and values "
-            "between context-parallel ranks")
+    return _read_as(old, value, new, _ROTATE_TO_METHOD[value], config, given,
+                    "the late-2024 name", "the same exchange of keys and values between context-parallel ranks")
 
+
+# torchtitan's float8 recipe option (2025 on, 0.3.0 too); this version's float8.recipe takes the
+# same values and tensorwise, which torchtitan removed.
+_RECIPE_NAMES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
+
+
+def _recipe_name(value: str, config: JobConfig, given: Given) -> str:
+    old, new = "float8.recipe_name", "float8.recipe"
+    if value not in _RECIPE_NAMES:
+        raise ConfigError(f"{old} must be one of {', '.join(_RECIPE_NAMES)}, got {value!r} (it is read as {new})")
+    return _read_as(old, value, new, value, config, given, "torchtitan's name", "the same float8 scaling recipe")
+
+
+def _read_as(old: str, value: str, new: str, new_value: str, config: JobConfig, given: Given, name: str,
+             meaning: str) -> str:
+    """An old option read as the new one (`new` set to `new_value`): the notice. Given both, the
+    command line overrides the file as for any option; one source setting them differently is refused."""
+    section, key = new.split(".")
+    source, new_source = given.legacy[old][1], given.options.get(new)
+    current = getattr(getattr(config, section), key)
+    if new_source is not None and current != new_value:
+        if new_source == source:
+            raise ConfigError(f"{old} {value!r} asks for {new} {new_value}, but the {_where(source)} also sets {new} "
+                              f"{current}; keep one of the two")
+        if new_source == COMMAND_LINE:
+            return f"{old} {value!r} in {source} is overridden by --{new} {current}"
+    setattr(getattr(config, section), key, new_value)
+    return f"{old} {value!r} ({name}) is read as {new} {new_value}: {meaning}"
 
 def _where(source: str) -> str:
     return source if source == COMMAND_LINE else f"file {source}"
@@ -90,6 +108,7 @@ LEGACY: dict[str, Legacy] = {
     "job.use_for_integration_test": Legacy(bool, _integration_test_marker),
     "checkpoint.interval_type": Legacy(str, _interval_type),
     "experimental.context_parallel_rotate_method": Legacy(str, _rotate_method),
+    "float8.recipe_name": Legacy(str, _recipe_name),
 }
 
 

@@ -298,6 +298,9 @@ class MetricsLogger:
                     f"{peak_source})")
         # This run's totals over its logged windows (every step belongs to one), for the summary.
         self.run_tokens, self.run_seconds = 0.0, 0.0
+        # The same after this run's first logged window, whose first step pays for compilation and
+        # the allocator's warm-up: the steady-state rate (None until a second window).
+        self.steady_tokens, self.steady_seconds, self._windows = 0.0, 0.0, 0
         # Validation losses by step: an earlier run's rows kept in metrics.jsonl (a resumed job's),
         # then this run's.
         self.validations: dict[int, float] = dict(self.jsonl.kept_validations) if self.jsonl is not None else {}
@@ -344,6 +347,10 @@ class MetricsLogger:
         )
         self.run_tokens += s.tokens
         self.run_seconds += s.seconds
+        if self._windows:
+            self.steady_tokens += s.tokens
+            self.steady_seconds += s.seconds
+        self._windows += 1
         if self.writer is not None:
             self.writer.add_scalars({f"train/{name}": value for name, value in values.items()}, s.step)
         if self.wandb is not None:
@@ -374,9 +381,17 @@ class MetricsLogger:
 
     def mean_throughput(self) -> tuple[float, float]:
         """(tokens/s per device, MFU %) over every step this run logged."""
-        if self.run_seconds <= 0:
-            return 0.0, 0.0
-        tps = self.run_tokens / self.run_seconds
+        return self._rate(self.run_tokens, self.run_seconds) or (0.0, 0.0)
+
+    def steady_throughput(self) -> tuple[float, float] | None:
+        """(tokens/s per device, MFU %) over the steps after this run's first step line (the
+        steady state, without the first step's compilation); None with a single step line."""
+        return self._rate(self.steady_tokens, self.steady_seconds)
+
+    def _rate(self, tokens: float, seconds: float) -> tuple[float, float] | None:
+        if seconds <= 0:
+            return None
+        tps = tokens / seconds
         return tps, 100 * self.flops_per_token * tps / self.peak_flops
 
     def log_record(self, record: dict) -> None:

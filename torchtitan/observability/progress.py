@@ -65,17 +65,26 @@ class Progress:
 
 
 def summary(progress: Progress, last_step: int, tokens: int, tokens_per_second: float, mfu: float,
-            validations: dict[int, float], outputs: dict[str, str], ended: str = "done") -> tuple[list[str], dict]:
+            validations: dict[int, float], outputs: dict[str, str], ended: str = "done",
+            steady: tuple[float, float] | None = None) -> tuple[list[str], dict]:
     """The run's closing lines and its {"record": "summary", ...} row: steps, tokens, wall time,
-    mean throughput and MFU per device, final and best validation loss, where the outputs went."""
+    mean throughput and MFU per device over the whole run and, `steady`, over the steps after the
+    first step line (whose compilation and warm-up the whole-run mean includes), final and best
+    validation loss, where the outputs went."""
     steps = last_step - progress.first_step + 1
     wall = progress.elapsed()
     span = f"steps {progress.first_step}-{last_step}" if steps > 1 else f"step {last_step}"
+    rate = f"mean {tokens_per_second:,.0f} tokens/s per device, MFU {mfu:.2f}%"
+    if steady is not None:
+        rate = (f"steady state {steady[0]:,.0f} tokens/s per device, MFU {steady[1]:.2f}% (after the first step "
+                f"line); whole run {tokens_per_second:,.0f} tokens/s, MFU {mfu:.2f}%")
     lines = [f"run summary ({ended}): {steps} steps ({span} of {progress.total_steps}), {tokens:,} tokens in "
-             f"{duration(wall)}; mean {tokens_per_second:,.0f} tokens/s per device, MFU {mfu:.2f}%"]
+             f"{duration(wall)}; {rate}"]
     record = {"record": "summary", "ended": ended, "first_step": progress.first_step, "last_step": last_step,
               "steps": steps, "tokens": tokens, "wall_seconds": wall, "tokens_per_second_per_device": tokens_per_second,
               "mfu_percent": mfu}
+    if steady is not None:
+        record.update(steady_tokens_per_second_per_device=steady[0], steady_mfu_percent=steady[1])
     if validations:
         final_step = max(validations)
         best_step = min(validations, key=validations.get)

@@ -315,4 +315,7 @@ def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:
         return None
     # torchao wraps the weights that FSDP all-gathers in float8 in its own tensor subclass.
     gathered = any(type(_local(m.weight)).__name__ == "WeightWithDynamicFloat8CastTensor" for m in linears)
-    return {"linears": len(linears), "fsdp_float8_all_gather": fsdp and gathered}
+    # torchao's config of the first linear: what scales its inputs (tensorwise, or axiswise: rowwise).
+    granularity = linears[0].config.cast_config_input.scaling_granularity.value
+    return {"linears": len(linears), "fsdp_float8_all_gather": fsdp and gathered,
+            "scaling": "rowwise" if granularity == "axiswise" else granularity}

@@ -6,6 +6,12 @@ torchao's float8 plan styles for them (`float8_tp_styles`), which cast to float8
 collectives, so all-gathers move float8 bytes and scales come from the amax over the whole
 (sharded) tensor. FSDP shards the float8 modules and, when asked, all-gathers their weights in
 float8 too. `float8.emulate` runs the same code where there are no float8 units (CPU tests).
+
+`float8.recipe` picks the scaling: tensorwise (one scale a tensor, the above), or torchao's rowwise
+recipes (one scale a row of each operand, power-of-two scales; rowwise_with_gw_hp keeps the weight
+gradient's matmul in high precision). torchao's float8 TP styles and float8 all-gather scale whole
+tensors, so under a rowwise recipe TP uses the plain styles (high-precision activations through
+the collectives, cast inside each linear) and FSDP all-gathers high-precision weights.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bo
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("float8.enable_float8_linear needs torchao: .venv/bin/pip install -e '.[float8]'")
-    if device_type == "cpu" and tp_enabled and not job_config.training.disable_sequence_parallel:
+    if device_type == "cpu" and uses_float8_tp_styles(job_config) and tp_enabled \
+            and not job_config.training.disable_sequence_parallel:
         # torchao's sequence-parallel styles move float8 activations (forward) and float8 gradients
         # (backward) through the TP collectives.
         raise ConfigError("float8 with tensor and sequence parallelism sends float8 tensors through the TP collectives, "
@@ -47,10 +54,10 @@ def check_float8_support(job_config: JobConfig, device_type: str, tp_enabled: bo
 
 
 def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     float8 = job_config.float8
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather, emulate=float8.emulate)
+    config = float8_linear_config(float8.recipe, float8.enable_fsdp_float8_all_gather, float8.emulate)
+    from torchao.float8 import convert_to_float8_training
+
     # Float8 matmuls need dimensions divisible by 16; the output projection and MoE routers (whose
     # small score differences choose the experts) stay in high precision.
     convert_to_float8_training(
@@ -58,8 +65,27 @@ def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
         module_filter_fn=lambda module, fqn: (fqn != "output" and "router" not in fqn.split(".")
                                               and module.in_features % 16 == 0 and module.out_features % 16 == 0),
     )
-    logger.info(f"converted linear layers to float8 (FSDP float8 all-gather {'on' if float8.enable_fsdp_float8_all_gather else 'off'}"
+    logger.info(f"converted linear layers to float8, {float8.recipe} scaling (FSDP float8 all-gather "
+                f"{'on' if float8.enable_fsdp_float8_all_gather else 'off'}"
                 f"{'; matmuls emulated in high precision, for tests only' if float8.emulate else ''})")
+
+
+def float8_linear_config(recipe: str, fsdp_float8_all_gather: bool = False, emulate: bool = False):
+    """torchao's Float8LinearConfig of a float8.recipe: tensorwise is torchao's default config,
+    the rowwise ones its named recipes."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
+def uses_float8_tp_styles(job_config: JobConfig) -> bool:
+    """Whether TP uses torchao's float8 styles: float8 on with tensorwise scaling, the only scaling
+    those styles cast with (a rowwise recipe keeps the plain styles)."""
+    return job_config.float8.enable_float8_linear and job_config.float8.recipe == "tensorwise"
 
 
 def is_float8(module: nn.Module) -> bool:

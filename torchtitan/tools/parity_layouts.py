@@ -251,6 +251,11 @@ SUITES: dict[str, list[Layout]] = {
         L("float8_tp2", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel",
           {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": False, "tp.float8_linears": POSITIVE},
           shared=FLOAT8, loss_tolerance=FLOAT8_TOLERANCE),
+        # torchao's rowwise recipe: TP keeps the plain styles, so sequence parallelism runs on gloo
+        # (float8 styles would send float8 tensors); the baseline runs rowwise too.
+        L("float8_rowwise_tp2_sp", 2, "--training.tensor_parallel_degree 2",
+          {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": True, "tp.float8_linears": POSITIVE, "float8.scaling": "rowwise"},
+          shared=FLOAT8 + " --float8.recipe rowwise", loss_tolerance=FLOAT8_TOLERANCE),
     ],
 }
 

@@ -36,7 +36,7 @@ def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progres
     if metrics_options.enable_tensorboard:
         outputs["TensorBoard"] = os.path.join(dump, metrics_options.save_tb_folder) + _stopped(metrics.writer)
     lines, record = summary(progress, last_step, tokens, *metrics.mean_throughput(), metrics.validations, outputs,
-                            ended)
+                            ended, metrics.steady_throughput())
     if steps_without_loss:
         lines.insert(1, f"steps without a label that carries a loss: {steps_without_loss} of {record['steps']} "
                         "(they trained nothing)")

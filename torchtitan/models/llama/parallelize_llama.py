@@ -17,7 +17,7 @@ from torchtitan.models.llama.pipeline_split import split_points_for
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.decoder_tp_plan import apply_decoder_tp, decoder_block_plan
-from torchtitan.parallelisms.float8 import apply_float8
+from torchtitan.parallelisms.float8 import apply_float8, uses_float8_tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import (
@@ -50,7 +50,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.tp_mesh
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled,
-                 sequence_parallel=not training.disable_sequence_parallel, float8=job_config.float8.enable_float8_linear)
+                 sequence_parallel=not training.disable_sequence_parallel, float8=uses_float8_tp_styles(job_config))
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
     if parallel_dims.cp_enabled:

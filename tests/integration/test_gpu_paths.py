@@ -1,0 +1,88 @@
+"""scripts/gpu_paths.py (the GPU paths check): its --dry path end to end on CPU, every check run
+with tiny stand-ins and its figures parsed; and that a failing check fails the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from scripts import gpu_paths
+from tests.helpers import REPO_ROOT
+
+
+@pytest.mark.budget("every check of the GPU paths check on CPU stand-ins: 13 trainer runs, two at a time (~26 s)")
+def test_dry_run_runs_every_check_and_parses_its_figures(tmp_path):
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu_paths.py"), "--dry", "--out", str(out),
+                             "--work-dir", str(tmp_path / "work")], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert result.returncode == 0 and report["ok"], json.dumps(report, indent=1)[-6000:]
+    assert result.stdout.startswith("gpu_paths --dry (all): all checks passed")
+    assert list(report["checks"]) == list(gpu_paths.PARTS["all"])  # in priority order
+    for name, check in report["checks"].items():
+        assert check["status"] == "ok", (name, check)
+        if name != "step_agreement_2_ranks":
+            assert check["tokens_per_second"] > 0 and check["memory_peak_gib"] > 0, name
+            assert math.isfinite(check["loss_first"]) and math.isfinite(check["loss_last"]), name
+            assert check["seq_len"] == gpu_paths.DRY.seq_len and check["compile"] is False, name
+    checks = report["checks"]
+    for name in ("train_8b", "train_3b_2x8k"):
+        assert checks[name]["estimated_peak_gib"] > 0 and checks[name]["estimate_error_percent"] is not None
+        assert checks[name]["activation_checkpoint"] == "selective"
+    assert "--optimizer.state_dtype bfloat16" in checks["train_8b"]["command"]
+    for name in ("float8_rowwise_8b", "float8_rowwise_3b_2x8k", "float8_tensorwise_3b_2x8k"):
+        assert checks[name]["speedup_vs_bf16"] > 0 and checks[name]["applied"]["float8"]["linears"] > 0
+    assert checks["float8_rowwise_8b"]["applied"]["float8"]["scaling"] == "rowwise"
+    assert checks["float8_tensorwise_3b_2x8k"]["applied"]["float8"]["scaling"] == "tensorwise"
+    profile = checks["train_3b_2x8k"]
+    assert profile["profile"]["step_ms"] > 0 and 1 <= len(profile["largest_other"]) <= 3
+    assert profile["steps_averaged"] == gpu_paths.DRY.steps - gpu_paths.DRY.left_out - 1  # the profiled step left out
+    agreement = checks["step_agreement_2_ranks"]
+    assert [r["rank"] for r in agreement["ranks"]] == [0, 1] and agreement["backend"] == "gloo"
+    assert "--moe.capacity_factor 1.25" in checks["dsv3_compiled_capacity"]["command"]
+    assert "--training.document_mask" in checks["flex_docmask_compiled"]["command"]
+
+
+def test_a_failing_check_fails_the_report(tmp_path, monkeypatch, capsys):
+    """A run that fails is `failed` with its reason, the others still run, the exit status is 1."""
+    def train(name, args, *rest):
+        if name == "chunked_loss_compiled":
+            return {"status": "failed", "reason": "exit code 1: CUDA error: out of memory", "seconds": 1.0}
+        return {"status": "ok", "reason": None, "seconds": 1.0, "tokens_per_second": 10.0, "memory_peak_gib": 1.0}
+
+    monkeypatch.setattr(gpu_paths.base, "train", train)
+    out = tmp_path / "report.json"
+    code = gpu_paths.main(["--dry", "--part", "paths", "--only", "chunked_loss_compiled", "offload_pinned",
+                           "--out", str(out), "--work-dir", str(tmp_path)])
+    report = json.loads(out.read_text())
+    assert code == 1 and report["ok"] is False
+    assert report["checks"]["chunked_loss_compiled"]["status"] == "failed"
+    assert report["checks"]["offload_pinned"]["status"] == "ok"
+    assert "chunked_loss_compiled        failed   - exit code 1: CUDA error: out of memory" in capsys.readouterr().out
+
+
+def test_the_step_agreement_verdict_names_a_disagreeing_rank():
+    good = {"stop_signal": 15, "nonfinite": True, "saves_done": False, "found_inf": 1.0, "pinned": True, "event": True}
+    assert gpu_paths.agreement_verdict([{"rank": 0, **good}, {"rank": 1, **good}], "cuda")["status"] == "ok"
+    verdict = gpu_paths.agreement_verdict([{"rank": 0, **good}, {"rank": 1, **good, "nonfinite": False,
+                                                                 "pinned": False}], "cuda")
+    assert verdict["status"] == "failed"
+    assert verdict["reason"] == "rank 1 nonfinite=False; rank 1 copy not pinned or no event"
+    refused = gpu_paths.agreement_verdict([{"rank": 0, "error": "RuntimeError: no CUDA support in gloo"}], "cuda")
+    assert refused["reason"] == "cannot run two ranks on this device with gloo: RuntimeError: no CUDA support in gloo"
+
+
+def test_checkpointing_follows_the_estimate():
+    GiB = gpu_paths.GiB
+    assert gpu_paths.choose_ac({"peak_bytes": 100 * GiB}, 120 * GiB) == ("selective", None)
+    ac, note = gpu_paths.choose_ac({"peak_bytes": 130 * GiB}, 120 * GiB)
+    assert ac == "full" and note.startswith("selective checkpointing is estimated at 130.0 GiB")
+    assert gpu_paths.choose_ac(None, 120 * GiB)[0] == "full"
+    result = gpu_paths.with_estimate({"memory_peak_gib": 100.0}, {"peak_bytes": 95 * GiB, "seconds": 3}, None)
+    assert result["estimate_error_percent"] == -5.0 and result["estimated_peak_gib"] == 95.0

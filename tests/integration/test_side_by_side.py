@@ -1,0 +1,103 @@
+"""scripts/side_by_side.py without its anchor (torchtitan from the package index, which CI does not
+install): our side trains through the worker and reports, the orchestrator parses a stand-in
+anchor's result line, computes the ratios, and reports a failed or different side as such."""
+
+from __future__ import annotations
+
+import json
+import math
+import stat
+import sys
+
+import pytest
+
+from scripts import side_by_side
+from scripts.side_by_side_worker import RESULT_PREFIX, SHAPES
+
+
+def _stand_in_anchor(tmp_path, line: str, code: int = 0):
+    """An "interpreter" that prints `line` whatever it is asked, as the anchor's worker would."""
+    script = tmp_path / "anchor_python"
+    script.write_text(f"#!/bin/sh\ncat <<'END'\n{line}\nEND\nexit {code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def _anchor_result(**changes) -> dict:
+    result = {"stack": "anchor", "attention": "sdpa", "shape": "debug", "seq": 64, "batch": 1, "steps": 2, "warmup": 1,
+              "compile": False, "ac": "none", "float8": "none", "device": "cpu", "torch": "x", "dtype": "float32",
+              "params": 6163712, "embedding_params": 524288, "tied": False, "flops_per_token": 36000000,
+              "tokens_per_second": 1000.0, "tokens_per_cpu_second": 500.0, "step_seconds": [0.1, 0.1, 0.1],
+              "first_loss": 8.1, "last_loss": 8.0, "memory_peak_gib": None, "rss_peak_gib": 0.5,
+              "stack_version": "0.3.0"}
+    return {**result, **changes}
+
+
+@pytest.mark.unmeasured("a benchmark's worker: its result line and the orchestrator's arithmetic are what is tested")
+def test_our_side_trains_and_the_ratio_is_ours_over_the_anchors(tmp_path, capsys):
+    """One round against a stand-in anchor: our worker really trains the anchor's debug shape (the
+    same parameter count as torchtitan 0.3.0's debugmodel, 6,163,712), and the report's ratio is
+    our tokens/s over the anchor's."""
+    anchor = _stand_in_anchor(tmp_path, RESULT_PREFIX + json.dumps(_anchor_result()))
+    out = tmp_path / "report.json"
+    code = side_by_side.main(["--shapes", "debug", "--seq", "64", "--batch", "1", "--steps", "2", "--warmup", "1",
+                              "--rounds", "1", "--anchor-python", anchor, "--ours-python", sys.executable,
+                              "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(out.read_text())
+    ours = next(r for r in report["runs"] if r["stack"] == "ours")
+    assert ours["params"] == 6163712 and ours["shape"] == "debug" and ours["dtype"] == "float32"
+    assert ours["tokens_per_second"] > 0 and ours["tokens_per_cpu_second"] > 0 and len(ours["step_seconds"]) == 3
+    # An untrained model's loss over a 2,048-token vocabulary: about ln(2048) = 7.6.
+    assert math.isfinite(ours["first_loss"]) and abs(ours["first_loss"] - math.log(SHAPES["debug"][3])) < 1.5
+    row = report["rows"][0]
+    assert row["tokens_per_second_ratio"] == pytest.approx(ours["tokens_per_second"] / 1000.0)
+    assert row["tokens_per_cpu_second_ratio"] == pytest.approx(ours["tokens_per_cpu_second"] / 500.0)
+    assert row["ours"]["tflops"] == pytest.approx(ours["tokens_per_second"] * ours["flops_per_token"] / 1e12)
+    assert row["ours"]["mfu_percent"] > 0
+    assert "| debug | ours / anchor | tokens per second" in printed
+
+
+@pytest.mark.fast
+def test_a_failed_side_is_reported_with_its_error_and_no_ratio(tmp_path):
+    args = side_by_side.parse_args(["--anchor-python", _stand_in_anchor(
+        tmp_path, "RuntimeError: Distributed package doesn't have NCCL built in", code=1)])
+    failed = side_by_side.run_side("anchor", "debug", args, seed=0)
+    assert failed == {"stack": "anchor", "shape": "debug",
+                      "error": "exit 1: RuntimeError: Distributed package doesn't have NCCL built in"}
+    ours = {**_anchor_result(stack="ours", tokens_per_second=2000.0)}
+    rows = side_by_side.summarise([failed, ours])
+    assert rows[0]["ratio_note"] == "a side did not run" and "tokens_per_second_ratio" not in rows[0]
+    assert rows[0]["anchor"]["errors"] == [failed["error"]]
+    assert "| debug | anchor | failed: exit 1: RuntimeError" in side_by_side.table(rows)
+    # A line that is not the worker's result line is no result either.
+    assert side_by_side.parse_result("step 1 loss 8.1\n") is None
+    killed = side_by_side.parse_args(["--anchor-python", _stand_in_anchor(tmp_path, "x", code=0)])
+    assert "exit 0: x" in side_by_side.run_side("anchor", "debug", killed, seed=0)["error"]
+
+
+@pytest.mark.fast
+def test_two_different_models_get_no_ratio():
+    """A ratio is only between the same model: parameter counts must agree."""
+    rows = side_by_side.summarise([_anchor_result(params=100), _anchor_result(stack="ours", params=101)])
+    assert rows[0]["ratio_note"] == "not the same model: 101 parameters in ours, 100 in the anchor"
+    rows = side_by_side.summarise([_anchor_result(memory_peak_gib=10.0, tokens_per_second=900.0),
+                                   _anchor_result(stack="ours", memory_peak_gib=9.0, tokens_per_second=990.0)])
+    assert rows[0]["tokens_per_second_ratio"] == pytest.approx(1.1) and rows[0]["memory_ratio"] == pytest.approx(0.9)
+
+
+@pytest.mark.fast
+def test_the_anchor_runs_isolated_from_this_repository():
+    """`-I` keeps the repository and PYTHONPATH off the anchor's path; its own folders come first."""
+    args = side_by_side.parse_args(["--shapes", "1B", "--anchor-python", "/anchor/python", "--anchor-site", "/a/site",
+                                    "--compile", "--ac", "selective", "--float8", "rowwise"])
+    args.untied = True
+    cmd = side_by_side.worker_command("anchor", "1B", args, seed=3)
+    assert cmd[:3] == ["/anchor/python", "-I", str(side_by_side.WORKER)]
+    assert cmd[cmd.index("--site") + 1].split(":")[0] == "/a/site"
+    for flag in ("--compile", "--untied"):
+        assert flag in cmd
+    assert cmd[cmd.index("--float8") + 1] == "rowwise" and cmd[cmd.index("--seed") + 1] == "3"
+    ours = side_by_side.worker_command("ours", "1B", args, seed=3)
+    assert ours[cmd.index("--site") + 1].split(":")[0] == str(side_by_side.REPO_ROOT)
