@@ -115,14 +115,20 @@ def ac_args(ac: str) -> tuple[str, ...]:
                                                    if ac == "selective" else ())
 
 
-def choose_ac(est: dict | None, budget: int) -> tuple[str, str | None]:
-    """Selective (by op) where its dry run fits the usable memory, else full; the reason in a note."""
-    if est is None:
-        return "full", "no estimate: full activation checkpointing, the smallest"
-    if est["peak_bytes"] <= budget:
+def choose_ac(estimates: dict[str, dict | None], budget: int) -> tuple[str | None, str | None]:
+    """Selective checkpointing (by op) where its dry run fits the usable memory, else full where
+    that fits; None where neither does (the run is skipped, not sent out of memory). The note says why."""
+    selective, full = estimates.get("selective"), estimates.get("full")
+    if selective is not None and selective["peak_bytes"] <= budget:
         return "selective", None
-    return "full", (f"selective checkpointing is estimated at {est['peak_bytes'] / GiB:.1f} GiB, more than the "
-                    f"{budget / GiB:.1f} GiB usable: full checkpointing")
+    if selective is None and full is None:
+        return "full", "no estimate: full activation checkpointing, the smallest"
+    if full is None or full["peak_bytes"] <= budget:
+        return "full", (f"selective checkpointing is estimated at {selective['peak_bytes'] / GiB:.1f} GiB, more than "
+                        f"the {budget / GiB:.1f} GiB usable: full checkpointing" if selective else
+                        "selective checkpointing has no estimate: full checkpointing")
+    return None, (f"does not fit: estimated at {full['peak_bytes'] / GiB:.1f} GiB with full checkpointing, more than "
+                  f"the {budget / GiB:.1f} GiB usable here")
 
 
 def with_estimate(result: dict, est: dict | None, error: str | None) -> dict:
@@ -291,12 +297,16 @@ class Check:
     # scale -------------------------------------------------------------------------------------
     def check_train_8b(self, name: str, estimates: dict) -> dict:
         est, error, ac, note = estimates["8B"]
+        if ac is None:
+            return {"status": "skipped", "reason": note}
         result = self.train(name, scale_args(self.setting, "8B", self.work, name, ac), self.setting.cap)
         return {**with_estimate(result, est, error), "activation_checkpoint": ac, "ac_note": note,
                 "optimizer_state_dtype": "bfloat16"}
 
     def check_train_3b_2x8k(self, name: str, estimates: dict) -> dict:
         est, error, ac, note = estimates["3B"]
+        if ac is None:
+            return {"status": "skipped", "reason": note}
         step = self.setting.steps
         args = scale_args(self.setting, "3B", self.work, name, ac,
                           ("--profiling.enable_profiling", "--profiling.profile_freq", str(step)))
@@ -349,27 +359,32 @@ class Check:
 
 
 def estimates_for(setting: Setting, work: Path, parts: tuple[str, ...], clock: base.Clock, budget: int,
-                  started: dict[str, tuple]) -> dict[str, tuple]:
-    """Each scale model's dry run (started at the beginning, in child processes on the CPU) and the
-    activation checkpointing it leads to: model -> (estimate, error, ac, note)."""
-    out = {}
-    for role, (proc, path) in started.items():
+                  started: dict[tuple[str, str], tuple]) -> dict[str, tuple]:
+    """Each scale model's dry runs (started at the beginning, in child processes on the CPU) and the
+    activation checkpointing they lead to: model -> (estimate of that checkpointing, error, ac, note)."""
+    done: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    for (role, ac), (proc, path) in started.items():
         est, why = base.child_result(proc, path, min(240, clock.left()))
-        ac, note = choose_ac(est, budget)
-        if est is not None and ac == "full":  # the estimate the run is compared with is of the run's own setting
-            out[role] = (None, "the selective estimate did not fit; full checkpointing has no estimate here", ac, note)
-        else:
-            out[role] = (est, None if est else why[-1500:], ac, note)
+        done.setdefault(role, {})[ac] = est
+        if est is None:
+            errors[role] = why[-1500:]
+    out = {}
+    for role, by_ac in done.items():
+        ac, note = choose_ac(by_ac, budget)
+        out[role] = (by_ac.get(ac) if ac else by_ac.get("full"), errors.get(role), ac, note)
     return out
 
 
-def start_estimates(setting: Setting, work: Path, parts: tuple[str, ...]) -> dict[str, tuple]:
+def start_estimates(setting: Setting, work: Path, parts: tuple[str, ...]) -> dict[tuple[str, str], tuple]:
     started = {}
     for role, check in (("8B", "train_8b"), ("3B", "train_3b_2x8k")):
-        if check in parts:
-            path = work / f"estimate_{role}.json"
-            args = scale_args(setting, role, work, f"estimate_{role}", "selective")
-            started[role] = (base.start_child(["--estimate", str(path), "--", *args]), path)
+        if check not in parts:
+            continue
+        for ac in ("selective",) if setting.dry else ("selective", "full"):  # tiny stand-ins always fit
+            path = work / f"estimate_{role}_{ac}.json"
+            args = scale_args(setting, role, work, f"estimate_{role}_{ac}", ac)
+            started[(role, ac)] = (base.start_child(["--estimate", str(path), "--", *args]), path)
     return started
 
 

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchor-python", default=None)
     p.add_argument("--anchor-site", default=None)
     p.add_argument("--ours-python", default=sys.executable)
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS of each run; default 1 on a CPU-only machine, where a single thread's "
+                        "CPU time is its work whatever else runs (more threads spin while they wait, and a busy "
+                        "machine bills that spinning to the run), else torch's own default")
     p.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
+    p.add_argument("--budget-seconds", type=float, default=None,
+                   help="time for all runs: a run is not started with less than --min-seconds left, and none is "
+                        "given more than what is left (a lent GPU's call has a limit)")
+    p.add_argument("--min-seconds", type=float, default=60)
     p.add_argument("--out", default=None, help="report JSON")
     p.set_defaults(untied=False)  # main() sets it from the anchor's release
     return p.parse_args(argv)
@@ -64,17 +73,29 @@ def anchor_python(args: argparse.Namespace) -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def anchor_version(args: argparse.Namespace) -> str | None:
-    """The anchor's torchtitan release, as its interpreter and site see it (None: it has none)."""
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def anchor_version(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The anchor's torchtitan release and where it is, as its interpreter and site see it; (None,
+    why) where it has none."""
     site = [f for f in [args.anchor_site, *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if f]
-    code = ("import sys; sys.path[:0] = sys.argv[1:]; from importlib import metadata; "
-            "print(metadata.version('torchtitan'))")
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; from importlib import metadata; import torchtitan; "
+            "print(metadata.version('torchtitan')); print(torchtitan.__file__)")
     try:
         done = subprocess.run([anchor_python(args), "-I", "-c", code, *site], capture_output=True, text=True,
                               timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    lines = done.stdout.split()
+    if done.returncode != 0 or len(lines) < 2:
+        return None, last_error(done.stdout + done.stderr)
+    if Path(lines[1]).resolve().is_relative_to(REPO_ROOT):
+        return None, f"its `torchtitan` is this repository ({lines[1]}), not a release"
+    return lines[0], lines[1]
 
 
 def worker_command(stack: str, shape: str, args: argparse.Namespace, seed: int) -> list[str]:
@@ -104,16 +125,19 @@ def last_error(output: str) -> str:
     return (errors or lines or ["no output"])[-1][:400]
 
 
-def run_side(stack: str, shape: str, args: argparse.Namespace, seed: int) -> dict:
+def run_side(stack: str, shape: str, args: argparse.Namespace, seed: int, timeout: float | None = None) -> dict:
     """One run of one side: its result, or {"error": ...}."""
+    timeout = args.timeout if timeout is None else timeout
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix=f"side_by_side_{stack}_") as work:
         env["SIDE_BY_SIDE_DUMP"] = work
         try:
             done = subprocess.run(worker_command(stack, shape, args, seed), cwd=work, env=env, capture_output=True,
-                                  text=True, timeout=args.timeout)
+                                  text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"stack": stack, "shape": shape, "error": f"timed out after {args.timeout:.0f} s"}
+            return {"stack": stack, "shape": shape, "error": f"timed out after {timeout:.0f} s"}
     output = done.stdout + done.stderr
     result = parse_result(done.stdout) if done.returncode == 0 else None
     if result is not None:
@@ -212,19 +236,28 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    version = anchor_version(args)
+    if args.threads is None and not _has_cuda():
+        args.threads = 1
+    version, where = anchor_version(args)
+    if version is None:
+        print(f"error: no anchor to compare with: {anchor_python(args)} finds no torchtitan release ({where}); "
+              "run scripts/setup_anchor.sh, or give --anchor-python / --anchor-site", file=sys.stderr)
+        return 2
     # torchtitan 0.2 cannot tie the embedding to the output projection: 1B and 3B run untied on
     # both sides against it (the same model either way; Llama 3.2 itself ties them).
-    args.untied = bool(version) and version.startswith(("0.1", "0.2"))
-    print(f"anchor: torchtitan {version or 'not found'} ({anchor_python(args)}); 1B and 3B "
-          f"{'untied' if args.untied else 'tied'}", flush=True)
-    runs = []
+    args.untied = version.startswith(("0.1", "0.2"))
+    print(f"anchor: torchtitan {version} ({where}); 1B and 3B {'untied' if args.untied else 'tied'}", flush=True)
+    runs, started = [], time.monotonic()
     for shape in args.shapes:
         for round_ in range(args.rounds):
             # A/B alternating, the first side swapped each round, so drift (clocks, heat, other
             # load) falls on both; every run of a round has the same batches (its seed).
             for stack in (STACKS if round_ % 2 == 0 else STACKS[::-1]):
-                result = run_side(stack, shape, args, seed=round_)
+                left = args.budget_seconds - (time.monotonic() - started) if args.budget_seconds else args.timeout
+                if left < args.min_seconds:
+                    result = {"stack": stack, "shape": shape, "error": "not started: the time budget was spent"}
+                else:
+                    result = run_side(stack, shape, args, seed=round_, timeout=min(args.timeout, left))
                 runs.append(result)
                 status = result.get("error") or f"{result['tokens_per_second']:,.0f} tokens/s"
                 print(f"{shape} round {round_ + 1} {stack}: {status}", flush=True)

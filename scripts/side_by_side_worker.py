@@ -1,3 +1,4 @@
+#!/usr/bin/env -S sh -c 'exec "${0%/*}/project_python.sh" "$0" "$@"'
 """One side of scripts/side_by_side.py: trains one Llama 3 shape for a few steps through one stack
 and prints one result line (`SIDE_BY_SIDE {json}`).
 

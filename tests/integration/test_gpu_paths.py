@@ -80,9 +80,12 @@ def test_the_step_agreement_verdict_names_a_disagreeing_rank():
 
 def test_checkpointing_follows_the_estimate():
     GiB = gpu_paths.GiB
-    assert gpu_paths.choose_ac({"peak_bytes": 100 * GiB}, 120 * GiB) == ("selective", None)
-    ac, note = gpu_paths.choose_ac({"peak_bytes": 130 * GiB}, 120 * GiB)
-    assert ac == "full" and note.startswith("selective checkpointing is estimated at 130.0 GiB")
-    assert gpu_paths.choose_ac(None, 120 * GiB)[0] == "full"
+    sel, full = {"peak_bytes": 100 * GiB}, {"peak_bytes": 90 * GiB}
+    assert gpu_paths.choose_ac({"selective": sel, "full": full}, 120 * GiB) == ("selective", None)
+    ac, note = gpu_paths.choose_ac({"selective": sel, "full": full}, 95 * GiB)
+    assert ac == "full" and note.startswith("selective checkpointing is estimated at 100.0 GiB, more than the 95.0")
+    ac, note = gpu_paths.choose_ac({"selective": sel, "full": full}, 70 * GiB)  # an 80 GB GPU and the 8B model
+    assert ac is None and note == "does not fit: estimated at 90.0 GiB with full checkpointing, more than the 70.0 GiB usable here"
+    assert gpu_paths.choose_ac({"selective": None, "full": None}, 120 * GiB)[0] == "full"
     result = gpu_paths.with_estimate({"memory_peak_gib": 100.0}, {"peak_bytes": 95 * GiB, "seconds": 3}, None)
     assert result["estimate_error_percent"] == -5.0 and result["estimated_peak_gib"] == 95.0

@@ -16,9 +16,11 @@ from scripts.side_by_side_worker import RESULT_PREFIX, SHAPES
 
 
 def _stand_in_anchor(tmp_path, line: str, code: int = 0):
-    """An "interpreter" that prints `line` whatever it is asked, as the anchor's worker would."""
+    """An "interpreter" that says it holds torchtitan 0.3.0 when asked (`-I -c ...`), and otherwise
+    prints `line` and exits with `code`, as the anchor's worker would."""
     script = tmp_path / "anchor_python"
-    script.write_text(f"#!/bin/sh\ncat <<'END'\n{line}\nEND\nexit {code}\n")
+    script.write_text(f"#!/bin/sh\nif [ \"$2\" = -c ]; then echo 0.3.0; echo /anchor/torchtitan/__init__.py; exit 0; fi\n"
+                      f"cat <<'END'\n{line}\nEND\nexit {code}\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
 
@@ -101,3 +103,13 @@ def test_the_anchor_runs_isolated_from_this_repository():
     assert cmd[cmd.index("--float8") + 1] == "rowwise" and cmd[cmd.index("--seed") + 1] == "3"
     ours = side_by_side.worker_command("ours", "1B", args, seed=3)
     assert ours[cmd.index("--site") + 1].split(":")[0] == str(side_by_side.REPO_ROOT)
+
+
+@pytest.mark.fast
+def test_without_an_anchor_it_says_how_to_get_one(tmp_path, capsys):
+    """This repository's own `torchtitan` is no anchor: the harness refuses it in one line."""
+    code = side_by_side.main(["--anchor-python", sys.executable, "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: no anchor to compare with: {sys.executable} finds no torchtitan release (")
+    assert err.rstrip().endswith("run scripts/setup_anchor.sh, or give --anchor-python / --anchor-site")
