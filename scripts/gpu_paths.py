@@ -394,8 +394,11 @@ def probe(setting: Setting, work: Path, clock: base.Clock) -> tuple[dict, dict]:
     moments against fused AdamW in ms a step; activation offload's pinned copies). The dry run
     describes the CPU in-process and leaves those checks to gpu_check --dry, which runs them."""
     if setting.dry:
-        memory = base._host_memory_bytes()
-        return ({"name": "CPU", "cuda_available": False, "dry": True, "torchao": base._version("torchao"),
+        from importlib.util import find_spec
+
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return ({"name": "CPU", "cuda_available": False, "dry": True,
+                 "torchao": "present" if find_spec("torchao") else None,
                  "memory_bytes": memory, "memory_gib": round(memory / GiB, 2), "bf16_peak_tflops": None,
                  "compute_capability": None}, {})
     prober = base.start_child(["--probe", str(work / "probe.json")])

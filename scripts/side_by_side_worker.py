@@ -18,8 +18,7 @@ synchronisations; on CPU the figure that survives a shared machine is tokens per
 this process (all its threads).
 """
 
-# ruff: noqa: I001 - the anchor's imports follow the CPU shim that must precede them, and isort takes
-# `torchtitan` for this project's own, which on the anchor's side it is not
+# ruff: noqa: I001 - isort takes `torchtitan` for this project's own, which on the anchor's side it is not
 from __future__ import annotations
 
 import argparse
@@ -157,6 +156,20 @@ class _Vocabulary:
         self.n_words = n_words
 
 
+def anchor_device() -> str:
+    """The anchor's device type. torchtitan (0.2 and 0.3) takes it to be CUDA whenever torch reports
+    no accelerator, and its modules copy that name at import; on a CPU-only machine every loaded
+    module of the anchor is told the CPU is its device."""
+    if torch.cuda.is_available():
+        return "cuda"
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"
+            if getattr(module, "device_module", None) is torch.cuda:
+                module.device_module = torch.cpu
+    return "cpu"
+
+
 class Anchor(Side):
     """torchtitan 0.3.0 from the package index, used as its trainer uses it for one GPU: its model
     registry (FlexAttention, its only causal language-model attention besides varlen), model built
@@ -165,11 +178,6 @@ class Anchor(Side):
     attention masks from positions as its trainer builds them, and its compiled cross-entropy."""
 
     def __init__(self, args: argparse.Namespace):
-        if not torch.cuda.is_available():
-            # torchtitan 0.3.0 takes the device to be CUDA when torch reports no accelerator (its
-            # tools/utils.py, read once at import); on a CPU-only machine it is told the CPU is.
-            import torch._utils as torch_utils
-            torch_utils._get_available_device_type = lambda: "cpu"
         from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torchtitan.config.configs import CommConfig
@@ -177,7 +185,8 @@ class Anchor(Side):
         from torchtitan.distributed import utils as dist_utils
         from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
         from torchtitan.models.llama3 import model_registry
-        from torchtitan.tools.utils import device_type
+
+        device_type = anchor_device()
 
         flavor, _, _, vocab, _ = SHAPES[args.shape]
         if not args.tied and args.shape in ("1B", "3B"):
@@ -244,9 +253,6 @@ class Anchor02(Side):
     init, its compiled cross-entropy and, without FSDP, its autocast for mixed precision."""
 
     def __init__(self, args: argparse.Namespace):
-        if not torch.cuda.is_available():
-            import torch._utils as torch_utils
-            torch_utils._get_available_device_type = lambda: "cpu"
         from torchtitan.components.loss import build_cross_entropy_loss
         from torchtitan.config import ConfigManager
         from torchtitan.distributed import ParallelDims
@@ -254,7 +260,8 @@ class Anchor02(Side):
         from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args
         from torchtitan.models.llama3.infra.parallelize import parallelize_llama
         from torchtitan.protocols.model_converter import build_model_converters
-        from torchtitan.tools.utils import device_type
+
+        device_type = anchor_device()
 
         if args.tied and args.shape in ("1B", "3B"):
             raise SystemExit(f"torchtitan 0.2.x has no tied embeddings: run shape {args.shape} with --untied")
