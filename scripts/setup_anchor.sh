@@ -10,7 +10,8 @@
 # its trainer's data, checkpoint, metrics and logging stacks (datasets, wandb, torch_checkpointing,
 # safetensors, einops, pillow, tensorboard) are never imported by that path and are left out.
 #   0.3.0: spmd_types 0.2.3 (its pin), tyro, docstring_parser, typeguard, and triton (imported at
-#          module level by its MoE dispatch; CUDA builds of torch ship it, the CPU build does not).
+#          module level by its MoE dispatch; CUDA builds of torch ship it, the CPU build does not);
+#          torchao for `--float8 rowwise` (as in this project's own environment).
 #   0.2.2: torchdata, tyro, docstring_parser, typeguard; tokenizers and tensorboard (with numpy,
 #          protobuf and absl) are imported too, and are in stock GPU images.
 # torchtitan 0.3.0 needs a PyTorch newer than 2.11 (torch.distributed.fsdp.DataParallelMeshDims);
@@ -35,13 +36,13 @@ if [[ "${1:-}" == "--gpu-wheels" ]]; then
 fi
 
 venv="${ANCHOR_VENV:-$repo_root/.venv-anchor}"
-if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -I -c 'import torchtitan.models.llama3' 2>/dev/null; then
+if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -I -c 'import torchtitan.models.llama3, torchao' 2>/dev/null; then
   exit 0
 fi
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q "$torch_pin"
 "$venv/bin/python" -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
-  docstring_parser==0.18.0 typeguard triton
+  docstring_parser==0.18.0 typeguard triton torchao==0.18.0
 "$venv/bin/python" -I -c 'import torchtitan.models.llama3, torchtitan.models.llama3.parallelize' \
   || { echo "setup_anchor: torchtitan 0.3.0 does not import in $venv" >&2; exit 1; }
 echo "setup_anchor: $venv holds torchtitan 0.3.0"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,14 +36,23 @@ RESULT_PREFIX = "SIDE_BY_SIDE "
 STACKS = ("anchor", "ours")
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["debug"], choices=("debug", "1B", "3B", "8B"))
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="timed steps a run")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator warm-up)")
-    p.add_argument("--rounds", type=int, default=2, help="runs of each side a shape, alternating A/B")
+    p.add_argument("--seq", type=_at_least(1), default=256)
+    p.add_argument("--batch", type=_at_least(1), default=2)
+    p.add_argument("--steps", type=_at_least(1), default=6, help="timed steps a run")
+    p.add_argument("--warmup", type=_at_least(0), default=2, help="untimed steps first (compilation, allocator warm-up)")
+    p.add_argument("--rounds", type=_at_least(1), default=2, help="runs of each side a shape, alternating A/B")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ac", choices=("none", "full", "selective"), default="none")
     p.add_argument("--float8", choices=("none", "rowwise"), default="none",
@@ -93,7 +103,7 @@ def anchor_version(args: argparse.Namespace) -> tuple[str | None, str]:
     lines = done.stdout.split()
     if done.returncode != 0 or len(lines) < 2:
         return None, last_error(done.stdout + done.stderr)
-    if Path(lines[1]).resolve().is_relative_to(REPO_ROOT):
+    if Path(lines[1]).resolve().is_relative_to(REPO_ROOT / "torchtitan"):
         return None, f"its `torchtitan` is this repository ({lines[1]}), not a release"
     return lines[0], lines[1]
 
@@ -133,11 +143,16 @@ def run_side(stack: str, shape: str, args: argparse.Namespace, seed: int, timeou
         env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix=f"side_by_side_{stack}_") as work:
         env["SIDE_BY_SIDE_DUMP"] = work
+        # Its own process group, so that a timeout stops what it started too (compile workers).
+        proc = subprocess.Popen(worker_command(stack, shape, args, seed), cwd=work, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            done = subprocess.run(worker_command(stack, shape, args, seed), cwd=work, env=env, capture_output=True,
-                                  text=True, timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return {"stack": stack, "shape": shape, "error": f"timed out after {timeout:.0f} s"}
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     output = done.stdout + done.stderr
     result = parse_result(done.stdout) if done.returncode == 0 else None
     if result is not None:
@@ -254,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             # load) falls on both; every run of a round has the same batches (its seed).
             for stack in (STACKS if round_ % 2 == 0 else STACKS[::-1]):
                 left = args.budget_seconds - (time.monotonic() - started) if args.budget_seconds else args.timeout
-                if left < args.min_seconds:
+                if args.budget_seconds and left < args.min_seconds:
                     result = {"stack": stack, "shape": shape, "error": "not started: the time budget was spent"}
                 else:
                     result = run_side(stack, shape, args, seed=round_, timeout=min(args.timeout, left))

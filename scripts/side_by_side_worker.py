@@ -133,6 +133,8 @@ class Ours(Side):
             argv += ["--training.compile"]
         if args.float8 != "none":
             argv += ["--float8.enable_float8_linear", "--float8.recipe", args.float8]
+            if not torch.cuda.is_available():
+                argv += ["--float8.emulate"]  # no float8 units: the same code, matmuls in high precision
         job = parse_job(argv)
         self.device_type = device_setup.device_type()
         parallel_dims, plan, train_spec, _, model_args, model = preflight(job, 1, tokenizer=_Vocabulary(vocab))
@@ -196,7 +198,9 @@ class Anchor(Side):
             raise SystemExit("torchtitan 0.3.0 has no tensorwise float8 (rowwise only): use --float8 rowwise")
         if args.float8 == "rowwise":
             from torchtitan.components.quantization import Float8LinearConverter
-            converters = [Float8LinearConverter.Config(recipe_name="rowwise", model_compile_enabled=args.compile)]
+            # The output projection stays in high precision, as ours keeps it; emulated on CPU, as ours is.
+            converters = [Float8LinearConverter.Config(recipe_name="rowwise", model_compile_enabled=args.compile,
+                                                       filter_fqns=["lm_head"], emulate=not torch.cuda.is_available())]
         spec = model_registry(flavor, attn_backend="flex", converters=converters)
         config = spec.model
         self.attention = args.anchor_attention or ("flex" if torch.cuda.is_available() else "sdpa")
@@ -276,8 +280,11 @@ class Anchor02(Side):
             argv += ["--activation_checkpoint.selective_ac_option", "op"]
         if args.compile:
             argv += ["--compile.enable"]
-        if args.float8 == "rowwise":
-            argv += ["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"]
+        if args.float8 == "rowwise":  # the output projection in high precision, as ours; emulated on CPU, as ours
+            argv += ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
+                     "--quantize.linear.float8.filter_fqns", "output"]
+            if not torch.cuda.is_available():
+                argv += ["--quantize.linear.float8.emulate"]
         job = ConfigManager().parse_args(argv)
         if flavor in llama3_args:
             model_args = llama3_args[flavor]

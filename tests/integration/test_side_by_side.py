@@ -113,3 +113,19 @@ def test_without_an_anchor_it_says_how_to_get_one(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: no anchor to compare with: {sys.executable} finds no torchtitan release (")
     assert err.rstrip().endswith("run scripts/setup_anchor.sh, or give --anchor-python / --anchor-site")
+
+
+@pytest.mark.fast
+def test_arguments_that_measure_nothing_are_refused_and_a_budget_stops_new_runs(tmp_path, capsys):
+    for bad in (["--steps", "0"], ["--rounds", "0"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit):
+            side_by_side.parse_args(bad)
+    assert "must be at least 1, got 0" in capsys.readouterr().err
+    # Both sides stand-ins (no training): a short timeout without a budget still runs them; a budget
+    # below a run's least time starts none.
+    stand_in = _stand_in_anchor(tmp_path, RESULT_PREFIX + json.dumps(_anchor_result()))
+    common = ["--rounds", "1", "--anchor-python", stand_in, "--ours-python", stand_in, "--timeout", "30"]
+    assert side_by_side.main([*common, "--out", str(tmp_path / "a.json")]) == 0
+    assert side_by_side.main([*common, "--budget-seconds", "5", "--out", str(tmp_path / "b.json")]) == 1
+    runs = json.loads((tmp_path / "b.json").read_text())["runs"]
+    assert [r["error"] for r in runs] == ["not started: the time budget was spent"] * 2

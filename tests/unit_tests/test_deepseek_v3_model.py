@@ -213,6 +213,12 @@ def test_mtp_depth_option_overrides_the_flavor():
     assert _preflight().model_args.mtp_depth == deepseek_v3_configs["tiny"].mtp_depth
 
 
+def test_float8_rowwise_with_tp_is_accepted():
+    """TP keeps its plain styles under a rowwise recipe, so the tensorwise refusal does not apply."""
+    assert _preflight("--float8.enable_float8_linear", "--float8.emulate", "--float8.recipe", "rowwise",
+                      "--training.tensor_parallel_degree", "2", world_size=2).parallel_dims.tp == 2
+
+
 @pytest.mark.parametrize("args,message", [
     (("--model.mtp_depth", "4", "--training.seq_len", "4"), "needs training.seq_len above it"),
     (("--float8.enable_float8_linear", "--float8.emulate", "--training.tensor_parallel_degree", "2"),

@@ -82,3 +82,19 @@ def test_summary_gives_the_steady_state_rate_beside_the_whole_run(clock):
                              "whole run 1,234 tokens/s, MFU 12.35%")
     assert record["steady_tokens_per_second_per_device"] == 4321.0 and record["steady_mfu_percent"] == 43.21
     assert record["tokens_per_second_per_device"] == 1234.5
+
+
+@pytest.mark.parametrize("first_step,log_freq,logged", [
+    (1, 10, [1, 10, 20]),  # a fresh run: step 1 alone, then every log_freq
+    (5, 10, [5, 10, 20]),  # resumed after step 4: its first step alone too (its compilation and warm-up)
+    (11, 10, [11, 20]),
+])
+def test_a_runs_first_step_has_a_line_of_its_own(first_step, log_freq, logged):
+    """The summary's steady state leaves out the first step line: that line must hold this run's
+    first step only, fresh or resumed."""
+    from types import SimpleNamespace
+
+    from torchtitan.trainer.loop import Trainer
+
+    trainer = SimpleNamespace(first_step=first_step, job_config=SimpleNamespace(metrics=SimpleNamespace(log_freq=log_freq)))
+    assert [s for s in range(first_step, 21) if Trainer.log_due_at(trainer, s, 0, s == 20)] == logged

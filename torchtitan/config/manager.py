@@ -112,6 +112,10 @@ def _set(config: JobConfig, given: Given, section: str, key: str, raw: Any, sour
         given.legacy[dotted] = (_coerce(raw, LEGACY[dotted].type, f"{dotted} ({source})", from_text), source)
         return
     if section not in sections:
+        read = [name for name in LEGACY if name.startswith(f"{section}.")]
+        if read:  # a section of an earlier version, of which only some options are read
+            raise ConfigError(f"unknown option {dotted} in {source}: of [{section}] (an earlier version's section), "
+                              f"only {', '.join(read)} are read")
         raise ConfigError(f"unknown config section [{section}] in {source}{_suggest(section, sections)}")
     fields = _fields(sections[section])
     if key not in fields:
@@ -217,6 +221,10 @@ def _cli_overrides(argv: Sequence[str]) -> dict[str, Any]:
         if name.startswith("--") and "." in name:
             section, key = name[2:].split(".", 1)
             sections = _sections()
+            read = [dotted for dotted in LEGACY if dotted.startswith(f"{section}.")]
+            if section not in sections and read:
+                raise ConfigError(f"unknown option {name}: of [{section}] (an earlier version's section), only "
+                                  f"{', '.join(read)} are read")
             if section not in sections:
                 raise ConfigError(f"unknown config section in {name}{_suggest(section, sections)}")
             raise ConfigError(f"unknown option {name}{_suggest(key, _fields(sections[section]))}")
@@ -245,6 +253,21 @@ def validate_world_size(config: JobConfig, world_size: int) -> Any:
     return rules.check_layout(config, world_size)
 
 
+def _nested(section: str, values: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """A section's (key, value) pairs; in a section this schema does not have, nested tables give
+    dotted keys (torchtitan's `[quantize.linear.float8]`: section quantize, key linear.float8.x),
+    which LEGACY may know and _set refuses otherwise."""
+    if section in _sections():
+        return list(values.items())
+    pairs = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            pairs += _nested(section, value, f"{prefix}{key}.")
+        else:
+            pairs.append((prefix + key, value))
+    return pairs
+
+
 def read_config(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]]:
     """Builds the JobConfig from defaults, the TOML file named by --job.config_file, and argv, and
     runs the options rules. Returns it with its notices (options it sets that have no effect:
@@ -257,7 +280,7 @@ def read_config(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]
         for section, values in _load_toml(config_file).items():
             if not isinstance(values, dict):
                 raise ConfigError(f"'{section}' in {config_file} must be a [section] table, got a value")
-            for key, value in values.items():
+            for key, value in _nested(section, values):
                 _set(config, given, section, key, value, config_file, from_text=False)
     for dotted, value in overrides.items():
         section, key = dotted.split(".", 1)

@@ -16,6 +16,7 @@ Only options the TOML file or the command line set are looked at, never defaults
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,33 +67,60 @@ def _rotate_method(value: str, config: JobConfig, given: Given) -> str:
                     "the late-2024 name", "the same exchange of keys and values between context-parallel ranks")
 
 
-# torchtitan's float8 recipe option (2025 on, 0.3.0 too); this version's float8.recipe takes the
-# same values and tensorwise, which torchtitan removed.
+# torchtitan's float8 options since 2025: converters named on the model (`model.converters`
+# float8), the recipe as `float8.recipe_name`, and from mid-2025 the float8 options under
+# `[quantize.linear.float8]`. This version's float8.recipe takes the same recipe names and
+# tensorwise, which torchtitan removed.
 _RECIPE_NAMES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
+_FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
 
 
-def _recipe_name(value: str, config: JobConfig, given: Given) -> str:
-    old, new = "float8.recipe_name", "float8.recipe"
+def _recipe_name(old: str, value: str, config: JobConfig, given: Given) -> str:
+    new = "float8.recipe"
     if value not in _RECIPE_NAMES:
         raise ConfigError(f"{old} must be one of {', '.join(_RECIPE_NAMES)}, got {value!r} (it is read as {new})")
     return _read_as(old, value, new, value, config, given, "torchtitan's name", "the same float8 scaling recipe")
 
 
-def _read_as(old: str, value: str, new: str, new_value: str, config: JobConfig, given: Given, name: str,
+def _float8_flag(old: str, value: bool, config: JobConfig, given: Given) -> str:
+    new = f"float8.{old.rsplit('.', 1)[1]}"
+    return _read_as(old, value, new, value, config, given, "torchtitan's name", "the same option")
+
+
+def _converters(value: list[str], config: JobConfig, given: Given) -> str:
+    old = "model.converters"
+    others = [v for v in value if v not in _FLOAT8_CONVERTERS]
+    if others:
+        raise ConfigError(f"{old} {others[0]!r} is not supported: float8 is this version's only converter "
+                          "(float8.enable_float8_linear); delete the others from model.converters")
+    if not value:
+        return f"{old} [] (torchtitan's name) is ignored: it converts nothing"
+    return _read_as(old, value, "float8.enable_float8_linear", True, config, given, "torchtitan's name",
+                    "float8 linear layers through torchao")
+
+
+def _filter_fqns(value: list[str], config: JobConfig, given: Given) -> str:
+    return ("quantize.linear.float8.filter_fqns is ignored: here the output projection and MoE routers stay in high "
+            "precision and every other linear layer whose sizes divide by 16 is converted")
+
+
+def _read_as(old: str, value: Any, new: str, new_value: Any, config: JobConfig, given: Given, name: str,
              meaning: str) -> str:
     """An old option read as the new one (`new` set to `new_value`): the notice. Given both, the
     command line overrides the file as for any option; one source setting them differently is refused."""
     section, key = new.split(".")
     source, new_source = given.legacy[old][1], given.options.get(new)
     current = getattr(getattr(config, section), key)
+    notice = f"{old} {value!r} ({name}) is read as {new} {new_value}: {meaning}"
     if new_source is not None and current != new_value:
         if new_source == source:
             raise ConfigError(f"{old} {value!r} asks for {new} {new_value}, but the {_where(source)} also sets {new} "
                               f"{current}; keep one of the two")
         if new_source == COMMAND_LINE:
             return f"{old} {value!r} in {source} is overridden by --{new} {current}"
+        notice += f" (over {new} {current} in {_where(new_source)})"  # the old name on the command line wins
     setattr(getattr(config, section), key, new_value)
-    return f"{old} {value!r} ({name}) is read as {new} {new_value}: {meaning}"
+    return notice
 
 def _where(source: str) -> str:
     return source if source == COMMAND_LINE else f"file {source}"
@@ -108,7 +136,13 @@ LEGACY: dict[str, Legacy] = {
     "job.use_for_integration_test": Legacy(bool, _integration_test_marker),
     "checkpoint.interval_type": Legacy(str, _interval_type),
     "experimental.context_parallel_rotate_method": Legacy(str, _rotate_method),
-    "float8.recipe_name": Legacy(str, _recipe_name),
+    "float8.recipe_name": Legacy(str, functools.partial(_recipe_name, "float8.recipe_name")),
+    "model.converters": Legacy(list[str], _converters),
+    "quantize.linear.float8.recipe_name": Legacy(str, functools.partial(_recipe_name,
+                                                                        "quantize.linear.float8.recipe_name")),
+    "quantize.linear.float8.filter_fqns": Legacy(list[str], _filter_fqns),
+    **{f"quantize.linear.float8.{key}": Legacy(bool, functools.partial(_float8_flag, f"quantize.linear.float8.{key}"))
+       for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "emulate")},
 }
 
 
@@ -134,6 +168,10 @@ class AppliesOnlyWith:
 
 
 APPLIES_ONLY_WITH: tuple[AppliesOnlyWith, ...] = (
+    AppliesOnlyWith("float8.recipe", "float8.enable_float8_linear", lambda c: c.float8.enable_float8_linear,
+                    lambda c: "this job's linear layers are not float8 (float8.enable_float8_linear is off)"),
+    AppliesOnlyWith("float8.emulate", "float8.enable_float8_linear", lambda c: c.float8.enable_float8_linear,
+                    lambda c: "this job's linear layers are not float8 (float8.enable_float8_linear is off)"),
     AppliesOnlyWith("optimizer.muon_*", "optimizer.name Muon", lambda c: c.optimizer.name == "Muon",
                     lambda c: f"this job's optimizer is {c.optimizer.name}"),
     AppliesOnlyWith("fault_tolerance.sync_steps", "fault_tolerance.semi_sync_method local_sgd or diloco",

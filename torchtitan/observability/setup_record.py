@@ -315,7 +315,10 @@ def _float8(modules: list[tuple[str, nn.Module]], fsdp: bool) -> dict | None:
         return None
     # torchao wraps the weights that FSDP all-gathers in float8 in its own tensor subclass.
     gathered = any(type(_local(m.weight)).__name__ == "WeightWithDynamicFloat8CastTensor" for m in linears)
-    # torchao's config of the first linear: what scales its inputs (tensorwise, or axiswise: rowwise).
-    granularity = linears[0].config.cast_config_input.scaling_granularity.value
-    return {"linears": len(linears), "fsdp_float8_all_gather": fsdp and gathered,
-            "scaling": "rowwise" if granularity == "axiswise" else granularity}
+    # torchao's config of the first linear: what scales its inputs (tensorwise, or axiswise: rowwise),
+    # and whether the weight gradient's matmul stays in high precision (its input not cast).
+    config = linears[0].config
+    scaling = "rowwise" if config.cast_config_input.scaling_granularity.value == "axiswise" else "tensorwise"
+    if scaling == "rowwise" and config.cast_config_input_for_grad_weight.scaling_type.value == "disabled":
+        scaling = "rowwise_with_gw_hp"
+    return {"linears": len(linears), "fsdp_float8_all_gather": fsdp and gathered, "scaling": scaling}

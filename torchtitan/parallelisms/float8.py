@@ -24,6 +24,7 @@ from torch import nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
+from torchtitan.runtime.torch_compat.compile import emulate_precision_casts
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ def apply_float8(model: nn.Module, job_config: JobConfig) -> None:
     config = float8_linear_config(float8.recipe, float8.enable_fsdp_float8_all_gather, float8.emulate)
     from torchao.float8 import convert_to_float8_training
 
+    if float8.recipe != "tensorwise" and job_config.training.compile:
+        # Rowwise scales under compile with activation checkpointing gave NaN losses unless inductor
+        # rounds its casts as eager does (pytorch/pytorch#150859; torchtitan sets the same).
+        emulate_precision_casts()
+
     # Float8 matmuls need dimensions divisible by 16; the output projection and MoE routers (whose
     # small score differences choose the experts) stay in high precision.
     convert_to_float8_training(
@@ -82,10 +88,17 @@ def float8_linear_config(recipe: str, fsdp_float8_all_gather: bool = False, emul
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
+# The model families whose TP plan uses torchao's float8 styles for float8 projections (Llama's
+# parallelize passes float8 to its plan; Qwen3's keeps the plain styles for every recipe).
+FLOAT8_TP_STYLE_MODELS = ("llama2", "llama3")
+
+
 def uses_float8_tp_styles(job_config: JobConfig) -> bool:
     """Whether TP uses torchao's float8 styles: float8 on with tensorwise scaling, the only scaling
-    those styles cast with (a rowwise recipe keeps the plain styles)."""
-    return job_config.float8.enable_float8_linear and job_config.float8.recipe == "tensorwise"
+    those styles cast with (a rowwise recipe keeps the plain styles), in a family whose plan has them."""
+    float8 = job_config.float8
+    return (float8.enable_float8_linear and float8.recipe == "tensorwise"
+            and job_config.model.name in FLOAT8_TP_STYLE_MODELS)
 
 
 def is_float8(module: nn.Module) -> bool:

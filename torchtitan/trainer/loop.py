@@ -404,8 +404,11 @@ class Trainer:
         return self.log_due_at(result.step, result.stop_signal, last)
 
     def log_due_at(self, step: int, stop_signal: int, last: bool) -> bool:
-        # The last step before a stop is logged too, so a resumed run's metrics have no gap.
-        return last or bool(stop_signal) or step == 1 or step % self.job_config.metrics.log_freq == 0
+        # The last step before a stop is logged too, so a resumed run's metrics have no gap. This
+        # run's first step (1, or the one after a resumed checkpoint's) has a line of its own: it
+        # pays for compilation and warm-up, which the summary's steady state leaves out.
+        return (last or bool(stop_signal) or step in (1, self.first_step)
+                or step % self.job_config.metrics.log_freq == 0)
 
     def validation_due(self, result: StepResult | None, last: bool) -> bool:
         if self.validator is None or result is None or self.validated >= result.step:

@@ -73,9 +73,10 @@ def validate_deepseek_v3(args: DeepSeekV3ModelArgs, parallel_dims: ParallelDims,
     if args.mtp_depth and job_config.training.seq_len <= args.mtp_depth:
         raise ConfigError(f"model.mtp_depth {args.mtp_depth} needs training.seq_len above it "
                           f"({job_config.training.seq_len})")
-    if job_config.float8.enable_float8_linear and tp > 1:
-        raise ConfigError(f"float8.enable_float8_linear with training.tensor_parallel_degree {tp}: {flavor} has no "
-                          "float8 tensor-parallel plan yet; use float8 without TP, or TP in bf16")
+    if job_config.float8.enable_float8_linear and job_config.float8.recipe == "tensorwise" and tp > 1:
+        raise ConfigError(f"float8.enable_float8_linear (tensorwise) with training.tensor_parallel_degree {tp}: "
+                          f"{flavor} has no float8 tensor-parallel plan yet; use float8.recipe rowwise (TP's plain "
+                          "styles), float8 without TP, or TP in bf16")
     check_moe_layout(args.num_experts, parallel_dims, plan, job_config, flavor)
     if tp == 1:
         return

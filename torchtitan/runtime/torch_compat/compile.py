@@ -11,6 +11,7 @@ PRIVATE_NAMES = (
     PrivateName("torch._inductor.config._micro_pipeline_tp"),
     PrivateName("torch._functorch.config.enable_autograd_cache"),
     PrivateName("torch._functorch.config.donated_buffer"),
+    PrivateName("torch._inductor.config.emulate_precision_casts", checked=CPU),
     PrivateName("torch.distributed._symmetric_memory.enable_symm_mem_for_group", ("group_name",)),
 )
 
@@ -46,3 +47,11 @@ def keep_donated_buffers() -> None:
     import torch._functorch.config
 
     torch._functorch.config.donated_buffer = False
+
+
+def emulate_precision_casts() -> None:
+    """Inductor rounds each low-precision cast in compiled code as eager would (it otherwise keeps
+    some intermediates in fp32): float8's rowwise scaling under compile needs it (pytorch#150859)."""
+    import torch._inductor.config
+
+    torch._inductor.config.emulate_precision_casts = True
