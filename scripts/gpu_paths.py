@@ -86,7 +86,7 @@ REAL = Setting(False, 8192, 12, 4, True, "bfloat16", {"8B": "8B", "3B": "3B", "d
                {"qwen3": "debugmodel_moe", "deepseek_v3": "debugmodel"}, (), 540, 240, 120,
                {"train": 60, "path": 30})
 DRY = Setting(True, 128, 3, 1, False, "float32", {"8B": "tiny", "3B": "tiny_tied", "debug": "tiny"},
-              {"qwen3": "debugmodel_moe", "deepseek_v3": "debugmodel"}, ("--float8.emulate",), 300, 90, 90,
+              {"qwen3": "tiny_moe", "deepseek_v3": "tiny"}, ("--float8.emulate",), 300, 90, 90,
               {"train": 8, "path": 6})
 
 

@@ -12,8 +12,10 @@
 #   0.3.0: spmd_types 0.2.3 (its pin), tyro, docstring_parser, typeguard, and triton (imported at
 #          module level by its MoE dispatch; CUDA builds of torch ship it, the CPU build does not);
 #          torchao for `--float8 rowwise` (as in this project's own environment).
-#   0.2.2: torchdata, tyro, docstring_parser, typeguard; tokenizers and tensorboard (with numpy,
-#          protobuf and absl) are imported too, and are in stock GPU images.
+#   0.2.2: torchdata, tyro, docstring_parser, typeguard, and datasets (its llama3 package imports
+#          its data loader) with dill and multiprocess, in the versions that accept the GPU image's
+#          huggingface_hub 1.x; tokenizers, tensorboard (with numpy, protobuf and absl), pyarrow,
+#          pandas, httpx and fsspec are imported too, and are in the GPU image (docs/gpu_check.md).
 # torchtitan 0.3.0 needs a PyTorch newer than 2.11 (torch.distributed.fsdp.DataParallelMeshDims);
 # on a GPU machine with 2.11 the anchor is 0.2.2, the newest release that imports there.
 set -euo pipefail
@@ -29,8 +31,9 @@ if [[ "${1:-}" == "--gpu-wheels" ]]; then
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$dest" torchdata==0.11.0
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d "$dest" torchao==0.18.0
-  python3 -m pip download -q --no-deps --only-binary=:all: -d "$dest/anchor" torchtitan==0.2.2 \
-    tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1
+  # Python 3.12, the GPU image's (multiprocess ships one wheel a Python version).
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$dest/anchor" torchtitan==0.2.2 \
+    tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18
   du -sh "$dest"
   exit 0
 fi

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # the checkout's torchtitan (its FLOP peaks), also where it is not installed
 WORKER = REPO_ROOT / "scripts" / "side_by_side_worker.py"
 RESULT_PREFIX = "SIDE_BY_SIDE "
 STACKS = ("anchor", "ours")

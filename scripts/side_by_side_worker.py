@@ -382,11 +382,7 @@ def run(args: argparse.Namespace) -> dict:
               "step_seconds": step_seconds, "first_loss": losses[0], "last_loss": losses[-1],
               "memory_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    try:
-        import torchtitan
-        result["stack_version"] = getattr(torchtitan, "__version__", None) or _dist_version()
-    except Exception:  # the version is information only
-        result["stack_version"] = None
+    result["stack_version"] = _dist_version()
     return result
 
 

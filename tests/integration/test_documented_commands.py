@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -92,6 +93,12 @@ def test_the_quick_start_dry_run_starts_all_512_ranks(tmp_path):
     log = result.stdout + result.stderr
     assert "dry run: 512 ranks of llama3 debugmodel (pp 8 x dp_shard 8 x tp 8)" in log
     assert "schedule 1F1B, 8 microbatches" in log and "fits" in log
+    # One process (the launcher starts no torchrun for it), a row for the first rank of the first
+    # and of the last pipeline stage, and no checkpoint written.
+    rows = re.findall(r"INFO -\s+(\d+)\s+(\d+)\s+[\d.]+", log)  # rank, its stage, the figures
+    assert rows == [("0", "0"), ("448", "7")], log[-3000:]
+    assert "largest: rank" in log and "torchrun" not in log
+    assert not list(tmp_path.rglob("step-*")), "a dry run writes no checkpoint"
 
 
 @pytest.fixture(scope="module")

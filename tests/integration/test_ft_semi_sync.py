@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import run_train
 from torchtitan.tools.replica_groups import lighthouse, run_replica_groups
-from torchtitan.tools.runs import read_metrics, run_trainer
+from torchtitan.tools.runs import read_metrics
 
 pytest.importorskip("torchft")
 
@@ -65,7 +66,7 @@ def test_diloco_ends_near_synchronous_at_equal_tokens(tmp_path):
     final = {}
     # The synchronous mode trains as one process with the groups' global batch and shards does
     # (test_ft_parity.py), so one process stands for it here, at half the cost.
-    run_trainer(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", str(steps),
+    run_train(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", str(steps),
                  "--training.seq_len", "64", "--training.batch_size", str(2 * GROUPS), "--training.dataset_shards",
                  str(GROUPS), "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path / "none")], timeout=120)
     for method, groups in (("none", [read_metrics(tmp_path / "none")]), ("diloco", _train_groups("diloco", tmp_path / "diloco", steps, sync))):

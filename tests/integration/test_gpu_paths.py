@@ -50,21 +50,52 @@ def test_dry_run_runs_every_check_and_parses_its_figures(tmp_path, monkeypatch, 
 
 
 def test_a_failing_check_fails_the_report(tmp_path, monkeypatch, capsys):
-    """A run that fails is `failed` with its reason, the others still run, the exit status is 1."""
+    """A run that fails, or a check that breaks, is `failed` with its reason; the others still run;
+    the exit status is 1. A probe that breaks fails every check, in a report that says why."""
     def train(name, args, *rest):
         if name == "chunked_loss_compiled":
             return {"status": "failed", "reason": "exit code 1: CUDA error: out of memory", "seconds": 1.0}
+        if name == "flex_docmask_compiled":
+            raise RuntimeError("the trainer runner broke")
         return {"status": "ok", "reason": None, "seconds": 1.0, "tokens_per_second": 10.0, "memory_peak_gib": 1.0}
 
     monkeypatch.setattr(gpu_paths.base, "train", train)
     out = tmp_path / "report.json"
-    code = gpu_paths.main(["--dry", "--part", "paths", "--only", "chunked_loss_compiled", "offload_pinned",
-                           "--out", str(out), "--work-dir", str(tmp_path)])
+    only = ["--only", "chunked_loss_compiled", "flex_docmask_compiled", "offload_pinned"]
+    code = gpu_paths.main(["--dry", "--part", "paths", *only, "--out", str(out), "--work-dir", str(tmp_path)])
     report = json.loads(out.read_text())
     assert code == 1 and report["ok"] is False
     assert report["checks"]["chunked_loss_compiled"]["status"] == "failed"
+    assert report["checks"]["flex_docmask_compiled"] == {"status": "failed", "seconds": 0.0,
+                                                         "reason": "RuntimeError: the trainer runner broke"}
     assert report["checks"]["offload_pinned"]["status"] == "ok"
     assert "chunked_loss_compiled        failed   - exit code 1: CUDA error: out of memory" in capsys.readouterr().out
+
+    def broken_probe(*args):
+        raise RuntimeError("the device probe failed: exit code 1")
+
+    monkeypatch.setattr(gpu_paths, "probe", broken_probe)
+    assert gpu_paths.main(["--dry", "--part", "paths", *only, "--out", str(out), "--work-dir", str(tmp_path)]) == 1
+    report = json.loads(out.read_text())
+    assert report["error"] == "RuntimeError: the device probe failed: exit code 1"
+    assert {c["reason"] for c in report["checks"].values()} == {"not run (an earlier error)"}
+
+
+def test_a_rank_that_cannot_join_or_answer_fails_the_agreement(monkeypatch):
+    """A rank that cannot join its process group answers with the error; ranks that never answer
+    within the timeout are reported as such."""
+    import queue
+    import socket
+
+    answers: queue.Queue = queue.Queue()
+    with socket.socket() as taken:  # rank 0 must serve the store on a port another socket holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        gpu_paths._agreement_rank(0, taken.getsockname()[1], "cpu", answers)
+    answer = answers.get_nowait()
+    assert answer["rank"] == 0 and answer["error"].split(":")[0] in ("RuntimeError", "DistNetworkError")
+    verdict = gpu_paths.step_agreement("cpu", timeout=0.01)  # the spawned ranks cannot answer that fast
+    assert verdict["status"] == "failed" and "did not answer within 0s" in verdict["reason"]
 
 
 def test_the_step_agreement_verdict_names_a_disagreeing_rank():

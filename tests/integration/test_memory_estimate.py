@@ -5,7 +5,6 @@ The dry run's own workings (in-process, no real ranks) are tests/unit_tests/test
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -43,25 +42,6 @@ def test_the_estimate_is_what_real_ranks_measure(name):
     assert len(result.ranks) == (2 if "pp2" in name else 1)  # every pipeline stage is simulated
     for rank in result.ranks:
         assert abs(rank.error) < 0.05, result.row()
-
-
-def test_the_launcher_dry_runs_a_512_rank_layout_in_one_process(tmp_path):
-    """FSDP 8 x TP 8 x PP 8 of the debug model (the 405B layout's shape): one process, exit 0, the
-    mesh and a row for the first and the last pipeline stage's rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    env.update(NGPU="2", OMP_NUM_THREADS="1")
-    cmd = ["./run_llama_train.sh", "--job.config_file", "train_configs/debug_model.toml", "--job.dry_run",
-           "--job.dry_run_world_size", "512", "--training.data_parallel_shard_degree", "8",
-           "--training.tensor_parallel_degree", "8", "--experimental.pipeline_parallel_degree", "8",
-           "--training.seq_len", "256", "--job.dump_folder", str(tmp_path)]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout + result.stderr
-    assert "512 ranks of llama3 debugmodel (pp 8 x dp_shard 8 x tp 8)" in out, out[-3000:]
-    rows = re.findall(r"INFO -\s+(\d+)\s+(\d+)\s+[\d.]+", out)  # rank, its stage, the figures
-    assert rows == [("0", "0"), ("448", "7")], out[-3000:]
-    assert "largest: rank" in out and "torchrun" not in out
-    assert not list(tmp_path.rglob("step-*")), "a dry run writes no checkpoint"
 
 
 def test_the_estimate_before_training_leaves_the_losses_alone(tmp_path, uninterrupted):

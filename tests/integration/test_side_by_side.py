@@ -8,6 +8,8 @@ import json
 import math
 import stat
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -35,30 +37,30 @@ def _anchor_result(**changes) -> dict:
     return {**result, **changes}
 
 
-@pytest.mark.unmeasured("a benchmark's worker: its result line and the orchestrator's arithmetic are what is tested")
-def test_our_side_trains_and_the_ratio_is_ours_over_the_anchors(tmp_path, capsys):
-    """One round against a stand-in anchor: our worker really trains the anchor's debug shape (the
-    same parameter count as torchtitan 0.3.0's debugmodel, 6,163,712), and the report's ratio is
-    our tokens/s over the anchor's."""
-    anchor = _stand_in_anchor(tmp_path, RESULT_PREFIX + json.dumps(_anchor_result()))
-    out = tmp_path / "report.json"
-    code = side_by_side.main(["--shapes", "debug", "--seq", "64", "--batch", "1", "--steps", "2", "--warmup", "1",
-                              "--rounds", "1", "--anchor-python", anchor, "--ours-python", sys.executable,
-                              "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    report = json.loads(out.read_text())
-    ours = next(r for r in report["runs"] if r["stack"] == "ours")
+@pytest.mark.fast
+def test_our_side_trains_and_the_ratio_is_ours_over_the_anchors(monkeypatch):
+    """Our worker trains the anchor's debug shape (the same parameter count as torchtitan 0.3.0's
+    debugmodel, 6,163,712) in this process, and the ratio against an anchor's result is our
+    tokens/s over the anchor's (how the worker is started, `python -I` apart, is the tests below)."""
+    from scripts import side_by_side_worker
+    from torchtitan.models import get_train_spec
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # the worker sets a one-rank job's; they go with the test
+    # The flavor the worker registers for this process goes with the test too.
+    monkeypatch.setitem(get_train_spec("llama3").config, "side_by_side_debug", None)
+    ours = side_by_side_worker.run(side_by_side_worker.parse_args(
+        ["--stack", "ours", "--shape", "debug", "--seq", "64", "--batch", "1", "--steps", "2", "--warmup", "1"]))
     assert ours["params"] == 6163712 and ours["shape"] == "debug" and ours["dtype"] == "float32"
     assert ours["tokens_per_second"] > 0 and ours["tokens_per_cpu_second"] > 0 and len(ours["step_seconds"]) == 3
     # An untrained model's loss over a 2,048-token vocabulary: about ln(2048) = 7.6.
     assert math.isfinite(ours["first_loss"]) and abs(ours["first_loss"] - math.log(SHAPES["debug"][3])) < 1.5
-    row = report["rows"][0]
+    row = side_by_side.summarise([_anchor_result(), ours], {("cpu", "float32"): (1e11, "given")})[0]
     assert row["tokens_per_second_ratio"] == pytest.approx(ours["tokens_per_second"] / 1000.0)
     assert row["tokens_per_cpu_second_ratio"] == pytest.approx(ours["tokens_per_cpu_second"] / 500.0)
     assert row["ours"]["tflops"] == pytest.approx(ours["tokens_per_second"] * ours["flops_per_token"] / 1e12)
-    assert row["ours"]["mfu_percent"] > 0
-    assert "| debug | ours / anchor | tokens per second" in printed
+    assert row["ours"]["mfu_percent"] == pytest.approx(100 * row["ours"]["tflops"] * 1e12 / 1e11)
+    assert "| debug | ours / anchor | tokens per second" in side_by_side.table([row])
 
 
 @pytest.mark.fast
@@ -129,3 +131,35 @@ def test_arguments_that_measure_nothing_are_refused_and_a_budget_stops_new_runs(
     assert side_by_side.main([*common, "--budget-seconds", "5", "--out", str(tmp_path / "b.json")]) == 1
     runs = json.loads((tmp_path / "b.json").read_text())["runs"]
     assert [r["error"] for r in runs] == ["not started: the time budget was spent"] * 2
+
+
+@pytest.mark.fast
+def test_a_side_that_hangs_is_stopped_with_what_it_started(tmp_path):
+    """The worker leads its own process group: a timeout kills it and its children (compile workers)."""
+    hang = tmp_path / "hanging_python"
+    pid_file = tmp_path / "child.pid"
+    hang.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\nwait\n")
+    hang.chmod(hang.stat().st_mode | stat.S_IEXEC)
+    args = side_by_side.parse_args(["--anchor-python", str(hang)])
+    assert side_by_side.run_side("anchor", "debug", args, seed=0, timeout=1) == {
+        "stack": "anchor", "shape": "debug", "error": "timed out after 1 s"}
+    stat_file = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    for _ in range(50):  # the grandchild is gone too (or a zombie: dead, waiting for init to reap it)
+        if not stat_file.exists() or stat_file.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the hanging side's child outlived the timeout")
+
+
+@pytest.mark.fast
+def test_the_workers_version_is_none_without_a_distribution(monkeypatch):
+    from importlib import metadata
+
+    from scripts import side_by_side_worker
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert side_by_side_worker._dist_version() is None
