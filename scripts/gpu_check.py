@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -771,13 +772,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the report is written whatever broke
         report["error"] = f"{type(e).__name__}: {e}"
     finally:
-        for name in CHECKS:
-            report["checks"].setdefault(name, {"status": "failed", "reason": "not run (an earlier error)", "seconds": 0.0})
-        report["seconds"] = round(time.monotonic() - clock.start, 1)
-        report["ok"] = report["error"] is None and all(c["status"] in ("ok", "skipped") for c in report["checks"].values())
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1, default=str))
-    print("\n".join(summary(report)))
+        close_report(report, CHECKS, clock, out)
+    return print_report(report, summary(report))
+
+
+def close_report(report: dict[str, Any], names: Sequence[str], clock: Clock, out: Path) -> None:
+    """Every check named (`failed` where an earlier error stopped it), the time, the verdict; written."""
+    for name in names:
+        report["checks"].setdefault(name, {"status": "failed", "reason": "not run (an earlier error)", "seconds": 0.0})
+    report["seconds"] = round(time.monotonic() - clock.start, 1)
+    report["ok"] = report["error"] is None and all(c["status"] in ("ok", "skipped") for c in report["checks"].values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+
+
+def print_report(report: dict[str, Any], lines: list[str]) -> int:
+    """The summary on stdout, the error on stderr; the exit status."""
+    print("\n".join(lines))
     if report["error"]:
         print(f"error: {report['error']}", file=sys.stderr)
     return 0 if report["ok"] else 1

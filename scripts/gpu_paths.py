@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 import subprocess
@@ -492,16 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-        for name in parts:
-            report["checks"].setdefault(name, {"status": "failed", "reason": "not run (an earlier error)", "seconds": 0.0})
-        report["seconds"] = round(time.monotonic() - clock.start, 1)
-        report["ok"] = report["error"] is None and all(c["status"] in ("ok", "skipped") for c in report["checks"].values())
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1, default=str))
-    print("\n".join(summary(report)))
-    if report["error"]:
-        print(f"error: {report['error']}", file=sys.stderr)
-    return 0 if report["ok"] else 1
+        base.close_report(report, parts, clock, out)
+    return base.print_report(report, summary(report))
 
 
 if __name__ == "__main__":

@@ -42,3 +42,22 @@ def run_ranks_script(script: str, nproc: int, folder: Path, *args: str, timeout:
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(text for text in result.stdout.splitlines() if "RESULT " in text)
     return json.loads(line.split("RESULT ", 1)[1])
+
+
+def trainer_runs_on_the_warm_launcher(monkeypatch, module) -> None:
+    """A script module's `run_trainer` (torchtitan.tools.runs: `python -m torchtitan.train`, 3 s of
+    imports a run) replaced by the warm launcher's fork of the same trainer, in the repository root."""
+    monkeypatch.setattr(module, "run_trainer", lambda args, timeout, check, extra_env, cwd:
+                        run_train(args, timeout=timeout, check=check, extra_env=extra_env))
+
+
+def passing_dry_report(main, tmp_path: Path, capsys, title: str) -> dict:
+    """A GPU check's `--dry` run in-process (scripts/gpu_check.py, gpu_paths.py): it passes, says so
+    first, and its report is returned."""
+    out = tmp_path / "report.json"
+    code = main(["--dry", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0 and report["ok"], json.dumps(report, indent=1)[-6000:]
+    assert printed.startswith(f"{title}: all checks passed"), printed[:500]
+    return report

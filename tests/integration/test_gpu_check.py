@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts import gpu_check
-from tests.helpers import REPO_ROOT
-from tests.machinery.warm_launcher import run_warm
+from tests.helpers import REPO_ROOT, passing_dry_report, trainer_runs_on_the_warm_launcher
 from torchtitan.config.manager import parse_args
 from torchtitan.config.preflight import preflight
 from torchtitan.models.llama.flavors import llama3_configs
@@ -39,15 +38,9 @@ def test_the_wrapper_runs_the_check_with_the_python_it_is_given(tmp_path):
 def test_dry_run_writes_the_report(tmp_path, monkeypatch, capsys):
     """In-process (the wrapper is the test above), the trainer runs forked from the suite's warm
     launcher: the same trainer the script's own runner starts with `python -m torchtitan.train`."""
-    monkeypatch.setattr(gpu_check, "run_trainer", lambda args, timeout, check, extra_env, cwd:
-                        run_warm(args, timeout=timeout, check=check, extra_env=extra_env))
+    trainer_runs_on_the_warm_launcher(monkeypatch, gpu_check)
     monkeypatch.delenv("OUT", raising=False)
-    out = tmp_path / "report.json"
-    code = gpu_check.main(["--dry", "--out", str(out), "--work-dir", str(tmp_path / "work")])
-    printed = capsys.readouterr().out
-    report = json.loads(out.read_text())
-    assert code == 0 and report["ok"], json.dumps(report, indent=1)[-6000:]
-    assert printed.startswith("gpu_check --dry: all checks passed")
+    report = passing_dry_report(gpu_check.main, tmp_path, capsys, "gpu_check --dry")
 
     assert report["schema"] == gpu_check.SCHEMA_VERSION and report["dry"] is True and report["error"] is None
     assert set(report["checks"]) == set(gpu_check.CHECKS)

@@ -9,21 +9,15 @@ import math
 import pytest
 
 from scripts import gpu_paths
-from tests.machinery.warm_launcher import run_warm
+from tests.helpers import passing_dry_report, trainer_runs_on_the_warm_launcher
 
 
 @pytest.mark.budget("every check of the GPU paths check on CPU stand-ins: 13 trainer runs, two at a time (~20 s)")
 def test_dry_run_runs_every_check_and_parses_its_figures(tmp_path, monkeypatch, capsys):
     """In-process, with the trainer runs forked from the suite's warm launcher (the script's own
     runner starts `python -m torchtitan.train`, the same trainer, 3 s of imports each)."""
-    monkeypatch.setattr(gpu_paths.base, "run_trainer", lambda args, timeout, check, extra_env, cwd:
-                        run_warm(args, timeout=timeout, check=check, extra_env=extra_env))
-    out = tmp_path / "report.json"
-    code = gpu_paths.main(["--dry", "--out", str(out), "--work-dir", str(tmp_path / "work")])
-    printed = capsys.readouterr().out
-    report = json.loads(out.read_text())
-    assert code == 0 and report["ok"], json.dumps(report, indent=1)[-6000:]
-    assert printed.startswith("gpu_paths --dry (all): all checks passed")
+    trainer_runs_on_the_warm_launcher(monkeypatch, gpu_paths.base)
+    report = passing_dry_report(gpu_paths.main, tmp_path, capsys, "gpu_paths --dry (all)")
     assert list(report["checks"]) == list(gpu_paths.PARTS["all"])  # in priority order
     for name, check in report["checks"].items():
         assert check["status"] == "ok", (name, check)

@@ -115,6 +115,9 @@ def test_without_an_anchor_it_says_how_to_get_one(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: no anchor to compare with: {sys.executable} finds no torchtitan release (")
     assert err.rstrip().endswith("run scripts/setup_anchor.sh, or give --anchor-python / --anchor-site")
+    missing = tmp_path / "no_such_python"
+    assert side_by_side.main(["--anchor-python", str(missing), "--out", str(tmp_path / "r.json")]) == 2
+    assert f"{missing} finds no torchtitan release ([Errno 2] No such file or directory" in capsys.readouterr().err
 
 
 @pytest.mark.fast
