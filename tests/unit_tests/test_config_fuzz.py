@@ -78,7 +78,7 @@ DEGREES = ["training.data_parallel_replicate_degree", "training.data_parallel_sh
 FEATURES = {"training.compile": [True, False], "training.document_mask": [True], "optimizer.name": ["Muon", "Adam"],
             "optimizer.zero1": [True], "optimizer.early_step_in_backward": [True], "training.enable_cpu_offload": [True],
             "experimental.context_parallel_method": ["allgather"], "activation_checkpoint.mode": ["full", "none"],
-            "float8.enable_float8_linear": [True], "model.name": ["qwen3", "deepseek_v3", "llama2"],
+            "float8.enable_float8_linear": [True], "float8.recipe": ["rowwise", "rowwise_with_gw_hp"], "model.name": ["qwen3", "deepseek_v3", "llama2"],
             "model.flavor": ["debugmodel", "debugmodel_moe", "tiny_tied", "8B"], "training.loss_chunk_size": [16],
             "validation.enabled": [True], "checkpoint.enable_checkpoint": [True], "moe.capacity_factor": [1.25],
             "training.gradient_accumulation_steps": [2], "training.max_norm": [0.0], "job.dry_run": [True],

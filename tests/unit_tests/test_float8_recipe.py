@@ -106,6 +106,8 @@ def test_torchtitans_converters_and_quantize_section_are_read(tmp_path):
     assert len(notices) == 4 and notices[0].startswith("model.converters ['quantize.linear.float8'] (torchtitan's "
                                                         "name) is read as float8.enable_float8_linear True")
     assert "quantize.linear.float8.filter_fqns is ignored" in notices[2]
+    toml.write_text('[model]\nconverters = "float8"\n')  # early 2025: comma-separated text
+    assert read_config(["--job.config_file", str(toml)])[0].float8.enable_float8_linear
     config, _ = read_config(["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp"])
     assert config.float8.enable_float8_linear and config.float8.recipe == "rowwise_with_gw_hp"
     with pytest.raises(ConfigError, match="model.converters 'mx' is not supported: float8 is this version's only "

@@ -109,7 +109,9 @@ def _set(config: JobConfig, given: Given, section: str, key: str, raw: Any, sour
     sections = _sections()
     dotted = f"{section}.{key}"
     if dotted in LEGACY:  # an earlier version's option: read once every value is in (unused_options.py)
-        given.legacy[dotted] = (_coerce(raw, LEGACY[dotted].type, f"{dotted} ({source})", from_text), source)
+        # Earlier TOMLs wrote some lists as comma-separated text (torchtitan's `converters = "float8"`).
+        as_text = from_text or (typing.get_origin(LEGACY[dotted].type) is list and isinstance(raw, str))
+        given.legacy[dotted] = (_coerce(raw, LEGACY[dotted].type, f"{dotted} ({source})", as_text), source)
         return
     if section not in sections:
         read = [name for name in LEGACY if name.startswith(f"{section}.")]
