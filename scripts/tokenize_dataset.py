@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="text source: file, folder, glob or registered name")
     parser.add_argument("--out", required=True, type=Path, help="folder for the shards and manifest.json")
     parser.add_argument("--tokenizer", default="bundled:stdlib_docs/tokenizer.model",
-                        help="tokenizer file (tiktoken or sentencepiece), as model.tokenizer_path takes it")
+                        help="tokenizer file (tiktoken, sentencepiece or a Hugging Face tokenizer.json) or a "
+                             "Hugging Face tokenizer's folder, as model.tokenizer_path takes it")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
     parser.add_argument("--parts", type=int, help="output parts (default: one per 512 MB of input, at least one per "
                                                   "worker)")

@@ -20,7 +20,8 @@ import pytest
 from tests.helpers import REPO_ROOT, read_metrics, read_setup
 
 SHIPPED = ("stdlib_docs/corpus.jsonl", "stdlib_docs/tokenizer.model", "stdlib_docs/sentencepiece.model",
-           "stdlib_docs/README.md", "train_configs/debug_model.toml")
+           "stdlib_docs/README.md", "chat_tokenizer/tokenizer.json", "chat_tokenizer/tokenizer_config.json",
+           "train_configs/debug_model.toml")
 # An outer launcher's variables (the suite may itself run under one) and any path to the checkout.
 DROPPED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "TORCHTITAN_REPORT_DIR", "PYTHONPATH", "PYTHONHOME")

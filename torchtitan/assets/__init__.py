@@ -1,7 +1,8 @@
 """The files the package ships, and the one rule by which an option names them.
 
 Shipped here: `stdlib_docs/` (the bundled corpus, its tiktoken and sentencepiece tokenizers and their
-provenance) and `train_configs/` (the TOML configs; the repository's `train_configs/` links here).
+provenance), `chat_tokenizer/` (a tiny Hugging Face tokenizer.json with a chat template) and
+`train_configs/` (the TOML configs; the repository's `train_configs/` links here).
 
 An option that takes a file (job.config_file, model.tokenizer_path, training.dataset_path, the
 converter's --tokenizer) names a shipped file as `bundled:<path under this folder>`, for example

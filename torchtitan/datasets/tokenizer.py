@@ -1,49 +1,26 @@
-"""Tokenizers behind one interface, chosen from `model.tokenizer_path`."""
+"""Tokenizers behind one interface, chosen from `model.tokenizer_path`: a tiktoken rank file (Llama 3),
+a sentencepiece model (Llama 2), or a Hugging Face tokenizer.json or its folder (hf_tokenizer.py)."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
+import functools
+import logging
 import os
-from abc import ABC, abstractmethod
 
 from torchtitan.assets import resolve_path
-from torchtitan.config.job_config import JobConfig
-from torchtitan.errors import UserError
+from torchtitan.config.job_config import JobConfig, Model
+from torchtitan.datasets.hf_tokenizer import HFTokenizer, is_hf_tokenizer
+from torchtitan.datasets.tokenizer_base import Tokenizer, TokenizerError
+
+logger = logging.getLogger("torchtitan")
 
 # Llama 3's pre-tokenisation: how text is cut into pieces before byte-pair merges (tiktoken's
 # pat_str). The BPE trainer (bpe_trainer.py) cuts its training text the same way.
 LLAMA3_PATTERN: str = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-
-class TokenizerError(UserError, ValueError):
-    """The tokenizer file is missing, empty or unreadable; the message names the path."""
-
-
-class Tokenizer(ABC):
-    n_words: int
-    bos_id: int
-    eos_id: int
-    pad_id: int  # -1 where the tokenizer defines none
-    path: str  # the file it was read from
-
-    def fingerprint(self) -> str:
-        """The sha256 of the tokenizer's file: pre-tokenized data records it, so that token ids
-        are never read with a tokenizer other than the one that made them."""
-        digest = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest()
-
-    @abstractmethod
-    def encode(self, text: str, bos: bool, eos: bool) -> list[int]: ...
-
-    @abstractmethod
-    def decode(self, ids: list[int]) -> str: ...
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -172,22 +149,74 @@ _BASE64 = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/
 
 def _check_file(path: str, option: str = "--model.tokenizer_path") -> None:
     if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return  # a Hugging Face tokenizer's folder
         candidates = sorted(n for n in os.listdir(path) if n.startswith("tokenizer") or n.endswith((".model", ".tiktoken")))
         hint = f"; it holds {', '.join(candidates)}" if candidates else ""
-        raise TokenizerError(f"{option.lstrip('-')} {path} is a folder, not a tokenizer file{hint}")
+        raise TokenizerError(f"{option.lstrip('-')} {path} is a folder without a tokenizer.json, not a tokenizer "
+                             f"file{hint}")
     if not os.path.isfile(path):
         raise TokenizerError(f"tokenizer file not found: {path} (set {option})")
     if os.path.getsize(path) == 0:
         raise TokenizerError(f"tokenizer file is empty: {path}")
 
 
+def hf_config_token_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
+    """The bos/eos (and pad, where defined) ids as a Hugging Face config.json names them; null where
+    the tokenizer has none (Qwen's BOS): left out, transformers would assume Llama's 1 and 2."""
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    ids = {key: (value if value >= 0 else None) for key, value in ids.items()}
+    return {**ids, "pad_token_id": tokenizer.pad_id} if tokenizer.pad_id >= 0 else ids
+
+
+def identifying_file(path: str) -> str:
+    """The file whose bytes identify the tokenizer at `path` (what a checkpoint's record of its
+    tokenizer hashes): a Hugging Face folder's tokenizer.json, else `path` itself."""
+    hf_json = os.path.join(path, "tokenizer.json")
+    return hf_json if os.path.isdir(path) and os.path.isfile(hf_json) else path
+
+
 def tokenizer_from_file(path: str, option: str = "--model.tokenizer_path") -> Tokenizer:
-    """A tiktoken (Llama 3) or sentencepiece (Llama 2) tokenizer, told apart by the file's content;
-    `option` is what a mistake's line tells the user to set."""
+    """A Hugging Face (tokenizer.json or its folder), tiktoken (Llama 3) or sentencepiece (Llama 2)
+    tokenizer, told apart by the file's content; `option` is what a mistake's line tells the user to set."""
     _check_file(path, option)
+    if is_hf_tokenizer(path):
+        return HFTokenizer(path)
     return TikTokenizer(path) if _looks_like_tiktoken(path) else SentencePieceTokenizer(path)
 
 
+# Where a checkpoint converted by `scripts/convert_checkpoint.py hf-to-dcp` keeps the Hugging Face
+# folder's other files verbatim, its tokenizer files among them (checkpoint/hf_folder.py: SIDECAR,
+# then "files"; not imported, as that module imports the model registry, which imports this one).
+CONVERTED_FILES = os.path.join("hf", "files")
+
+
+def tokenizer_source(job_config: JobConfig) -> str:
+    """What the job's tokenizer is, as `model.tokenizer_path` would name it: that option, unless it
+    is left at its default and `checkpoint.initial_load_path` names a folder that carries a Hugging
+    Face tokenizer: a Hugging Face folder holding tokenizer.json, or a checkpoint converted from one
+    (tokenizer.json in its hf/files/). Then that folder: weights and their vocabulary go together.
+    An explicitly set model.tokenizer_path wins (set to the default's value, it reads as left)."""
+    option, initial = job_config.model.tokenizer_path, job_config.checkpoint.initial_load_path
+    if option != Model().tokenizer_path or not initial:
+        return option
+    for folder in (initial, os.path.join(initial, CONVERTED_FILES)):
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return folder
+    return option
+
+
 def build_tokenizer(job_config: JobConfig) -> Tokenizer:
-    """The tokenizer `model.tokenizer_path` names."""
-    return tokenizer_from_file(resolve_path(job_config.model.tokenizer_path, "model.tokenizer_path", TokenizerError))
+    """The tokenizer `tokenizer_source` names, with a notice when it is the initial checkpoint's."""
+    source = tokenizer_source(job_config)
+    if source != job_config.model.tokenizer_path:
+        _notice_once(f"notice: model.tokenizer_path is left at its default, so the tokenizer is the one "
+                     f"checkpoint.initial_load_path carries: {source}; set model.tokenizer_path to use another")
+    return tokenizer_from_file(resolve_path(source, "model.tokenizer_path", TokenizerError))
+
+
+@functools.cache
+def _notice_once(line: str) -> None:
+    """Logs `line` once per process: the tokenizer is built more than once in a run (preflight,
+    the Hugging Face export), and its notice need be read once."""
+    logger.warning(line)
