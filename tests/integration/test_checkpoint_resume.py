@@ -110,3 +110,19 @@ def test_a_3d_job_resumes_exactly(tmp_path):
     split = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split")}
     assert sorted(split) == [3, 4]
     assert split == {step: full[step] for step in split}
+
+
+def test_a_fine_tuning_job_resumes_exactly(tmp_path):
+    """Chat data (sft.format), packed with document masks, shuffled and read by a worker, killed
+    after step 5: the resumed job's steps 5-8 are bitwise those of a job never stopped, so the
+    packer's saved position (the item and the conversations used of it, the overlong counts)
+    restarts the rows where they were."""
+    sft = ("--model.tokenizer_path", "bundled:chat_tokenizer", "--training.dataset", "reverse_words", "--sft.format",
+           "chat", "--training.document_mask", "--training.seq_len", "96", "--training.dataset_shuffle",
+           "--training.dataset_num_workers", "1")
+    whole = tmp_path / "whole"
+    run_train(job(whole, FSDP2, *sft), nproc=2)
+    killed(tmp_path / "killed", FSDP2, 2, {"TT_KILL_AFTER_STEP": "5"}, *sft)
+    resumed(tmp_path / "killed", FSDP2, 2, *sft)
+    assert resumed_after(tmp_path / "killed") == 4
+    assert losses(tmp_path / "killed") == losses(whole)

@@ -179,7 +179,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(capsys, tmp_path):
     folder = hf_folder_of(tmp_path / "hf")
     status, err = run_main(capsys, "--checkpoint", folder, "--prompt", "x")
     assert status == 2 and err.splitlines() == [
-        f"warning: {folder} has no tokenizer.model; using bundled:stdlib_docs/tokenizer.model (pass --tokenizer)",
+        f"warning: {folder} has neither tokenizer.json nor tokenizer.model; using bundled:stdlib_docs/tokenizer.model "
+        "(pass --tokenizer)",
         "error: the tokenizer bundled:stdlib_docs/tokenizer.model has 2256 tokens, more than the model's vocabulary of "
         "300; pass the run's --tokenizer"]
 
@@ -270,3 +271,38 @@ def test_moe_tensor_parallel_generation_equals_one_process_with_the_runs_own_tok
     assert path.endswith("sentencepiece.model") and warning is None
     path, warning = generate_script.choose_tokenizer(generate_script.find_source(str(moe_seed)), TIKTOKEN)
     assert path == TIKTOKEN and "is not the tokenizer the run trained with" in warning
+
+
+CHAT = [{"role": "user", "content": "Reverse: stone cloud river"}, {"role": "assistant", "content": "river cloud stone"}]
+
+
+def test_chat_generation_renders_the_template_and_stops_at_the_end_of_turn(tmp_path):
+    """A tiny model fine-tuned on one conversation (sft.format chat, the bundled chat tokenizer):
+    --chat renders the prompt as a user turn with the generation prompt, so the model answers with
+    the memorised reply, and generation ends at the template's <|im_end|>: the reply and that
+    token, nothing after it."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(50)))
+    run_train([*TINY_RUN, "--model.tokenizer_path", "bundled:chat_tokenizer", "--sft.format", "chat",
+               "--training.dataset_path", str(data), "--training.steps", "30", "--training.warmup_steps", "5",
+               "--optimizer.lr", "1e-2", "--training.batch_size", "4", "--training.document_mask",
+               "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000", "--checkpoint.model_weights_only",
+               "--job.dump_folder", str(tmp_path / "out")])
+    result = generate("--checkpoint", tmp_path / "out" / "checkpoint", "--chat", "--prompt", CHAT[0]["content"],
+                      "--max-new-tokens", "20")
+    assert result.stdout.strip() == CHAT[0]["content"] + CHAT[1]["content"]
+    # The reply's tokens and <|im_end|>: generation stopped there, 20 tokens were allowed.
+    from torchtitan.datasets.tokenizer import tokenizer_from_file
+
+    tokenizer = tokenizer_from_file(str(REPO_ROOT / "torchtitan" / "assets" / "chat_tokenizer"))
+    assert f"generated {len(tokenizer.encode(CHAT[1]['content'], bos=False, eos=False)) + 1} tokens" in result.stderr
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--prompt", "x", "--system", "be brief"], "error: --system and --chat-template need --chat"),
+    (["--prompt", "x", "--chat"], "error: --chat: tokenizer {} has no chat template (a tokenizer_config.json with "
+                                  "chat_template beside its tokenizer.json); name a template file with --chat-template"),
+])
+def test_chat_mistakes_are_one_line(capsys, trained, args, expected):
+    status, err = run_main(capsys, "--checkpoint", str(trained), *args)
+    assert status == 2 and err.strip() == expected.format(TIKTOKEN)

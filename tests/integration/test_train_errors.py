@@ -10,7 +10,7 @@ CASES = {
     "corrupt tokenizer": (["--model.tokenizer_path", "{garbage}"], "is not a valid sentencepiece model"),
     "unknown model": (["--model.name", "gpt5"], "unknown model.name 'gpt5'; registered: deepseek_v3, llama2, llama3"),
     "unknown flavor": (["--model.flavor", "5B"], "unknown model.flavor '5B' for model 'llama3'"),
-    "unknown dataset": (["--training.dataset", "c4_nope"], "unknown training.dataset 'c4_nope'; known: c4, stdlib_docs"),
+    "unknown dataset": (["--training.dataset", "c4_nope"], "unknown training.dataset 'c4_nope'; known: c4, reverse_words, stdlib_docs"),
     "missing dataset file": (["--training.dataset_path", "no/such.jsonl"], "dataset file not found: no/such.jsonl"),
     "shards vs batch": (["--training.dataset_shards", "3"], "training.batch_size 8 must be divisible by the 3 data shards"),
     "float8 on CPU": (["--float8.enable_float8_linear"], "float8.enable_float8_linear needs CUDA GPUs"),

@@ -39,7 +39,7 @@ def test_missing_and_unmatched_locations(tmp_path):
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(DatasetError, match="unknown training.dataset 'c5'; known: c4, stdlib_docs"):
+    with pytest.raises(DatasetError, match="unknown training.dataset 'c5'; known: c4, reverse_words, stdlib_docs"):
         resolve_source("c5", "")
 
 

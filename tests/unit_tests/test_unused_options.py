@@ -243,7 +243,7 @@ def test_the_trainer_says_each_notice_once_and_names_the_2024_dataset_it_lacks(t
     result = run_train(["--job.config_file", path, "--model.tokenizer_path", "bundled:stdlib_docs/tokenizer.model",
                         "--job.dump_folder", str(tmp_path / "out")], check=False)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == ["error: unknown training.dataset 'c4_test'; known: c4, stdlib_docs (or set "
+    assert result.stderr.splitlines() == ["error: unknown training.dataset 'c4_test'; known: c4, reverse_words, stdlib_docs (or set "
                                           "training.dataset_path to local files)"]
     for notice in (INTEGRATION_NOTICE, INTERVAL_NOTICE):
         assert result.stdout.count(notice) == 1

@@ -171,12 +171,17 @@ class ShardItems:
 
     def __init__(self, source: Any, shard: int, num_shards: int, tokenizer: Any, infinite: bool = True,
                  skip_bad_lines: bool = False, split: Split | None = None, lengths: bool = False,
-                 shuffle: Shuffle | None = None):
+                 shuffle: Shuffle | None = None, encoder: Any = None):
         self.source = [source] if isinstance(source, Path) else source
         self.shard, self.num_shards = shard, num_shards
         self.tokenizer, self.infinite, self.split = tokenizer, infinite, split
         self.lengths = lengths  # items also list their documents' token counts (for writing token shards)
         self.shuffle = shuffle  # None: the files' order
+        # Supervised fine-tuning (chat.ConversationEncoder): each JSON line is checked and encoded by it,
+        # and items carry which tokens are targets, and every document's length.
+        self.encoder = encoder
+        if encoder is not None:
+            self.lengths = True
         self.counter = BadLineCounter(skip_bad_lines)
         # A stream (gzip files, a hub dataset) is read in order, by stream shard (streams.py).
         self.stream = StreamItems(source, shard, num_shards, tokenizer, infinite, split, document_key, self.counter,
@@ -197,7 +202,7 @@ class ShardItems:
         k, n = start, len(self.plan)
         while self.infinite or k < n:
             try:
-                tokens, lengths, read = self._read(self.plan[self._chunk_index(k, n)], k)
+                tokens, lengths, read, targets = self._read(self.plan[self._chunk_index(k, n)], k)
             except DatasetError as e:
                 yield {"k": k, "error": str(e)}
                 return
@@ -205,6 +210,8 @@ class ShardItems:
                     "bytes": read}
             if self.lengths:
                 item["lengths"] = lengths
+            if targets is not None:
+                item["targets"] = targets
             yield item
             k += step
 
@@ -215,13 +222,17 @@ class ShardItems:
             self._order = (k // n, self.shuffle.chunk_order(self.shard, k // n, n))
         return self._order[1][k % n]
 
-    def _read(self, chunk: Chunk, k: int = 0) -> tuple[torch.Tensor, list[int], int]:
-        """Item k's tokens (chunk `chunk`), its documents' token counts, and the bytes read."""
+    def _read(self, chunk: Chunk, k: int = 0) -> tuple[torch.Tensor, list[int], int, torch.Tensor | None]:
+        """Item k's tokens (chunk `chunk`), its documents' token counts, the bytes read, and with an
+        encoder which tokens are targets (bool)."""
+        empty_targets = None if self.encoder is None else torch.empty(0, dtype=torch.bool)
         if chunk.file < 0:
-            return torch.empty(0, dtype=torch.int32), [], 0
+            return torch.empty(0, dtype=torch.int32), [], 0, empty_targets
         if self._token_files is not None:
-            return self._read_tokens(chunk, k)
+            return (*self._read_tokens(chunk, k), None)
         path, read = self.source[chunk.file], ByteCount()
+        if self.encoder is not None:
+            return self._read_conversations(path, chunk, k, read)
         if path.suffix == ".jsonl":
             documents = sources.read_jsonl(path, chunk.begin, chunk.end, self.counter, read)
         elif path.suffix == ".parquet":
@@ -240,7 +251,28 @@ class ShardItems:
                 doc = self.tokenizer.encode(text, bos=True, eos=True)
                 ids += doc
                 lengths.append(len(doc))
-        return torch.tensor(ids, dtype=torch.int32), lengths, read.bytes
+        return torch.tensor(ids, dtype=torch.int32), lengths, read.bytes, None
+
+    def _read_conversations(self, path: Path, chunk: Chunk, k: int,
+                            read: ByteCount) -> tuple[torch.Tensor, list[int], int, torch.Tensor]:
+        """A chunk of a JSON-lines file of conversations (sft.format): ids, lengths, bytes, targets."""
+        documents = sources.read_jsonl(path, chunk.begin, chunk.end, self.counter, read, parse=self.encoder.check)
+        if self.shuffle is not None:
+            documents = iter(self.shuffle.documents(list(documents), self.shard, k))
+        ids: list[int] = []
+        targets: list[bool] = []
+        lengths: list[int] = []
+        for checked, position in documents:
+            if self.split is None or self.split.reads(document_key(chunk.file, position)):
+                try:
+                    doc, doc_targets = self.encoder(checked)
+                except DatasetError as e:
+                    raise type(e)(f"{sources.where(path, position)}: {e}") from None
+                ids += doc
+                targets += doc_targets
+                lengths.append(len(doc))
+        return (torch.tensor(ids, dtype=torch.int32), lengths, read.bytes,
+                torch.tensor(targets, dtype=torch.bool))
 
     def _read_tokens(self, chunk: Chunk, k: int) -> tuple[torch.Tensor, list[int], int]:
         tokens, starts = self._token_files(chunk.file)

@@ -19,7 +19,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from torchtitan.assets import resolve_path
 from torchtitan.datasets.tokenized import MANIFEST, TokenizedSource
@@ -56,6 +56,8 @@ class GzipFiles:
 DATASETS: dict[str, str | HFSource] = {
     # Docstrings of Python's standard library, about 1 MB (torchtitan/assets/stdlib_docs/README.md).
     "stdlib_docs": "bundled:stdlib_docs/corpus.jsonl",
+    # 2,000 synthetic conversations, each asking to reverse a few words (sft.format chat; torchtitan/assets/reverse_words).
+    "reverse_words": "bundled:reverse_words/train.jsonl",
     # English C4, streamed: needs `pip install datasets` and network access.
     "c4": HFSource("allenai/c4", "en"),
 }
@@ -171,11 +173,12 @@ class ByteCount:
 
 
 def read_jsonl(path: Path, begin: int, end: int, counter: BadLineCounter,
-               read: ByteCount | None = None) -> Iterator[tuple[str, int]]:
+               read: ByteCount | None = None, parse: Callable[[Any], Any] | None = None) -> Iterator[tuple[Any, int]]:
     """The documents of the lines of a JSON-lines file that START at a byte in [begin, end), each
     with its start byte: a line crossing `end` is read whole by this range and skipped by the next,
     so ranges that tile a file give each line to exactly one of them. Reads the range and the rest
-    of its last line, nothing more."""
+    of its last line, nothing more. A document is the line's `text`; with `parse`, what `parse`
+    makes of the whole JSON value (a ValueError from it is a bad line, its message the reason)."""
     first = max(begin - 1, 0)
     with path.open("rb", buffering=0) as f:
         f.seek(first)
@@ -197,16 +200,26 @@ def read_jsonl(path: Path, begin: int, end: int, counter: BadLineCounter,
         line_start, start = start, start + len(line) + 1
         if not line.strip():
             continue
+        if parse is not None:
+            try:
+                yield parse(json.loads(line.decode("utf-8"))), line_start
+            except UnicodeDecodeError as e:
+                counter.bad(where(path, line_start), f"invalid UTF-8 at byte {e.start} of the line")
+            except json.JSONDecodeError:
+                counter.bad(where(path, line_start), "not valid JSON")
+            except ValueError as e:
+                counter.bad(where(path, line_start), str(e))
+            continue
         try:
             text = json.loads(line.decode("utf-8"))["text"]
         except UnicodeDecodeError as e:
-            counter.bad(_where(path, line_start), f"invalid UTF-8 at byte {e.start} of the line")
+            counter.bad(where(path, line_start), f"invalid UTF-8 at byte {e.start} of the line")
             continue
         except (json.JSONDecodeError, KeyError, TypeError):
-            counter.bad(_where(path, line_start), "not a JSON object with a 'text' field")
+            counter.bad(where(path, line_start), "not a JSON object with a 'text' field")
             continue
         if not isinstance(text, str):
-            counter.bad(_where(path, line_start), f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string")
+            counter.bad(where(path, line_start), f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string")
             continue
         yield text, line_start
 
@@ -238,7 +251,7 @@ def _rest_of_line(f, block_size: int) -> bytes:
     return b"".join(parts)
 
 
-def _where(path: Path, start: int) -> str:
+def where(path: Path, start: int) -> str:
     """`path:line` for the line starting at byte `start`: counted only for a line that is reported."""
     lines = 1
     with path.open("rb") as f:

@@ -47,7 +47,7 @@ class StepInstruments:
 
     def count_tokens(self, micro_batches: list) -> None:
         # The whole sequences, before context parallelism cuts them.
-        self.window.tokens += sum(labels.numel() for _, labels in micro_batches)
+        self.window.tokens += sum(batch[1].numel() for batch in micro_batches)
 
     def window_seconds(self) -> float:
         """Wall time since the step line's window began (validation left out)."""

@@ -37,7 +37,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_runtime import Pipeline
 from torchtitan.runtime import collectives
 from torchtitan.trainer.loss_tokens import TokenWeightedLoss, valid_count
-from torchtitan.trainer.step import document_mask_eos, model_kwargs
+from torchtitan.trainer.step import batch_documents, document_mask_eos, model_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class Validator:
     def due(self, step: int) -> bool:
         return step % self.validation.freq == 0 or step == self.training.steps
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, ids_from: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor, ids_from: torch.Tensor,
+              documents: torch.Tensor | None) -> torch.Tensor:
         """The batch's loss summed over its valid tokens (on a pipeline's last stage; zero on its
         other stages).
 
@@ -104,12 +105,14 @@ class Validator:
         accumulates gradients because one optimizer step's rows do not fit at once (the default
         validation batch) must not run them at once here. Under pipeline parallelism the stages
         exchange microbatches shaped by training.batch_size anyway (the config pass asks for a
-        multiple). `ids_from`: the tokens the document ids are counted from (the whole sequences)."""
+        multiple). `ids_from`: the tokens the document ids are counted from (the whole sequences);
+        `documents`: the batch's own document ids where the data gives them."""
         parts = []
         size = self.training.batch_size
+        document_parts = documents.split(size) if documents is not None else [None] * len(ids_from.split(size))
         with self.loss_context(), self.loss_fn.summing():
-            for x, y, whole in zip(inputs.split(size), labels.split(size), ids_from.split(size)):
-                extra = model_kwargs(whole, self.eos_id)
+            for x, y, whole, docs in zip(inputs.split(size), labels.split(size), ids_from.split(size), document_parts):
+                extra = model_kwargs(whole, self.eos_id, docs)
                 if self.loss_fn.loss_fn is loss_from_forward:  # training.loss_chunk_size: the forward computes it
                     extra["labels"] = y
                 if self.pipeline is not None:
@@ -147,11 +150,13 @@ class Validator:
                     return None
                 if ended:
                     break
-                inputs, labels = (x.to(self.device, non_blocking=True) for x in batch)
+                inputs, labels = (x.to(self.device, non_blocking=True) for x in batch[:2])
                 # Document ids from the whole sequences (the host's under CP, as forward_backward's).
-                ids_from = batch[0] if self.parallel_dims.cp_mesh is not None else inputs
+                on_host = self.parallel_dims.cp_mesh is not None
+                ids_from = batch[0] if on_host else inputs
+                documents = batch_documents(batch, self.device, on_host)
                 inputs, labels = shard_batch((inputs, labels), self.parallel_dims.cp_mesh)
-                total += self._loss(inputs, labels, ids_from)
+                total += self._loss(inputs, labels, ids_from, documents)
                 count += valid_count(labels)
                 n += 1
         finally:
