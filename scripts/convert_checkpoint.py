@@ -6,15 +6,24 @@ converted: the adapter gives its Hugging Face names, tensor layouts and config.j
 
 Usage examples (from the repository root, with PYTHONPATH=.):
 
-  # A Hugging Face Llama folder -> a weights-only checkpoint that starts a run
+  # A Hugging Face Llama folder -> a weights-only checkpoint that starts a run. The folder's other
+  # files (tokenizer.json, tokenizer_config.json, generation_config.json, ...) are kept verbatim in
+  # ckpt/llama3_8b/hf/files/; a run that starts from it and leaves model.tokenizer_path at its
+  # default uses that tokenizer (one notice line says so).
   python scripts/convert_checkpoint.py hf-to-dcp ~/models/Llama-3.1-8B ckpt/llama3_8b
   python -m torchtitan.train --job.config_file bundled:train_configs/llama3_8b.toml --checkpoint.initial_load_path ckpt/llama3_8b
 
   # Any checkpoint of ours (full or weights-only) -> a Hugging Face folder. A folder made by hf-to-dcp
-  # comes back byte-identical to the original; others get a fresh config.json and safetensors shards,
-  # plus the run's tokenizer file as tokenizer.model when --tokenizer names it.
+  # comes back byte-identical to the original, tokenizer files included; others get a fresh config.json
+  # and safetensors shards, plus the tokenizer --tokenizer names (tokenizer.model, or a Hugging Face
+  # tokenizer's files by their names), whose bos/eos/pad ids go into config.json.
   python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 hf_out --dtype bfloat16 --max-shard-size-mb 4096 \
       --tokenizer bundled:stdlib_docs/tokenizer.model
+
+  # A LoRA run's checkpoint (docs/lora.md) -> merged weights as a Hugging Face folder, or its adapters as a PEFT
+  # folder beside the base's Hugging Face folder (the base: the one its run recorded, or --base)
+  python scripts/convert_checkpoint.py dcp-to-hf --lora-merge outputs/checkpoint/step-1000 hf_merged
+  python scripts/convert_checkpoint.py lora-to-peft outputs/checkpoint/step-1000 peft_adapters
 
   # One torch.save file of the model state dict (our parameter names), and back
   python scripts/convert_checkpoint.py dcp-to-torch outputs/checkpoint/step-1000 model.pt --dtype bfloat16
@@ -40,7 +49,7 @@ from typing import Any
 import torch
 
 from torchtitan.assets import resolve_path
-from torchtitan.checkpoint import folders, hf_folder
+from torchtitan.checkpoint import folders, hf_folder, lora_export
 from torchtitan.checkpoint.fit import build_on_meta, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.model_args import RUN_FIELDS, args_record, checkpoint_args
@@ -56,7 +65,7 @@ from torchtitan.checkpoint.weights import (
     writing,
 )
 from torchtitan.config.manager import JobConfig
-from torchtitan.datasets.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from torchtitan.datasets.tokenizer import Tokenizer, TokenizerError, build_tokenizer, hf_config_token_ids
 from torchtitan.models import get_train_spec, registered_names
 from torchtitan.models.hf_adapter import HFAdapter
 from torchtitan.models.train_spec import TrainableModel
@@ -218,11 +227,13 @@ def _hf_args_and_config(ns: argparse.Namespace, manifest: Manifest, model: dict[
 
 
 def _read_tokenizer(path: str) -> Tokenizer:
-    """The --tokenizer file, read the way training reads `model.tokenizer_path` (a tiktoken rank file
-    or a sentencepiece model), so that a file training could not use is refused here too."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"--tokenizer {path} does not exist" if not os.path.exists(path) else
-                              f"--tokenizer {path} is not a file")
+    """The --tokenizer file or folder, read the way training reads `model.tokenizer_path` (a tiktoken
+    rank file, a sentencepiece model, a Hugging Face tokenizer.json or its folder), so that a
+    tokenizer training could not use is refused here too."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"--tokenizer {path} does not exist")
+    if not os.path.isfile(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise CheckpointError(f"--tokenizer {path} is neither a file nor a folder holding tokenizer.json")
     job_config = JobConfig()
     job_config.model.tokenizer_path = path
     try:
@@ -231,12 +242,9 @@ def _read_tokenizer(path: str) -> Tokenizer:
         raise CheckpointError(f"--tokenizer: {e}") from None
 
 
-def _token_ids(tokenizer: Tokenizer | None) -> dict[str, int]:
+def _token_ids(tokenizer: Tokenizer | None) -> dict[str, int | None]:
     """bos/eos (and pad, where defined) ids for config.json; transformers would otherwise assume 1 and 2."""
-    if tokenizer is None:
-        return {}
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    return {**ids, "pad_token_id": tokenizer.pad_id} if tokenizer.pad_id >= 0 else ids
+    return {} if tokenizer is None else hf_config_token_ids(tokenizer)
 
 
 def _drop_padding_rows(model: dict[str, torch.Tensor], vocab_size: int, adapter: HFAdapter) -> None:
@@ -295,7 +303,7 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
         ns.tokenizer = resolve_path(ns.tokenizer, "--tokenizer", CheckpointError)
     tokenizer = _read_tokenizer(ns.tokenizer) if ns.tokenizer is not None else None
     adapter = _hf_adapter(manifest.model.get("name"))
-    model = load_model_entries(ns.ckpt_dir, ns.dtype, check_names=functools.partial(_check_names, adapter))
+    model = _model_weights(ns, manifest, adapter)
     if ns.vocab_size is not None:
         _drop_padding_rows(model, ns.vocab_size, adapter)
     sidecar = os.path.join(ns.ckpt_dir, hf_folder.SIDECAR)
@@ -316,7 +324,7 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
     with writing(ns.out_dir):
         os.makedirs(tmp)
         try:
-            _write_hf_files(tmp, ns, hf, config, sidecar, layout, plan)
+            _write_hf_files(tmp, ns, hf, config, sidecar, layout, plan, tokenizer)
             if os.path.isdir(ns.out_dir):  # an empty folder, accepted by _require_new_output
                 os.rmdir(ns.out_dir)
             os.rename(tmp, ns.out_dir)
@@ -326,19 +334,62 @@ def dcp_to_hf(ns: argparse.Namespace) -> str:
     return _summary(len(hf), _nbytes(hf), f"{ns.ckpt_dir}, {how}", ns.out_dir)
 
 
+def _model_weights(ns: argparse.Namespace, manifest: Manifest, adapter: HFAdapter) -> dict[str, torch.Tensor]:
+    """The checkpoint's model weights; with --lora-merge, its LoRA adapters merged into their base."""
+    check = functools.partial(_check_names, adapter)
+    if not ns.lora_merge:
+        if manifest.lora:
+            raise CheckpointError(f"checkpoint {ns.ckpt_dir} holds LoRA adapters: add --lora-merge to export them "
+                                  "merged into their base, or use lora-to-peft for a PEFT adapter folder")
+        return load_model_entries(ns.ckpt_dir, ns.dtype, check_names=check)
+    weights, adapters = lora_export.read_adapters(ns.ckpt_dir, manifest, ns.base, check)
+    model = lora_export.merged(weights, adapters, lora_export.lora_record(ns.ckpt_dir, manifest), ns.ckpt_dir)
+    cast = getattr(torch, ns.dtype) if ns.dtype else None
+    return {k: v.to(cast) if cast is not None and v.is_floating_point() else v for k, v in model.items()}
+
+
+def lora_to_peft(ns: argparse.Namespace) -> str:
+    """A LoRA checkpoint's adapters as a PEFT folder (torchtitan/checkpoint/lora_export.py)."""
+    manifest = _require_checkpoint(ns.ckpt_dir)
+    _require_new_output(ns.out_dir)
+    record = lora_export.lora_record(ns.ckpt_dir, manifest)
+    adapter = _hf_adapter(manifest.model.get("name"))
+    spec = get_train_spec(manifest.model.get("name"))
+    whole = build_on_meta(spec.model_cls, _registry_args(manifest, None)).state_dict()  # shapes, no memory
+    args, _ = _hf_args_and_config(ns, manifest, whole, None, None, adapter)
+    tensors, modules = lora_export.peft_tensors(lora_export.adapter_entries(ns.ckpt_dir), args, adapter)
+    config = lora_export.peft_config(record, modules, lora_export.hf_modules(whole, args, adapter), ns.base_name)
+    check_room(ns.out_dir, _nbytes(tensors))
+    tmp = temporary_sibling(ns.out_dir)
+    with writing(ns.out_dir):
+        os.makedirs(tmp)
+        try:
+            lora_export.write_peft(tmp, tensors, config)
+            hf_folder.give_default_modes(tmp)
+            if os.path.isdir(ns.out_dir):  # an empty folder, accepted by _require_new_output
+                os.rmdir(ns.out_dir)
+            os.rename(tmp, ns.out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _summary(len(tensors), _nbytes(tensors), f"{ns.ckpt_dir}, {len(modules)} adapted modules", ns.out_dir)
+
+
 def _write_hf_files(tmp: str, ns: argparse.Namespace, hf: dict[str, torch.Tensor], config: dict[str, Any], sidecar: str,
-                    layout: dict[str, Any] | None, plan: dict[str, list] | str | None) -> None:
+                    layout: dict[str, Any] | None, plan: dict[str, list] | str | None,
+                    tokenizer: Tokenizer | None) -> None:
     """The exported folder's files, into `tmp`: the original files rebuilt when `plan` says they fit,
-    else config.json and fresh shards (plus the original folder's other files, when kept); then the
-    --tokenizer file, and the modes of any file the user creates."""
+    else config.json and fresh shards (plus the original folder's other files, when kept: its
+    tokenizer files among them); then the --tokenizer's files over any kept ones (tokenizer.model,
+    or a Hugging Face tokenizer's tokenizer.json and config files), and the modes of any file the
+    user creates."""
     if isinstance(plan, dict):
         hf_folder.write_exact(tmp, sidecar, layout, plan)
     else:
         if layout is not None:  # the original tokenizer and generation files; config and index are new
             hf_folder.copy_kept_files(tmp, sidecar, layout, skip=("config.json", hf_folder.INDEX))
         hf_folder.write_fresh(tmp, hf, config, int(ns.max_shard_size_mb * 10**6))
-    if ns.tokenizer is not None:
-        shutil.copyfile(ns.tokenizer, os.path.join(tmp, hf_folder.TOKENIZER_FILE))
+    for name, path in (tokenizer.files() if tokenizer is not None else {}).items():
+        shutil.copyfile(path, os.path.join(tmp, name))
     hf_folder.give_default_modes(tmp)
 
 
@@ -420,10 +471,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-heads", type=int, help="attention heads (default: the checkpoint's flavor)")
     p.add_argument("--n-kv-heads", type=int, help="key/value heads (default: from the key projection's shape)")
     p.add_argument("--vocab-size", type=int, help="export only the first N embedding/output rows (drops padding rows)")
-    p.add_argument("--tokenizer", help="the run's tokenizer file (model.tokenizer_path: tiktoken or sentencepiece, or a "
-                                       "bundled: name such as bundled:stdlib_docs/tokenizer.model), copied as "
-                                       "tokenizer.model; its bos/eos ids go into a generated config.json")
+    p.add_argument("--tokenizer", help="the run's tokenizer (model.tokenizer_path: a tiktoken or sentencepiece file, "
+                                       "copied as tokenizer.model; a Hugging Face tokenizer.json or its folder, whose "
+                                       "tokenizer files are copied by name; or a bundled: name such as "
+                                       "bundled:stdlib_docs/tokenizer.model); its bos/eos ids go into a generated "
+                                       "config.json. A checkpoint made by hf-to-dcp brings back its own tokenizer "
+                                       "files without it")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="the checkpoint is a LoRA run's: export its base with the adapters merged in (W + alpha/rank B A)")
+    p.add_argument("--base", help="with --lora-merge: the base model, a checkpoint or Hugging Face folder (default: the "
+                                  "checkpoint.initial_load_path its run recorded)")
     p.set_defaults(run=dcp_to_hf)
+    p = sub.add_parser("lora-to-peft", help="LoRA checkpoint -> PEFT adapter folder (adapter_config.json + "
+                                            "adapter_model.safetensors) for the base model's Hugging Face folder")
+    p.add_argument("ckpt_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--base-name", help="adapter_config.json's base_model_name_or_path (default: none)")
+    p.set_defaults(run=lora_to_peft, n_heads=None, n_kv_heads=None)
     p = sub.add_parser("dcp-to-torch", help="DCP checkpoint -> one torch.save file of the model state dict")
     p.add_argument("ckpt_dir")
     p.add_argument("out_file")

@@ -11,9 +11,14 @@
   # tensor parallel over 2 ranks (each holds half of every layer's heads)
   torchrun --standalone --nproc_per_node 2 scripts/generate.py --checkpoint outputs/checkpoint --prompt "def"
 
-`--checkpoint` takes a `step-N` folder (a full training checkpoint or a weights-only one), a run's
+  # a chat model: each prompt is a user turn rendered with the tokenizer's chat template, and the
+  # answer ends at the template's end-of-turn token
+  python scripts/generate.py --checkpoint hf/Qwen3-0.6B --chat --system "Be brief." --prompt "Reverse: a b c"
+
+A LoRA run's checkpoint generates with its adapters folded into its base (the run's
+checkpoint.initial_load_path, or --base). `--checkpoint` takes a `step-N` folder (a full training checkpoint or a weights-only one), a run's
 checkpoint folder (its newest complete step), or a Hugging Face folder (config.json and safetensors;
-its tokenizer.model is used unless --tokenizer names another). Generation uses a KV cache
+its tokenizer.json folder or tokenizer.model is used unless --tokenizer names another). Generation uses a KV cache
 (torchtitan/inference/generation.py); --no-kv-cache re-runs the whole sequence at every step instead. A
 mistake prints one `error:` line and exits with 2.
 """
@@ -41,7 +46,7 @@ from torchtitan.checkpoint.model_args import checkpoint_args
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.checkpoint.states import ModelState
 from torchtitan.config.manager import parse_args
-from torchtitan.datasets.tokenizer import tokenizer_from_file
+from torchtitan.datasets.tokenizer import identifying_file, tokenizer_from_file
 from torchtitan.errors import ConfigError, UserError, out_of_memory
 from torchtitan.inference.generation import Continuation, Sampling, eval_mode, generate, positions_needed
 from torchtitan.models import get_train_spec
@@ -64,6 +69,7 @@ class Source:
     model_name: str
     args: Any
     tokenizer: dict[str, str] | None = None  # a checkpoint's record of its run's tokenizer (Manifest)
+    lora: dict[str, Any] | None = None  # a LoRA run's checkpoint: its record (Manifest.lora)
 
 
 def find_source(path: str) -> Source:
@@ -97,20 +103,24 @@ def find_source(path: str) -> Source:
     if args is None:
         raise GenerateError(f"--checkpoint {path} holds model {name} {flavor}: it records no model args and the flavor is "
                             "not registered, so the model's sizes are unknown; convert it with torch-to-dcp --flavor")
-    return Source(path, False, name, args, manifest.tokenizer or _kept_tokenizer(path))
+    return Source(path, False, name, args, manifest.tokenizer or _kept_tokenizer(path), manifest.lora)
 
 
 def _kept_tokenizer(path: str) -> dict[str, str] | None:
-    """The tokenizer.model of the Hugging Face folder a checkpoint was converted from, which
-    hf-to-dcp keeps beside the weights (hf_folder.SIDECAR), as a manifest's tokenizer record."""
-    kept = os.path.join(path, hf_folder.SIDECAR, "files", hf_folder.TOKENIZER_FILE)
+    """The tokenizer of the Hugging Face folder a checkpoint was converted from, which hf-to-dcp
+    keeps beside the weights (hf_folder.SIDECAR), as a manifest's tokenizer record: the kept files'
+    folder when they hold a tokenizer.json (with its config files), else its tokenizer.model."""
+    kept = os.path.join(path, hf_folder.SIDECAR, "files")
+    if not os.path.isfile(os.path.join(kept, "tokenizer.json")):
+        kept = os.path.join(kept, hf_folder.TOKENIZER_FILE)
     digest = _sha256(kept)
     return None if digest is None else {"path": os.path.abspath(kept), "sha256": digest}
 
 
 def choose_tokenizer(source: Source, given: str | None) -> tuple[str, str | None]:
-    """The tokenizer file to use, and a warning to print: --tokenizer, else a Hugging Face folder's
-    tokenizer.model, else the one the checkpoint's run trained with, else the bundled one."""
+    """The tokenizer to use, and a warning to print: --tokenizer, else a Hugging Face folder's own
+    (the folder itself when it holds tokenizer.json, else its tokenizer.model), else the one the
+    checkpoint's run trained with, else the bundled one."""
     recorded = source.tokenizer
     if given:
         if recorded and _sha256(given) not in (None, recorded["sha256"]):
@@ -118,10 +128,13 @@ def choose_tokenizer(source: Source, given: str | None) -> tuple[str, str | None
                            "the text will be wrong unless the two agree")
         return given, None
     if source.hf:
+        if os.path.isfile(os.path.join(source.path, "tokenizer.json")):
+            return source.path, None
         own = os.path.join(source.path, hf_folder.TOKENIZER_FILE)
         if os.path.isfile(own):
             return own, None
-        return DEFAULT_TOKENIZER, f"warning: {source.path} has no {hf_folder.TOKENIZER_FILE}; using {DEFAULT_TOKENIZER} (pass --tokenizer)"
+        return DEFAULT_TOKENIZER, (f"warning: {source.path} has neither tokenizer.json nor {hf_folder.TOKENIZER_FILE}; "
+                                   f"using {DEFAULT_TOKENIZER} (pass --tokenizer)")
     if recorded is None:
         return DEFAULT_TOKENIZER, (f"warning: {source.path} does not record its run's tokenizer; using {DEFAULT_TOKENIZER} "
                                    "(pass --tokenizer if the run used another)")
@@ -137,7 +150,7 @@ def choose_tokenizer(source: Source, given: str | None) -> tuple[str, str | None
 
 def _sha256(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
+        with open(identifying_file(path), "rb") as f:  # a Hugging Face folder: its tokenizer.json
             return hashlib.sha256(f.read()).hexdigest()
     except OSError:
         return None
@@ -150,7 +163,8 @@ def sequence_multiple(source: Source) -> int:
     return process_group.world_size() if getattr(source.args, "num_experts", 0) else 1
 
 
-def build_model(source: Source, total_len: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(source: Source, total_len: int, device: torch.device, dtype: torch.dtype,
+                base: str | None = None) -> torch.nn.Module:
     """The model on `device`, tensor-parallel over every rank when there are several, with the weights loaded."""
     spec = get_train_spec(source.model_name)
     # The RoPE table covers the prompt and the new tokens (it is not stored in checkpoints).
@@ -179,12 +193,39 @@ def build_model(source: Source, total_len: int, device: torch.device, dtype: tor
     with torch.no_grad():
         model.init_weights(buffer_device=device)
     state = ModelState([model])
-    if source.hf:
+    if source.lora:
+        _load_lora_merged(source, state, base)
+    elif source.hf:
         load_hf_weights(source.path, state, spec.hf_adapter, args, whole, [], False, option="--checkpoint")
     else:
         dcp.load({"model": state}, storage_reader=SafeFileSystemReader(source.path), planner=SafeLoadPlanner(),
                  no_dist=not dist.is_initialized())
     return model.to(dtype)
+
+
+@torch.no_grad()
+def _load_lora_merged(source: Source, state: ModelState, base: str | None) -> None:
+    """A LoRA checkpoint's model: its base (from the checkpoint when it holds the whole model, else
+    --base or the base its run recorded) with the adapters folded in, W + (alpha / rank) * B @ A,
+    which computes what the base with its adapters computes."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from torchtitan.checkpoint.lora_export import merged, read_adapters
+
+    weights, adapters = read_adapters(source.path, Manifest.read(source.path), base)
+    whole = merged(weights, adapters, source.lora, source.path)
+    for fqn, current in state.state_dict().items():
+        if fqn not in whole:
+            raise GenerateError(f"the base model of {source.path} has no {fqn}; pass --base with the model its adapters "
+                                "were trained on")
+        full = whole[fqn].to(current.dtype)
+        if isinstance(current, DTensor):
+            full = distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=None).to_local()
+            current = current.to_local()
+        if tuple(full.shape) != tuple(current.shape):
+            raise GenerateError(f"the base model of {source.path}: {fqn} is {list(full.shape)} there, "
+                                f"{list(current.shape)} in the model; pass --base with the model its adapters were trained on")
+        current.copy_(full)
 
 
 def check_context(source: Source, longest: int, max_new_tokens: int, extend: bool, rank0: bool) -> None:
@@ -215,6 +256,26 @@ def _prompts(ns: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def encode_prompts(ns: argparse.Namespace, tokenizer: Any, prompts: list[str]) -> tuple[list[list[int]], int]:
+    """The prompts' ids and the token that ends an answer: with --chat each prompt is a user turn
+    (after --system's message) rendered with the chat template and its generation prompt, and the
+    answer ends at the template's end-of-turn token; else text after BOS, ending at end-of-text."""
+    if not ns.chat:
+        if ns.system or ns.chat_template:
+            raise GenerateError("--system and --chat-template need --chat")
+        return [tokenizer.encode(p, bos=True, eos=False) for p in prompts], tokenizer.eos_id
+    from torchtitan.datasets.chat import ChatError, ConversationEncoder, chat_template_for, end_of_turn_id, generation_prompt
+
+    try:
+        template = chat_template_for(tokenizer, ns.chat_template or "")
+        ConversationEncoder(tokenizer, "chat", template)  # refuses a tokenizer that cannot find the template's tokens
+        system = [{"role": "system", "content": ns.system}] if ns.system else []
+        encoded = [generation_prompt(template, tokenizer, system + [{"role": "user", "content": p}]) for p in prompts]
+        return encoded, end_of_turn_id(template, tokenizer)
+    except ChatError as e:
+        raise GenerateError(f"--chat: {e}".replace("sft.chat_template", "--chat-template")) from None
+
+
 def run(ns: argparse.Namespace) -> None:
     sampling = Sampling(ns.temperature, ns.top_k, ns.top_p)
     try:
@@ -239,11 +300,13 @@ def run(ns: argparse.Namespace) -> None:
     if tokenizer.n_words > source.args.vocab_size:
         raise GenerateError(f"the tokenizer {tokenizer_path} has {tokenizer.n_words} tokens, more than the model's "
                             f"vocabulary of {source.args.vocab_size}; pass the run's --tokenizer")
-    encoded = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    encoded, stop_id = encode_prompts(ns, tokenizer, prompts)
     check_context(source, max(len(e) for e in encoded), ns.max_new_tokens, ns.extend_context, rank0)
     multiple = sequence_multiple(source)
+    if ns.base and not source.lora:
+        raise GenerateError(f"--base names the base model of a LoRA checkpoint; {source.path} holds no adapters")
     model = build_model(source, positions_needed(max(len(e) for e in encoded), ns.max_new_tokens, multiple), device,
-                        getattr(torch, ns.dtype))
+                        getattr(torch, ns.dtype), ns.base)
     agree = None
     if dist.is_initialized():
         def agree(t: torch.Tensor) -> torch.Tensor:
@@ -251,17 +314,17 @@ def run(ns: argparse.Namespace) -> None:
             return t
 
     out: list[list[int]] = [[] for _ in prompts]
-    texts = [Continuation(tokenizer, e, tokenizer.eos_id) for e in encoded]
+    texts = [Continuation(tokenizer, e, stop_id) for e in encoded]
     stream = len(prompts) == 1 and rank0
     if stream:
         print(prompts[0], end="", flush=True)
     start = time.perf_counter()
     with eval_mode(model):
-        for new in generate(model, encoded, ns.max_new_tokens, sampling, tokenizer.eos_id, ns.seed,
+        for new in generate(model, encoded, ns.max_new_tokens, sampling, stop_id, ns.seed,
                             kv_cache=not ns.no_kv_cache, agree=agree, vocab_limit=tokenizer.n_words,
                             multiple_of=multiple):
             for row, token in zip(out, new.tolist()):
-                if not row or row[-1] != tokenizer.eos_id:
+                if not row or row[-1] != stop_id:
                     row.append(token)
             if stream:
                 print(texts[0].new_text(out[0]), end="", flush=True)
@@ -291,8 +354,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--tokenizer", help=f"tokenizer file (default: a Hugging Face folder's tokenizer.model, else "
+    p.add_argument("--tokenizer", help=f"tokenizer file, or a Hugging Face tokenizer's folder (default: a Hugging Face "
+                                       f"folder's own tokenizer.json or tokenizer.model, else the run's, else "
                                        f"{DEFAULT_TOKENIZER})")
+    p.add_argument("--base", help="a LoRA checkpoint's base model (a checkpoint or Hugging Face folder), where it is not "
+                                  "the one its run recorded (checkpoint.initial_load_path)")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the chat template; "
+                                                       "the answer stops at the template's end-of-turn token")
+    p.add_argument("--system", help="with --chat: a system message before each prompt")
+    p.add_argument("--chat-template", help="with --chat: a Jinja template file instead of the tokenizer's own")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole sequence at every step")
     p.add_argument("--extend-context", action="store_true",
                    help="allow a prompt longer than the positions the model was trained on (RoPE is extended past them)")

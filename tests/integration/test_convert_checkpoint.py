@@ -32,6 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
 TIKTOKEN_FILE = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "tokenizer.model"  # 2,256 tokens, bos 2000, eos 2001
 SENTENCEPIECE_FILE = REPO_ROOT / "torchtitan" / "assets" / "stdlib_docs" / "sentencepiece.model"  # 2,256 pieces, bos 1, eos 2
+# A Hugging Face tokenizer.json folder: 1,024 ids, no BOS, EOS 1023, pad 1021.
+CHAT_TOKENIZER = REPO_ROOT / "torchtitan" / "assets" / "chat_tokenizer"
+CHAT_FILES = ("tokenizer.json", "tokenizer_config.json")
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=2256, ffn=128)  # GQA, and an ffn no flavor formula gives
 DEBUG = dict(dim=256, n_layers=8, n_heads=16, n_kv_heads=16, vocab=2256, ffn=768)  # llama3 debugmodel's shapes
 TINY_LLAMA3 = dict(dim=128, n_layers=2, n_heads=16, n_kv_heads=8, vocab=2256, ffn=512)  # llama3 tiny's (TINY_RUN's)
@@ -340,6 +343,51 @@ def test_converted_weights_start_a_training_run(tmp_path, capsys):
                                                             "step": 0}
 
 
+def test_a_hugging_face_tokenizer_travels_with_the_weights(tmp_path, capsys):
+    """hf-to-dcp keeps the folder's tokenizer files (in hf/files/), dcp-to-hf puts them back; with no
+    HF origin, --tokenizer naming a tokenizer.json folder copies its files by name and puts its ids in
+    the generated config.json, and transformers reads the same ids from the export."""
+    from torchtitan.datasets.tokenizer import tokenizer_from_file
+
+    hf_dir = make_hf_folder(tmp_path / "hf", **TINY)
+    for name in CHAT_FILES:
+        shutil.copyfile(CHAT_TOKENIZER / name, hf_dir / name)
+    assert convert_here(capsys, "hf-to-dcp", hf_dir, tmp_path / "dcp")[0] == 0
+    assert all((tmp_path / "dcp" / "hf" / "files" / name).is_file() for name in CHAT_FILES)
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "back", "--fresh-layout")
+    assert status == 0, stderr
+    assert all((tmp_path / "back" / name).read_bytes() == (CHAT_TOKENIZER / name).read_bytes() for name in CHAT_FILES)
+
+    args = dataclasses.replace(llama3_configs["tiny"], vocab_size=1024)
+    torch.save(Transformer(args).state_dict(), tmp_path / "model.pt")
+    assert convert_here(capsys, "torch-to-dcp", tmp_path / "model.pt", tmp_path / "run_dcp", "--flavor", "tiny")[0] == 0
+    status, stderr = convert_here(capsys, "dcp-to-hf", tmp_path / "run_dcp", tmp_path / "out", "--tokenizer",
+                                  "bundled:chat_tokenizer")
+    assert status == 0, stderr
+    out = tmp_path / "out"
+    assert sorted(files_of(out)) == ["config.json", "model.safetensors", *CHAT_FILES]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 1023, 1021)
+    transformers = pytest.importorskip("transformers")
+    text = "def f(x):\n    return x  # <|im_end|>"
+    ids = transformers.AutoTokenizer.from_pretrained(str(out))(text, add_special_tokens=False)["input_ids"]
+    assert ids == tokenizer_from_file(str(out)).encode(text, bos=False, eos=False)
+
+
+def test_a_run_from_a_converted_folder_uses_its_tokenizer(tmp_path, capsys):
+    """model.tokenizer_path left at its default: the converted folder's tokenizer, said in one notice."""
+    hf_dir = make_hf_folder(tmp_path / "hf", **{**TINY_LLAMA3, "vocab": 1024})
+    for name in CHAT_FILES:
+        shutil.copyfile(CHAT_TOKENIZER / name, hf_dir / name)
+    assert convert_here(capsys, "hf-to-dcp", hf_dir, tmp_path / "dcp")[0] == 0
+    result = run_train([*TINY_RUN, "--training.steps", "1", "--training.warmup_steps", "1",
+                        "--checkpoint.initial_load_path", str(tmp_path / "dcp"), "--job.dump_folder", str(tmp_path / "run")])
+    notices = [line for line in (result.stdout + result.stderr).splitlines() if "model.tokenizer_path is left at" in line]
+    assert len(notices) == 1 and notices[0].endswith(
+        f"notice: model.tokenizer_path is left at its default, so the tokenizer is the one checkpoint.initial_load_path "
+        f"carries: {tmp_path / 'dcp' / 'hf' / 'files'}; set model.tokenizer_path to use another")
+
+
 # ---------------------------------------------------------------------------------------------
 # Refusals
 
@@ -509,6 +557,14 @@ def test_tokenizer_mistakes_are_one_line(sharded, tmp_path, capsys):
     cases = {
         "missing": (["--tokenizer", tmp_path / "nope.model"], "--tokenizer " + str(tmp_path / "nope.model") + " does not exist"),
         "not a tokenizer": (["--tokenizer", REPO_ROOT / "pyproject.toml"], "is not a valid sentencepiece model"),
+        "a folder without tokenizer.json": (["--tokenizer", REPO_ROOT / "docs"],
+                                            f"--tokenizer {REPO_ROOT / 'docs'} is neither a file nor a folder holding "
+                                            "tokenizer.json"),
+        "not a tokenizer.json": (["--tokenizer", REPO_ROOT / "torchtitan" / "assets" / "chat_tokenizer" / "README.md"],
+                                 "is not a valid sentencepiece model"),
+        "a json file that is no tokenizer": (["--tokenizer", CHAT_TOKENIZER / "tokenizer_config.json"],
+                                             'tokenizer_config.json is not a Hugging Face tokenizer.json: it has no "model" '
+                                             "entry"),
         "bundled name not shipped": (["--tokenizer", "bundled:stdlib_docs/nope.model"],
                                      "--tokenizer 'bundled:stdlib_docs/nope.model': the torchtitan package ships no such file"),
         "larger than the model": (["--tokenizer", TIKTOKEN_FILE, "--vocab-size", "100"],

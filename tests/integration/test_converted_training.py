@@ -36,3 +36,28 @@ def test_a_run_of_another_flavor_is_refused_naming_both(tmp_path):
     assert errors[0].startswith(f"error: checkpoint {tmp_path / 'dcp'} (written by llama3 tiny) does not fit llama3 "
                                 "debugmodel: tok_embeddings.weight is [2256, 128] in the checkpoint, [2256, 256] in the "
                                 "model (dim 128 vs 256, "), errors[0]
+
+
+def test_a_model_with_more_embedding_rows_than_tokens_trains_with_its_own_tokenizer(tmp_path):
+    """As Qwen3 publishes it (151,936 embedding rows for 151,669 tokens): a tiny Qwen3 Hugging Face
+    folder of 2,256 rows holding a 1,024-token tokenizer.json (the bundled chat tokenizer). Started
+    from the folder, or from its hf-to-dcp conversion, with model.tokenizer_path left alone, the run
+    reads the folder's tokenizer (a notice says so), takes the folder's 2,256 rows as its vocabulary
+    (the model transformers computes) so the weights load unchanged, and both starts train alike."""
+    import shutil
+
+    from tests.helpers import REPO_ROOT
+
+    reference(tmp_path / "hf", "qwen3")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO_ROOT / "torchtitan" / "assets" / "chat_tokenizer" / name, tmp_path / "hf" / name)
+    convert("hf-to-dcp", tmp_path / "hf", tmp_path / "dcp")
+    runs = {}
+    for start in ("hf", "dcp"):
+        result = run_train([*TINY_RUN, *FAMILY_RUNS["qwen3"], *STEPS, "--checkpoint.initial_load_path",
+                            str(tmp_path / start), "--job.dump_folder", str(tmp_path / f"run_{start}")])
+        assert "the tokenizer is the one checkpoint.initial_load_path carries" in result.stdout + result.stderr
+        setup = read_setup(tmp_path / f"run_{start}")
+        assert setup["model"]["vocab_size"] == 2256, setup["model"]
+        runs[start] = losses(tmp_path / f"run_{start}")
+    assert runs["hf"] == runs["dcp"] and len(runs["hf"]) == 2

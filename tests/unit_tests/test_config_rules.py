@@ -93,7 +93,8 @@ def test_the_model_and_device_rules_read_only_what_they_declare(tmp_path):
         "output_locations": lambda c: (c,), "export_target": lambda c: (c,), "flavor": lambda c: (spec, "tiny"),
         "document_mask": lambda c: (c, built.tokenizer, spec.model_cls), "pipelining_fn": lambda c: (spec, dims),
         "hf_export": lambda c: (c, spec), "validation_loader": lambda c: (c, spec),
-        "experts": lambda c: (c, spec, dims, built.model), "muon_exclude": lambda c: (c, built.model), "mtp": lambda c: (c, spec), "async_tp_device": lambda c: (c, "cpu"),
+        "experts": lambda c: (c, spec, dims, built.model), "muon_exclude": lambda c: (c, built.model),
+        "lora_targets": lambda c: (c, built.model), "mtp": lambda c: (c, spec), "async_tp_device": lambda c: (c, "cpu"),
         "float8_device": lambda c: (c, "cpu", False), "memory_snapshot_device": lambda c: (c, "cpu"),
         "memory_floor": lambda c: (c, dims, built.model_args, "cpu", n_params),
     }

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from torchtitan.checkpoint.folders import CheckpointError, Manifest
 from torchtitan.checkpoint.model_args import HEAD_FIELDS, NUMERIC_FIELDS, SHAPE_VISIBLE_FIELDS, differences
+from torchtitan.parallelisms.lora_linear import is_adapter_name
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ModelRecord:
     args: dict[str, Any] = dataclasses.field(default_factory=dict)  # the model's args dataclass, as JSON
     tied: dict[str, str] | None = None  # parameter name -> the parameter whose weight it shares
     converted_from: str | None = None  # Manifest.converted_from: weights made by scripts/convert_checkpoint.py
+    lora: dict[str, Any] | None = None  # Manifest.lora: the adapters' rank and targets (LoRA runs)
 
     def __str__(self) -> str:
         return " ".join(str(v) for v in (self.name, self.flavor) if v) or "an unknown model"
@@ -82,7 +84,7 @@ def checkpoint_record(manifest: Manifest | None, lookup: Callable[[str, str], An
     if manifest is None or not manifest.model:
         return ModelRecord()
     record = ModelRecord(manifest.model.get("name"), manifest.model.get("flavor"), dict(manifest.model_args),
-                         None if manifest.tied is None else dict(manifest.tied), manifest.converted_from)
+                         None if manifest.tied is None else dict(manifest.tied), manifest.converted_from, manifest.lora)
     if record.tied is None and lookup is not None and record.name and record.flavor:
         try:
             model = build_on_meta(*lookup(record.name, record.flavor))
@@ -116,6 +118,12 @@ def excluded_by(entries: list[str], key: str, top_level: bool = False) -> str | 
         if matches(entry, key) or (param is not None and matches(entry, param)):
             return entry
     return None
+
+
+def _is_adapter(key: str) -> bool:
+    """Whether a DCP key is a LoRA adapter's weight or its optimizer state (`model.X.lora_a.weight`,
+    `optimizer.state.X.lora_b.weight.exp_avg`, ...)."""
+    return is_adapter_name(parameter_part(key) or key)
 
 
 def _label(key: str) -> str:
@@ -225,7 +233,9 @@ class FitCheck:
             problems.append(tied)
 
         shapes = list({s[0]: s for r in reports for s in r["shapes"]}.values())  # replicas report the same keys
-        if shapes:
+        if shapes and _is_adapter(shapes[0][0]):
+            problems.append(self._adapter_shapes(*shapes[0], len(shapes)))
+        elif shapes:
             key, saved_shape, our_shape = shapes[0]
             hint = _args_difference(self.saved.args, self.ours.args)
             more = f"; {len(shapes) - 1} more entries differ in shape" if len(shapes) > 1 else ""
@@ -238,7 +248,9 @@ class FitCheck:
                                                      " and the query and key rows are ordered per head")
             raise self._error(first, "use the model.flavor of the converted model")
         missing = sorted({k for r in reports for k in r["missing"]})
-        if missing and all(k.startswith("dataloader.") for k in missing):
+        if missing and all(_is_adapter(k) for k in missing):
+            problems.append(self._adapter_targets(f"the checkpoint has no {_examples(missing, len(missing))}"))
+        elif missing and all(k.startswith("dataloader.") for k in missing):
             # A data position of another shape: another mixture of sources, or an older format.
             problems.append((f"its data position does not match this run's data: the checkpoint has no "
                              f"{_examples(missing, len(missing))} (another training.dataset_mix, or a position "
@@ -265,7 +277,10 @@ class FitCheck:
         both_tied = bool(self.saved.tied) and bool(self.ours.tied)
         extra = [k for i, k in enumerate(self.checked) if not claimed >> i & 1
                  and excluded_by(self.exclude, k, self.top_level) is None and not (both_tied and self._is_alias(k))]
-        if extra:
+        if extra and all(_is_adapter(k) for k in extra):
+            problems.append(self._adapter_targets(f"the checkpoint holds {_examples(extra, len(extra))}, which this "
+                                                  "model does not have"))
+        elif extra:
             problems.append((f"the checkpoint holds {_examples(extra, len(extra))}, which this model does not have",
                              "check model.flavor and the optimizer settings, or set checkpoint.allow_partial_load to "
                              "leave them out"))
@@ -314,6 +329,25 @@ class FitCheck:
             warnings.append(f"{self.path} does not record whether its weights are tied; this model ties {pairs}, "
                             "and only the latter is loaded")
         return warnings
+
+    def _adapter_shapes(self, key: str, saved_shape: Any, our_shape: list[int], count: int) -> tuple[str, str]:
+        """A LoRA checkpoint of another rank: lora_a is (rank, in), lora_b (out, rank)."""
+        rank_dim = 0 if ".lora_a." in key else 1
+        saved_rank = saved_shape[rank_dim] if isinstance(saved_shape, list) else "?"
+        more = f"; {count - 1} more entries differ in shape" if count > 1 else ""
+        return (f"{_label(key)} is {saved_shape} in the checkpoint, {our_shape} in the model: its LoRA adapters have "
+                f"rank {saved_rank}, this run's lora.rank is {our_shape[rank_dim]}{more}",
+                f"set lora.rank {saved_rank} to resume them, or train new adapters from the base in another "
+                "job.dump_folder")
+
+    def _adapter_targets(self, difference: str) -> tuple[str, str]:
+        """A LoRA checkpoint whose adapters sit on other layers than this run's."""
+        saved = (self.saved.lora or {}).get("target_modules")
+        ours = (self.ours.lora or {}).get("target_modules")
+        known = f" (lora.target_modules {','.join(saved)} there, {','.join(ours)} here)" if saved and ours else ""
+        return (f"its LoRA adapters sit on other layers{known}: {difference}",
+                "set lora.target_modules as the checkpoint's run did, or train new adapters from the base in another "
+                "job.dump_folder")
 
     def _conversion_differences(self) -> tuple[list[str], list[str]]:
         """Where weights made by the converter (from a Hugging Face folder, or a torch.save file of a

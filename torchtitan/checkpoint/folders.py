@@ -60,6 +60,10 @@ class Manifest:
     # What scripts/convert_checkpoint.py made the weights from (a Hugging Face folder, a torch.save
     # file); None for a checkpoint a run wrote. Such weights are loaded like that folder would be.
     converted_from: str | None = None
+    # A LoRA run's checkpoint (docs/lora.md): {"rank", "alpha", "target_modules", "adapters_only": the
+    # model state holds the adapters alone, "base": the checkpoint.initial_load_path its frozen base
+    # weights come from}; None otherwise.
+    lora: dict[str, Any] | None = None
     saved_at: str = ""
     format: str = FORMAT
 

@@ -319,7 +319,7 @@ def _leader_of_stage(parallel_dims: Any) -> bool:
 
 
 def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: Any, out: str, dtype: torch.dtype,
-                     config_extra: dict[str, Any], tokenizer: bytes | None, attempt: str) -> str:
+                     config_extra: dict[str, Any], tokenizer: dict[str, bytes] | None, attempt: str) -> str:
     """Writes the model as a Hugging Face folder at `out` (collective: every rank calls it).
     Returns a summary for the log; raises CheckpointSaveError (on every rank) when it cannot."""
     start = time.perf_counter()
@@ -437,7 +437,7 @@ def _export_bytes(state: dict[str, Any], adapter: Any, dtype: torch.dtype, tied:
 
 
 def _finish(tmp: str, out: str, files: list[tuple[str, list[str], int]], adapter: Any, args: Any, dtype: torch.dtype,
-            config_extra: dict[str, Any], tokenizer: bytes | None) -> None:
+            config_extra: dict[str, Any], tokenizer: dict[str, bytes] | None) -> None:
     """Rank 0: gives the shard files their final names, writes the index (several files),
     config.json and the tokenizer, then publishes `tmp` as `out`."""
     files = sorted(files)  # stage order, then each writer's order
@@ -456,9 +456,9 @@ def _finish(tmp: str, out: str, files: list[tuple[str, list[str], int]], adapter
     with open(os.path.join(tmp, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
-    if tokenizer is not None:  # the file's contents as the run read them at start-up
-        with open(os.path.join(tmp, hf_folder.TOKENIZER_FILE), "wb") as f:
-            f.write(tokenizer)
+    for name, contents in (tokenizer or {}).items():  # the files as the run read them at start-up
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(contents)
     hf_folder.give_default_modes(tmp)
     if os.path.exists(out):  # an earlier run's export of the same step: replaced once the new one is complete
         old = f"{out}.replaced-{time.time_ns()}"

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.assets import BUNDLED_PREFIX, resolve_path
 from torchtitan.checkpoint import folders, hf_training
+from torchtitan.checkpoint import lora as lora_checkpoint
 from torchtitan.checkpoint.failures import SpaceCheckingSavePlanner, first_error, gather_from_ranks, one_line, save_failure
 from torchtitan.checkpoint.fit import FitCheck, ModelRecord, build_on_meta, checkpoint_record, tied_aliases
 from torchtitan.checkpoint.folders import CheckpointError, CheckpointSaveError, Manifest
@@ -39,6 +40,7 @@ from torchtitan.checkpoint.resume import ResumePoint, decide_on_rank0, global_ba
 from torchtitan.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from torchtitan.checkpoint.states import DataState, ModelState, PartialState, RNGState, TrainState, flatten
 from torchtitan.config.job_config import JobConfig
+from torchtitan.datasets.tokenizer import hf_config_token_ids, identifying_file, tokenizer_source
 from torchtitan.models import get_train_spec
 from torchtitan.parallelisms.parallel_dims import MESH_DIM_ORDER, ParallelDims
 
@@ -62,7 +64,7 @@ def tokenizer_record(tokenizer_path: str) -> dict[str, str] | None:
     when it cannot be read (the run itself then fails on it, not here)."""
     try:
         path = resolve_path(tokenizer_path, "model.tokenizer_path", CheckpointError)
-        with open(path, "rb") as f:
+        with open(identifying_file(path), "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
     except (CheckpointError, OSError):
         return None
@@ -89,7 +91,7 @@ class CheckpointManager:
         self.data_shards = data_shards  # the shard count the data position refers to (DataShards.count)
         self.global_batch = global_batch(job_config.training, parallel_dims.data_parallel_coordinates()[1])
         self.train_state = train_state
-        self.model = ModelState(model_parts)
+        self.model = lora_checkpoint.saved_state(model_parts, job_config)  # a LoRA run's adapters alone, or whole
         self.states: dict[str, Stateful] = {
             "model": self.model,
             "optimizer": optimizers,
@@ -112,7 +114,7 @@ class CheckpointManager:
         # What the Hugging Face export writes beside the weights, taken now: the tokenizer file may
         # be gone or changed by the end of a long run.
         self._hf_tokenizer = self._tokenizer_for_export() if checkpoint.last_save_in_hf else None
-        self._tokenizer_record = tokenizer_record(job_config.model.tokenizer_path)
+        self._tokenizer_record = tokenizer_record(tokenizer_source(job_config))
 
     def model_record(self) -> ModelRecord:
         """This run's model as a manifest records it: name, flavor, args, tied weights (read once
@@ -121,7 +123,8 @@ class CheckpointManager:
             model, args = self.job_config.model, getattr(self.model.model_parts[0], "args", None)
             whole = build_on_meta(get_train_spec(model.name).model_cls, args)
             self._record = ModelRecord(model.name, model.flavor, args_record(args),
-                                       tied_aliases(whole) if whole is not None else None)
+                                       tied_aliases(whole) if whole is not None else None,
+                                       lora=lora_checkpoint.manifest_record(self.job_config))
         return self._record
 
     # ----------------------------------------------------------------------------------------
@@ -130,9 +133,17 @@ class CheckpointManager:
     def load(self, resume: ResumePoint | None) -> None:
         if resume is None:
             return
+        # One load, or with LoRA the frozen base and then the adapters (checkpoint/lora.py).
+        loads = decide_on_rank0(lambda: lora_checkpoint.loads_for(resume, self.job_config))
+        for point, which in loads:
+            self._load(point, lora_checkpoint.model_state(self.model.model_parts, which))
+
+    def _load(self, resume: ResumePoint, model: ModelState) -> None:
+        """Loads `resume` into this run's states, its model part into `model` (all of the model, or
+        a LoRA run's base or adapters)."""
         checkpoint = self.job_config.checkpoint
         if resume.hf:
-            self._load_hf(resume.path)
+            self._load_hf(resume.path, model)
             return
         contents = ["model"] if resume.weights_only else list(resume.manifest.contents)
         try:
@@ -141,7 +152,8 @@ class CheckpointManager:
             raise CheckpointError(f"{resume.path} cannot be read safely: its DCP metadata is unreadable "
                                   f"({one_line(e)})") from None
         top_level = not any(key.startswith("model.") for key in metadata.state_dict_metadata)
-        states = {name: self.states[name] for name in contents if name not in checkpoint.exclude_from_loading}
+        states = {name: model if name == "model" else self.states[name] for name in contents
+                  if name not in checkpoint.exclude_from_loading}
         left_out = [name for name in contents if name in checkpoint.exclude_from_loading]
         if left_out and self.rank == 0:
             logger.warning(f"not loading {', '.join(left_out)} from {resume.path} (checkpoint.exclude_from_loading): "
@@ -152,15 +164,15 @@ class CheckpointManager:
         batch_change = resume.batch_change(self.job_config.training, self.parallel_dims.data_parallel_coordinates()[1])
         if batch_change and self.rank == 0:
             logger.warning(batch_change)
-        skip = self._check_fits(resume, metadata, states, top_level)
+        skip = self._check_fits(resume, metadata, states, top_level, model)
         start = time.perf_counter()
         reader, planner = SafeFileSystemReader(resume.path), SafeLoadPlanner()
         try:
             if top_level:  # weights saved by another tool, without our "model." prefix
-                model_sd = self.model.state_dict()
+                model_sd = model.state_dict()
                 wanted = {k: v for k, v in model_sd.items() if k not in skip}
                 dcp.load(wanted, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
-                self.model.load_state_dict({**model_sd, **wanted})
+                model.load_state_dict({**model_sd, **wanted})
             else:
                 wrapped = {name: PartialState(state, name, skip) if skip else state for name, state in states.items()}
                 dcp.load(wrapped, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
@@ -184,27 +196,28 @@ class CheckpointManager:
         assert adapter is not None, "refused before the run starts (preflight.py, resume.py)"
         return adapter, getattr(self.model.model_parts[0], "args", None)
 
-    def _load_hf(self, path: str) -> None:
+    def _load_hf(self, path: str, model: ModelState) -> None:
         """Model weights from a Hugging Face folder, each rank reading its own shards (hf_training.py)."""
         checkpoint = self.job_config.checkpoint
         adapter, args = self._hf_adapter()
         whole = build_on_meta(get_train_spec(self.job_config.model.name).model_cls, args)
         start = time.perf_counter()
-        read = hf_training.load_hf_weights(path, self.model, adapter, args, hf_training.whole_model_shapes(whole),
+        read = hf_training.load_hf_weights(path, model, adapter, args, hf_training.whole_model_shapes(whole),
                                            list(checkpoint.exclude_from_loading), checkpoint.allow_partial_load)
         seconds = time.perf_counter() - start
         logger.info(f"loaded model weights from the Hugging Face folder {path} in {seconds:.2f}s (this rank read "
                     f"{read / 2**20:.1f} MiB, one parameter at a time)")
 
-    def _tokenizer_for_export(self) -> tuple[dict[str, int], bytes]:
-        """The special token ids config.json names, and the tokenizer file's contents."""
+    def _tokenizer_for_export(self) -> tuple[dict[str, int | None], dict[str, bytes]]:
+        """The special token ids config.json names, and the tokenizer's files (name in the export ->
+        contents): tokenizer.model, or a Hugging Face tokenizer's tokenizer.json and config files."""
         job = self.job_config
         tokenizer = get_train_spec(job.model.name).build_tokenizer_fn(job)
-        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-        if tokenizer.pad_id >= 0:
-            ids["pad_token_id"] = tokenizer.pad_id
-        with open(resolve_path(job.model.tokenizer_path, "model.tokenizer_path", CheckpointError), "rb") as f:
-            return ids, f.read()
+        files = {}
+        for name, path in tokenizer.files().items():
+            with open(path, "rb") as f:
+                files[name] = f.read()
+        return hf_config_token_ids(tokenizer), files
 
     def export_if_missing(self, step: int) -> None:
         """The Hugging Face export of a job that has nothing left to train (resumed at its last step)
@@ -235,7 +248,7 @@ class CheckpointManager:
         return {"ep": 1, **resume.manifest.layout} == self.layout and all(k in metadata.state_dict_metadata for k in keys)
 
     def _check_fits(self, resume: ResumePoint, metadata: Metadata, states: dict[str, Stateful],
-                    top_level: bool) -> set[str]:
+                    top_level: bool, model: ModelState) -> set[str]:
         """Refuses, on every rank alike and before any tensor is read, a checkpoint that does not fit
         this run's states (fit.py); returns the keys this rank leaves out of a deliberate partial load."""
         def registered(name: str, flavor: str) -> tuple[Any, Any]:
@@ -250,7 +263,7 @@ class CheckpointManager:
         for name, state in states.items():
             for key, value in flatten("" if top_level and name == "model" else name, state.state_dict()).items():
                 expected[key] = tuple(value.shape) if isinstance(value, torch.Tensor) else None  # DTensor: global
-        model_sd = self.model.state_dict()
+        model_sd = model.state_dict()
         separate = any(alias in model_sd and (source not in model_sd or _storage(model_sd[alias]) != _storage(model_sd[source]))
                        for alias, source in (ours.tied or {}).items())
         mine = check.report(expected, separate)
@@ -313,7 +326,7 @@ class CheckpointManager:
             layout=self.layout, data_shards=self.data_shards if "dataloader" in states else None,
             global_batch=self.global_batch if "dataloader" in states else None,
             tokens_seen=self.train_state.tokens_seen, dtype=str(dtype).removeprefix("torch.") if dtype else None,
-            tokenizer=self._tokenizer_record,
+            tokenizer=self._tokenizer_record, lora=lora_checkpoint.manifest_record(self.job_config),
         )
         # Refuses, before any rank writes, a save the disk cannot hold (failures.py).
         planner = SpaceCheckingSavePlanner(partial)

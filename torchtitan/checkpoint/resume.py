@@ -110,7 +110,13 @@ def find_resume_point(job_config: JobConfig) -> ResumePoint | None:
     """Which checkpoint the run starts from: `checkpoint.load_step`, else the newest complete
     full checkpoint (damaged or unfinished ones are skipped with a warning), else the newest
     weights-only one (seed or export), else `checkpoint.initial_load_path`, else none."""
-    return decide_on_rank0(lambda: _find_resume_point(job_config))
+    point = decide_on_rank0(lambda: _find_resume_point(job_config))
+    if point is None and job_config.lora.rank > 0:  # every rank alike: the point was decided on rank 0
+        folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+        raise CheckpointError(f"lora.rank {job_config.lora.rank} needs base weights: checkpoint.initial_load_path is "
+                              f"unset and {folder} holds no checkpoint to resume; set checkpoint.initial_load_path to "
+                              "the base model's checkpoint or Hugging Face folder")
+    return point
 
 
 def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
@@ -141,7 +147,7 @@ def _find_resume_point(job_config: JobConfig) -> ResumePoint | None:
                 logger.info(f"{f.path} holds model weights only: the run starts from them at step 0")
             return ResumePoint(f.path, f.manifest.weights_only, f.manifest)
     if checkpoint.initial_load_path:
-        return _initial_weights(checkpoint.initial_load_path, job_config.model.name)
+        return initial_weights(checkpoint.initial_load_path, job_config.model.name)
     return None
 
 
@@ -155,7 +161,7 @@ def _requested_step(found: list[folders.Found], folder: str, step: int) -> Resum
     return ResumePoint(match.path, match.manifest.weights_only, match.manifest)
 
 
-def _initial_weights(path: str, model_name: str) -> ResumePoint:
+def initial_weights(path: str, model_name: str) -> ResumePoint:
     """A folder of model weights to start from: one of ours (checked against its manifest), a
     plain DCP folder written by another tool, or a Hugging Face folder."""
     if is_hf_folder(path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -34,15 +34,20 @@ class TrainState(Stateful):
 
 class ModelState(Stateful):
     """All model parts as one flat state dict keyed by original parameter names (whatever the
-    layout: FSDP shards and TP slices are DTensors that DCP reassembles and reshards)."""
+    layout: FSDP shards and TP slices are DTensors that DCP reassembles and reshards). `select`,
+    when given, keeps the names it accepts: a LoRA run saves and loads its adapters and its
+    frozen base apart."""
 
-    def __init__(self, model_parts: list[nn.Module]):
+    def __init__(self, model_parts: list[nn.Module], select: Callable[[str], bool] | None = None):
         self.model_parts = model_parts
+        self.select = select
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.model_parts:
             merged.update(get_model_state_dict(part))
+        if self.select is not None:
+            merged = {k: v for k, v in merged.items() if self.select(k)}
         return merged
 
     def exported(self, dtype: torch.dtype) -> dict[str, Any]:

@@ -101,9 +101,13 @@ class Model:
                          choices=["rmsnorm", "layernorm", "np_layernorm", "fused_rmsnorm"])
     tokenizer_path: str = opt(
         "bundled:stdlib_docs/tokenizer.model",
-        "Tokenizer file: a tiktoken rank file (Llama 3 format) or a sentencepiece .model (Llama 2 format). "
-        "bundled:<name> names a file the package ships (torchtitan/assets), e.g. bundled:stdlib_docs/sentencepiece.model; "
-        "any other path is relative to the working directory.",
+        "Tokenizer: a tiktoken rank file (Llama 3 format), a sentencepiece .model (Llama 2 format), or a Hugging "
+        "Face tokenizer.json or the folder holding it (with its tokenizer_config.json: special tokens, chat template; "
+        "needs pip install 'torchtitan[tokenizers]'). bundled:<name> names a file the package ships "
+        "(torchtitan/assets), e.g. bundled:stdlib_docs/sentencepiece.model or bundled:chat_tokenizer; any other path "
+        "is relative to the working directory. Left at this default while checkpoint.initial_load_path names a "
+        "Hugging Face folder or a checkpoint converted from one (hf-to-dcp) that carries a tokenizer.json, that "
+        "tokenizer is used.",
     )
     vocab_size_divisible_by: int = opt(1, "Pad the vocabulary (embedding and output rows) up to a multiple of this.")
     mtp_depth: int = opt(-1, "Multi-token prediction depth (DeepSeek-V3: extra modules predicting tokens further "
@@ -409,6 +413,25 @@ class Validation:
 
 
 @dataclass
+class SFT:
+    format: str = opt(
+        "", "Supervised fine-tuning data in the training source (JSON lines): 'chat', a `messages` list per line "
+        "(role system, user or assistant; content), rendered with the chat template; 'prompt_completion', `prompt` "
+        "and `completion` strings per line, joined as plain text. Loss only on the assistant turns (completions), "
+        "whole conversations per sequence. Empty: plain text for pre-training (docs/fine_tuning.md).",
+        choices=["", "chat", "prompt_completion"])
+    chat_template: str = opt(
+        "", "A Jinja chat template file that renders the conversations; empty: the tokenizer's own (the "
+        "chat_template of its tokenizer_config.json, as transformers' apply_chat_template renders it).")
+    packing: bool = opt(
+        True, "Pack several whole conversations into each sequence (with training.document_mask none attends to "
+        "another); false: one conversation per sequence, padded.")
+    overlong: str = opt(
+        "truncate", "A conversation of more than training.seq_len + 1 tokens: truncate (keep its first tokens) or "
+        "drop; either is counted and logged.", choices=["truncate", "drop"])
+
+
+@dataclass
 class MemoryEstimation:
     enabled: bool = opt(False, "Before training, each rank estimates its own peak memory with the dry run "
                                "(job.dry_run, in-process, before the process group exists), logs it by category and "
@@ -420,6 +443,22 @@ class MemoryEstimation:
                                         "machine's GPU; for a job on this CPU (no GPU, no job.dry_run_world_size), the "
                                         "host's available memory shared by its ranks; no verdict for a GPU job on a "
                                         "machine without one.")
+
+
+@dataclass
+class LoRA:
+    rank: int = opt(0, "LoRA: train low-rank adapters beside frozen base weights (docs/lora.md); the adapters' rank "
+                       "(0 = off: every parameter trains). Needs base weights: checkpoint.initial_load_path.")
+    alpha: float = opt(16.0, "LoRA: the adapters' output is scaled by alpha / rank.")
+    dropout: float = opt(0.0, "LoRA: dropout on each adapter's input (training only); 0 = none.")
+    target_modules: list[str] = opt(
+        ["all-linear"], "LoRA: the linear layers that get adapters (comma-separated): fnmatch patterns matched against "
+        "a module's name or its trailing part ('wq', 'attention.wo', 'layers.0.*'); all-linear = every linear layer "
+        "of the transformer blocks (attention projections, dense and shared-expert MLPs), not routers, embeddings or "
+        "the output projection (name those to adapt them). Routed experts (grouped 3-D weights) are refused.")
+    save_adapters_only: bool = opt(
+        True, "LoRA: checkpoints hold the adapters (with their optimizer state) but not the frozen base weights, "
+        "which a resumed run reads from checkpoint.initial_load_path again; false: the whole model.")
 
 
 @dataclass
@@ -438,7 +477,9 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     validation: Validation = field(default_factory=Validation)
+    sft: SFT = field(default_factory=SFT)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    lora: LoRA = field(default_factory=LoRA)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import logging
 import os
 from typing import Any, NamedTuple
 
 import torch
 
+from torchtitan.checkpoint.folders import MANIFEST
 from torchtitan.config import rules
 from torchtitan.config.job_config import JobConfig, Model
 from torchtitan.errors import ConfigError
@@ -37,9 +39,38 @@ def check_flavor(train_spec: TrainSpec, flavor: str) -> None:
         )
 
 
+def initial_vocab_rows(job_config: JobConfig) -> int | None:
+    """The embedding rows of the weights checkpoint.initial_load_path names (a Hugging Face folder's
+    config.json, a converted checkpoint's recorded args), None where they are not recorded."""
+    path = job_config.checkpoint.initial_load_path
+    if not path or not os.path.isdir(path):
+        return None
+    args = None
+    for name in ("config.json", MANIFEST):
+        try:
+            with open(os.path.join(path, name)) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            continue
+        args = found if name == "config.json" else found.get("model_args")  # a converted checkpoint's manifest
+        break
+    if not isinstance(args, dict) or not isinstance(args.get("vocab_size"), int):
+        return None
+    padding = args.get("vocab_padding", 0)
+    return args["vocab_size"] + (padding if isinstance(padding, int) else 0)
+
+
 def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: int):
+    """The flavor's args with the job's vocabulary, sequence length and options. The vocabulary is
+    the tokenizer's, or the embedding rows of the weights the run starts from where they have more
+    (Qwen3 publishes 151,936 rows for its 151,669 tokens): the model is then theirs, as transformers
+    computes it, and the rows no token reaches are never targets (and never generated: generation
+    samples below the tokenizer's size). It is padded up to `model.vocab_size_divisible_by`."""
     model = job_config.model
     flavor = train_spec.config[model.flavor]
+    rows = initial_vocab_rows(job_config)
+    if rows is not None and rows > vocab_size:
+        vocab_size = rows
     # vocab_size is required of every model's args; the others are set where the model has them.
     updates = {"vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, "norm_type": model.norm_type,
                "moe_aux_loss_coef": job_config.moe.aux_loss_coef, "moe_bias_update_rate": job_config.moe.bias_update_rate,
@@ -188,6 +219,7 @@ def preflight(job_config: JobConfig, world_size: int, device_type: str | None = 
         model = train_spec.model_cls.from_model_args(model_args)
     rules.run("experts", job_config, train_spec, parallel_dims, model)
     rules.run("muon_exclude", job_config, model)
+    rules.run("lora_targets", job_config, model)
     rules.run("mtp", job_config, train_spec)
     rules.run("model_shapes", train_spec, model_args, parallel_dims, plan, job_config)
     device_type = device_type or device_setup.device_type()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import sys
 
 from torchtitan.config.job_config import JobConfig
@@ -226,6 +227,27 @@ def check_validation(config: JobConfig) -> None:
                           f"{config.training.batch_size} under pipeline parallelism (or -1)")
 
 
+def check_sft(config: JobConfig) -> None:
+    """Supervised fine-tuning reads conversations from JSON lines (datasets/sft.py)."""
+    sft, training = config.sft, config.training
+    if not sft.format:
+        set_anyway = [name for name, value in (("sft.chat_template", sft.chat_template),) if value]
+        if set_anyway:
+            raise ConfigError(f"{set_anyway[0]} is set but sft.format is empty: set sft.format chat to fine-tune on "
+                              "conversations")
+        return
+    if training.dataset_mix:
+        raise ConfigError("sft.format reads one source of conversations; training.dataset_mix mixes text sources "
+                          "(leave it empty and name the conversations in training.dataset_path)")
+    if training.mask_loss_after_eos:
+        raise ConfigError("training.mask_loss_after_eos does not combine with sft.format: the loss is on the assistant "
+                          "turns only already")
+    if sft.chat_template and sft.format != "chat":
+        raise ConfigError(f"sft.chat_template renders chat lines; sft.format is {sft.format}")
+    if sft.chat_template and not sft.chat_template.startswith("bundled:") and not os.path.isfile(sft.chat_template):
+        raise ConfigError(f"sft.chat_template {sft.chat_template} is not a file")
+
+
 def check_dry_run(config: JobConfig) -> None:
     job, memory_estimation = config.job, config.memory_estimation
     if job.dry_run_world_size < 0:
@@ -249,6 +271,41 @@ def check_dry_run(config: JobConfig) -> None:
 # Options declared for schema compatibility whose features arrive in later work: each refuses
 # clearly instead of being silently ignored.
 _NOT_YET = ("experimental.enable_compiled_autograd",)
+
+
+def check_lora(config: JobConfig) -> None:
+    """LoRA's own values, and what it does not combine with (docs/lora.md)."""
+    lora, checkpoint = config.lora, config.checkpoint
+    if lora.rank < 0:
+        raise ConfigError(f"lora.rank must be >= 0 (0 turns LoRA off), got {lora.rank}")
+    if lora.rank == 0:
+        return
+    if lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.alpha must be > 0 and lora.dropout in [0, 1), got {lora.alpha} and {lora.dropout}")
+    if not lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: name the linear layers to adapt (all-linear: every one of "
+                          "the transformer blocks)")
+    if config.float8.enable_float8_linear:
+        raise ConfigError("lora does not combine with float8.enable_float8_linear: float8 replaces the linear layers "
+                          "the adapters attach to (and would quantize the frozen base anew every step); set lora.rank 0 "
+                          "or leave float8 off")
+    if checkpoint.create_seed_checkpoint:
+        raise ConfigError("checkpoint.create_seed_checkpoint writes a freshly initialised base model; write it "
+                          "without lora (lora.rank 0), then fine-tune from it with checkpoint.initial_load_path")
+    if not checkpoint.initial_load_path and (lora.save_adapters_only or not checkpoint.enable_checkpoint):
+        needs = ("lora.save_adapters_only reads the frozen base from it again on every resume" if lora.save_adapters_only
+                 else "LoRA fine-tunes a trained model")
+        raise ConfigError(f"lora.rank {lora.rank} needs base weights: set checkpoint.initial_load_path to a checkpoint "
+                          f"or Hugging Face folder of the base model ({needs}; a base trained from scratch would stay "
+                          "random)")
+    if checkpoint.model_weights_only or checkpoint.last_save_in_hf:
+        option = "model_weights_only" if checkpoint.model_weights_only else "last_save_in_hf"
+        raise ConfigError(f"checkpoint.{option} does not combine with lora yet; export the final checkpoint with "
+                          "scripts/convert_checkpoint.py dcp-to-hf --lora-merge (merged weights) or lora-to-peft "
+                          "(a PEFT adapter folder)")
+    if config.moe.bias_update_rate > 0:
+        raise ConfigError(f"moe.bias_update_rate {config.moe.bias_update_rate} trains the routing biases, which "
+                          "belong to the frozen base under lora; set moe.bias_update_rate 0")
 
 
 def check_not_yet(config: JobConfig) -> None:

@@ -178,6 +178,9 @@ APPLIES_ONLY_WITH: tuple[AppliesOnlyWith, ...] = (
                     lambda c: c.fault_tolerance.semi_sync_method != "none", _semi_sync),
     AppliesOnlyWith("fault_tolerance.outer_*", "fault_tolerance.semi_sync_method diloco",
                     lambda c: c.fault_tolerance.semi_sync_method == "diloco", _semi_sync),
+    # Every [lora] option but lora.rank, which turns LoRA on.
+    AppliesOnlyWith("lora.[adst]*", "lora.rank > 0", lambda c: c.lora.rank > 0,
+                    lambda c: "this job trains every parameter (lora.rank is 0)"),
 )
 
 

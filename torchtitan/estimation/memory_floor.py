@@ -22,10 +22,13 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 def state_floor_bytes(job_config: JobConfig, parallel_dims: ParallelDims, n_params: int) -> int:
     """This rank's least share of the fp32 weights, gradients and Adam moments (4 + 4 + 8 bytes per
-    parameter): sharded by FSDP (over dp_shard x cp), TP and PP; the moments also by ZeRO-1's replicas."""
+    parameter; 4 under LoRA, whose base is frozen): sharded by FSDP (over dp_shard x cp), TP and PP;
+    the moments also by ZeRO-1's replicas."""
     if job_config.training.enable_cpu_offload and tt_device_is_cuda():
         return 0  # FSDP keeps them in host memory, which this check does not weigh
     split = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp * parallel_dims.pp
+    if job_config.lora.rank > 0:  # a frozen base: no gradients, no moments (its adapters' are left out, as a floor may)
+        return n_params * 4 // split
     grads = 0 if job_config.optimizer.early_step_in_backward else 4
     moments = 8 // (parallel_dims.dp_replicate if job_config.optimizer.zero1 else 1)
     return n_params * (4 + grads + moments) // split

@@ -32,6 +32,7 @@ from torchtitan.parallelisms.activation_offload import OffloadWrapper
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead
 from torchtitan.parallelisms.cp_attention import cp_attention
 from torchtitan.parallelisms.float8 import is_float8
+from torchtitan.parallelisms.lora_linear import block_part, is_adapted
 from torchtitan.parallelisms.mixed_precision import autocast_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.runtime.torch_compat import composable as torch_compat_composable
@@ -105,7 +106,28 @@ def _rank_facts(model_parts: list[nn.Module], optimizers: OptimizersContainer, p
     chunks = _loss_chunk_sizes(model_parts)
     if chunks:
         facts["loss_chunk_size"] = chunks[0]
+    if any(is_adapted(m) for part in model_parts for m in part.modules()):
+        facts["lora_trainable_parameters"] = _trainable(model_parts)
     return facts
+
+
+def _trainable(model_parts: list[nn.Module]) -> int:
+    """Elements of the parameters these parts train (global counts: a DTensor's numel is the whole's)."""
+    return sum(p.numel() for part in model_parts for p in part.parameters() if p.requires_grad)
+
+
+def _lora(model_parts: list[nn.Module], ranks: list[dict]) -> dict | None:
+    """LoRA (lora.rank > 0): rank 0's adapted layers (by their names within a block), and the
+    elements trained over the whole model (each pipeline stage's counted once)."""
+    adapted = [m for part in model_parts for m in part.modules() if is_adapted(m)]
+    if not adapted:
+        return None
+    rank = adapted[0].lora_a.weight.shape[0]
+    by_stages = {tuple(s["stage"] for s in r.get("pipeline_stages", ())): r["lora_trainable_parameters"]
+                 for r in ranks if "lora_trainable_parameters" in r}
+    return {"rank": rank, "alpha": adapted[0].lora_scale * rank, "layers": len(adapted),
+            "targets": sorted({block_part(m.lora_name) for m in adapted}),
+            "trainable_parameters": sum(by_stages.values()) if by_stages else _trainable(model_parts)}
 
 
 def _loss_chunk_sizes(model_parts: list[nn.Module]) -> list[int]:
@@ -170,6 +192,8 @@ def describe_parallelisms(model_parts: list[nn.Module], parallel_dims: ParallelD
         # Rank 0's MoE layers, or the first rank's that holds some (a dense first pipeline stage).
         "moe": _moe(modules) or next((r["moe"] for r in ranks if r.get("moe")), None),
         "mtp": _mtp(model_parts, ranks),
+        # lora.rank > 0: the adapters (rank 0's layers) and the whole model's trainable elements.
+        "lora": _lora(model_parts, ranks),
         # training.loss_chunk_size: the ranks whose output computes the loss chunk by chunk.
         "chunked_loss": _chunked_loss(ranks),
         # Mixed precision without FSDP (FSDP's own policy is in "fsdp"): the dtype each part autocasts to.

@@ -54,7 +54,7 @@ class ReplicaOwnership:
         self.group = replicate_mesh.get_group()
         self.size = replicate_mesh.size()
         self.rank = replicate_mesh.get_local_rank()
-        self.params = [p for part in model_parts for p in part.parameters()]
+        self.params = [p for part in model_parts for p in part.parameters() if p.requires_grad]  # not a frozen base
         self.owners = assign_owners([p.numel() for p in self.params], self.size)
         self._owned = {id(p) for p, owner in zip(self.params, self.owners) if owner == self.rank}
 

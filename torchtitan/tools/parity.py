@@ -175,7 +175,9 @@ class ParityError(AssertionError):
 def local_batch_size(global_batch: int, overrides: tuple[str, ...], nproc: int, replica_groups: int = 1) -> int:
     """Rows per rank and micro-step that keep `global_batch` rows per optimizer step; ConfigError
     when the layout's data-parallel degree x accumulation (x its replica groups) does not divide them."""
-    config = parse_args([*DEBUG_RUN, *overrides])
+    # Every run of a comparison starts from a seed checkpoint (which options like lora need); only
+    # the degrees are read here, not the path.
+    config = parse_args([*DEBUG_RUN, "--checkpoint.initial_load_path", "seed", *overrides])
     dims = parallel_dims_from_config(config, nproc)
     per_step = dims.dp_degree * config.training.gradient_accumulation_steps * replica_groups
     if global_batch % per_step:

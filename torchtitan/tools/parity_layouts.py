@@ -12,9 +12,9 @@ from torchtitan.tools.parity import POSITIVE, Check, Layout
 
 
 def L(name: str, nproc: int, overrides: str, expect: dict[str, Any] | None = None, shared: str = "",  # noqa: N802 - a table row
-      loss_tolerance: float | None = None, grad_norm_rtol: float | None = None) -> Layout:
+      loss_tolerance: float | None = None, grad_norm_rtol: float | None = None, model: str | None = None) -> Layout:
     return Layout(name, nproc, tuple(overrides.split()), tuple((expect or {}).items()), tuple(shared.split()),
-                  loss_tolerance, grad_norm_rtol)
+                  loss_tolerance, grad_norm_rtol, None if model is None else tuple(model.split()))
 
 
 # Float8 layouts: the baseline runs float8 too. Float8 scales each activation by its own maximum,
@@ -67,8 +67,31 @@ MUON = "--optimizer.name Muon"
 GATHERED = Check("some matrices gathered", lambda n: n > 0)
 
 
+# LoRA (lora.rank): the baseline (one process) trains adapters of the same rank too, beside the base
+# the seed checkpoint holds; the seed itself is made without LoRA (`model`), as a base is. Every
+# adapted layer follows its base's TP split (parallelisms/lora.py), so the adapters' initial values
+# and the losses must match one process's under every layout. A learning rate and scale at which
+# the adapters move the losses within 6 steps: adapters drawn from another seed then end 6.9e-3 away
+# in training and 2.2e-2 in validation (llama3 tiny), so equal losses show equal initial values.
+LORA = "--lora.rank 8 --lora.alpha 32 --optimizer.lr 1e-2"
+# llama3 tiny's adapters: 2 blocks x 8 x (q 128+128, k 128+64, v 128+64, o 128+128, w1/w3 128+512, w2 512+128).
+LORA_TINY_TRAINABLE = 2 * 8 * (256 + 192 + 192 + 256 + 3 * 640)
+QWEN3_MOE_BASE = "--model.name qwen3 --model.flavor tiny_moe --moe.aux_loss_coef 0.001"
+# DeepSeek-V3 under LoRA: the routing bias is part of the frozen base (moe.bias_update_rate refused).
+DEEPSEEK_V3_BASE = "--model.name deepseek_v3 --model.flavor tiny --moe.aux_loss_coef 0.001"
+# all-linear on DeepSeek-V3 tiny (the MTP block's layers too): latent attention, dense and shared-expert MLPs.
+DEEPSEEK_V3_TARGETS = sorted(["attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b", "attention.wo",
+                              *(f"{ffn}.{w}" for ffn in ("feed_forward", "shared_experts") for w in ("w1", "w2", "w3"))])
+
+
 # No loss after each end-of-text token (training.mask_loss_after_eos): seed and baseline too.
 MASK_AFTER_EOS = "--training.mask_loss_after_eos"
+# Supervised fine-tuning (sft.format chat, seed and baseline too): the bundled reverse_words
+# conversations rendered by the bundled chat tokenizer's template, whole conversations packed per row
+# with document masks (each conversation, and the padding, a document of its own), loss only on the
+# assistant turns: rows whose valid-label counts differ per rank, micro-batch and CP chunk.
+SFT = ("--model.tokenizer_path bundled:chat_tokenizer --training.dataset reverse_words --sft.format chat "
+       "--training.document_mask --training.seq_len 128")
 # Hand-picked layouts for what the layout matrix (tests/machinery/layout_matrix.py) does not vary:
 # options of one parallelism (DDP buckets, FSDP resharding and offload, vocabulary padding, CSV schedules) and
 # float8. The layouts themselves, every combination of degrees and the variants that interact
@@ -227,6 +250,32 @@ SUITES: dict[str, list[Layout]] = {
         L("muon_hsdp_zero1", 4, "--training.data_parallel_replicate_degree 2 --training.data_parallel_shard_degree 2 "
           "--optimizer.zero1", {"zero1.replicas": 2, "muon.gathered_matrices": GATHERED}, shared=MUON),
     ],
+    # LoRA: adapters laid out like their base under FSDP (sharded with their block), TP (column-wise
+    # bases: lora_b split; row-wise: lora_a split, the adapter's partial sum reduced with the base's),
+    # both, and PP (each stage adapted by the same parallelize function); Qwen3-MoE's attention beside
+    # experts over TP; DeepSeek-V3's latent attention, whose compressions are whole on every tp rank.
+    # The FSDP run saves adapters-only checkpoints (a resumed run must repeat it bitwise), the TP run
+    # whole ones (its frozen base must come out bitwise the seed's).
+    "lora": [
+        L("lora_fsdp2", 2, "--training.data_parallel_shard_degree 2 --checkpoint.enable_checkpoint --checkpoint.interval 3",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "lora.rank": 8, "lora.trainable_parameters": LORA_TINY_TRAINABLE},
+          shared=LORA, model=""),
+        L("lora_tp2", 2, "--training.tensor_parallel_degree 2 --checkpoint.enable_checkpoint --lora.save_adapters_only false",
+          {"tp.mesh": {"tp": 2}, "lora.layers": 14, "lora.trainable_parameters": LORA_TINY_TRAINABLE},
+          shared=LORA, model=""),
+        L("lora_fsdp2_tp2", 4, "--training.data_parallel_shard_degree 2 --training.tensor_parallel_degree 2",
+          {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}, "lora.trainable_parameters": LORA_TINY_TRAINABLE},
+          shared=LORA, model=""),
+        L("lora_pp2", 2, "--experimental.pipeline_parallel_degree 2",
+          {"pipeline.stages": 2, "lora.layers": 7, "lora.trainable_parameters": LORA_TINY_TRAINABLE},
+          shared=LORA, model=""),
+        L("lora_qwen3_moe_tp2", 2, "--training.tensor_parallel_degree 2",
+          {"tp.mesh": {"tp": 2}, "lora.targets": ["attention.wk", "attention.wo", "attention.wq", "attention.wv"]},
+          shared=f"{QWEN3_MOE_BASE} {LORA}", model=QWEN3_MOE_BASE),
+        L("lora_dsv3_tp2", 2, "--training.tensor_parallel_degree 2",
+          {"tp.mesh": {"tp": 2}, "lora.targets": DEEPSEEK_V3_TARGETS}, shared=f"{DEEPSEEK_V3_BASE} {LORA}",
+          model=DEEPSEEK_V3_BASE),
+    ],
     # Labels that carry no loss (training.mask_loss_after_eos, the seed and baseline too): the
     # step's loss is the sum over valid tokens divided by their count over the whole step, so
     # micro-batches, data-parallel and context-parallel ranks holding different counts, and a
@@ -238,6 +287,17 @@ SUITES: dict[str, list[Layout]] = {
         L("masked_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=MASK_AFTER_EOS),
         L("masked_pp2_accum2", 2, "--experimental.pipeline_parallel_degree 2 --training.gradient_accumulation_steps 2",
           {"pipeline.stages": 2}, shared=MASK_AFTER_EOS),
+    ],
+    "sft": [
+        L("sft_fsdp2", 2, "--training.data_parallel_shard_degree 2", {"fsdp.mesh": {"dp_shard_cp": 2}}, shared=SFT),
+        L("sft_tp2", 2, "--training.tensor_parallel_degree 2", {"tp.mesh": {"tp": 2}}, shared=SFT),
+        L("sft_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=SFT),
+        L("sft_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=SFT),
+        L("sft_moe_ep2", 2, "--training.expert_parallel_degree 2", {"moe.ep_mesh": {"ep": 2}},
+          shared=f"{QWEN3_MOE} {SFT}"),
+        # DeepSeek-V3 (latent attention, multi-token prediction on the masked labels) split by heads.
+        L("sft_dsv3_tp2", 2, "--training.tensor_parallel_degree 2", {"tp.mesh": {"tp": 2}},
+          shared=f"{DEEPSEEK_V3} {SFT}"),
     ],
     # Float8 linear layers (torchao), emulated on CPU: compared with one process running float8 too.
     "float8": [

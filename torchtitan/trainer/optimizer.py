@@ -58,7 +58,8 @@ class OptimizersContainer(Stateful):
                  zero1: ReplicaOwnership | None = None, muon: MuonSplit | None = None):
         self.model_parts = model_parts
         self.zero1 = zero1
-        keep = zero1.owns if zero1 is not None else (lambda p: True)
+        # Frozen parameters (LoRA's base) get no optimizer state, under ZeRO-1 no owner either.
+        keep = zero1.owns if zero1 is not None else (lambda p: p.requires_grad)
         # Each part's optimizers, for the state dict: one here (two with Muon: AdamW for the rest, Muon for
         # the matrices), one per parameter when they step in backward.
         self._part_optimizers = []
@@ -137,12 +138,11 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         self._norms: list[torch.Tensor] = []
         self._part_optimizers = []
         for part in model_parts:
-            # Every parameter gets an optimizer (also frozen ones, as in the plain container) so the
-            # state dicts match; only those that receive gradients get a hook.
-            optimizers = [optimizer_cls([p], **kwargs) for p in part.parameters()]
-            for p, optimizer in zip(part.parameters(), optimizers):
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(functools.partial(self._step_parameter, optimizer))
+            # Trainable parameters only, as in the plain container, so the state dicts match.
+            trainable = [p for p in part.parameters() if p.requires_grad]
+            optimizers = [optimizer_cls([p], **kwargs) for p in trainable]
+            for p, optimizer in zip(trainable, optimizers):
+                p.register_post_accumulate_grad_hook(functools.partial(self._step_parameter, optimizer))
             self._part_optimizers.append(optimizers)
         self.optimizers = [optimizer for optimizers in self._part_optimizers for optimizer in optimizers]
 
@@ -209,7 +209,8 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig,
                     f"of {len(owned)} of {len(zero1.params)} parameter tensors "
                     f"({sum(_local_numel(p) for p in owned):,} of {sum(_local_numel(p) for p in zero1.params):,} elements)")
     if muon is not None:
-        matrices = [name for part in model_parts for name, p in part.named_parameters() if muon.takes(name, p)]
+        matrices = [name for part in model_parts for name, p in part.named_parameters()
+                    if p.requires_grad and muon.takes(name, p)]
         device_type = next((p.device.type for part in model_parts for p in part.parameters()), "cpu")
         ns_dtype = str(resolve_param_dtype(muon.ns_dtype, device_type)).removeprefix("torch.")
         logger.info(f"applied Muon to {len(matrices)} matrix parameters (Newton-Schulz in {ns_dtype}, update "

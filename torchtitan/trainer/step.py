@@ -19,6 +19,7 @@ from torchtitan.models import TrainSpec
 from torchtitan.models.common import document_ids
 from torchtitan.parallelisms.chunked_loss import install_chunked_loss, loss_from_forward
 from torchtitan.parallelisms.context_parallel import shard_batch
+from torchtitan.parallelisms.lora import init_adapters
 from torchtitan.parallelisms.mixed_precision import apply_mixed_precision
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
@@ -110,6 +111,7 @@ def materialize(job_config: JobConfig, model_parts: list[torch.nn.Module], devic
         part.to_empty(device="cpu" if job_config.training.enable_cpu_offload else device)
         with torch.no_grad():
             part.init_weights(buffer_device=device)
+        init_adapters(part, max(job_config.training.seed, 0))  # LoRA's, alike under every layout
         part.train()
 
 
@@ -137,13 +139,25 @@ def document_mask_eos(job_config: JobConfig, tokenizer: Any) -> int | None:
     return tokenizer.eos_id if job_config.training.document_mask else None
 
 
-def model_kwargs(inputs: torch.Tensor, eos_id: int | None) -> dict[str, torch.Tensor]:
+def model_kwargs(inputs: torch.Tensor, eos_id: int | None,
+                 documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The model's keyword inputs beside the tokens: with document masking (`eos_id` given), the
     document ids of the whole sequences, which every pipeline stage and tensor-parallel rank gets
-    alike; none otherwise, so the forward is exactly today's. Under context parallelism the callers
-    pass the host's inputs: CP attention plans its blocks from the host's ids, without waiting for
-    the device (parallelisms/cp_attention.py)."""
-    return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
+    alike; none otherwise, so the forward is exactly today's. The ids are the batch's own where the
+    data gives them (`documents`: packed conversations, sft.py), else counted from `eos_id`. Under
+    context parallelism the callers pass the host's tensors: CP attention plans its blocks from the
+    host's ids, without waiting for the device (parallelisms/cp_attention.py)."""
+    if eos_id is None:
+        return {}
+    return {"document_ids": documents if documents is not None else document_ids(inputs, eos_id)}
+
+
+def batch_documents(batch: tuple[torch.Tensor, ...], device: torch.device, on_host: bool) -> torch.Tensor | None:
+    """A batch's own document ids (its third tensor, where the data gives one), on the host under
+    context parallelism (see model_kwargs), else on `device`."""
+    if len(batch) < 3:
+        return None
+    return batch[2] if on_host else batch[2].to(device, non_blocking=True)
 
 
 def takes_labels(train_spec: TrainSpec) -> bool:
@@ -172,14 +186,15 @@ def forward_backward(train_spec: TrainSpec, parallel_dims: ParallelDims, model_p
     with_labels = takes_labels(train_spec)
     in_loss_context = loss_context(parallel_dims)
     step_loss = torch.zeros((), device=device)
-    on_device = [(batch_inputs, *shard_batch((batch_inputs.to(device, non_blocking=True),
-                                              labels.to(device, non_blocking=True)), parallel_dims.cp_mesh))
-                 for batch_inputs, labels in micro_batches]
-    train_spec.loss_fn.start_step([labels for _, _, labels in on_device])
-    for micro, (batch_inputs, inputs, labels) in enumerate(on_device):
+    on_device = [(batch[0], *shard_batch((batch[0].to(device, non_blocking=True),
+                                          batch[1].to(device, non_blocking=True)), parallel_dims.cp_mesh),
+                  batch_documents(batch, device, parallel_dims.cp_enabled))
+                 for batch in micro_batches]
+    train_spec.loss_fn.start_step([labels for _, _, labels, _ in on_device])
+    for micro, (batch_inputs, inputs, labels, documents) in enumerate(on_device):
         # Document ids from the whole sequences: the host's under CP (cp_attention plans from them),
         # else the device's (unsharded without CP).
-        extra = model_kwargs(batch_inputs if parallel_dims.cp_enabled else inputs, eos_id)
+        extra = model_kwargs(batch_inputs if parallel_dims.cp_enabled else inputs, eos_id, documents)
         if with_labels:
             extra["labels"] = labels
         if accum > 1:

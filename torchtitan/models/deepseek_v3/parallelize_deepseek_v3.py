@@ -1,6 +1,6 @@
 """parallelize_deepseek_v3: applies parallelisms to a DeepSeek-V3 model or one pipeline stage.
 
-The order is Qwen3-MoE's (float8 -> TP -> EP -> CP -> AC -> compile -> FSDP/HSDP or DDP), with the
+The order is Qwen3-MoE's (float8 -> TP -> LoRA -> EP -> CP -> AC -> compile -> FSDP/HSDP or DDP), with the
 MoE layers' own FSDP units wrapped before their blocks (torchtitan/parallelisms/expert_parallel.py).
 
 Tensor parallelism of multi-head latent attention: the projections that produce per-head
@@ -47,6 +47,7 @@ from torchtitan.parallelisms.expert_parallel import (
     moe_tp_plan,
 )
 from torchtitan.parallelisms.float8 import apply_float8
+from torchtitan.parallelisms.lora import apply_lora
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import (
@@ -104,6 +105,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
                  sequence_parallel=not training.disable_sequence_parallel)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(parallel_dims.tp_mesh)
+    apply_lora(model, job_config.lora)  # after TP, whose layout the adapters follow; before AC, compile, FSDP
     if parallel_dims.ep > 1:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:

@@ -1,6 +1,6 @@
 """parallelize_llama: applies parallelisms to a Llama model (or one pipeline stage of it).
 
-Order matters and is fixed: tensor parallelism -> context parallelism -> activation checkpointing
+Order matters and is fixed: tensor parallelism -> LoRA -> context parallelism -> activation checkpointing
 -> torch.compile -> FSDP/HSDP or DDP (under TP, block-level checkpointing wraps the compiled block
 instead; see there). Each step is one small `apply_*` that logs one line. `validate_llama` checks,
 before any process group exists, that the model's shapes allow the requested layout.
@@ -18,6 +18,7 @@ from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.decoder_tp_plan import apply_decoder_tp, decoder_block_plan
 from torchtitan.parallelisms.float8 import apply_float8, uses_float8_tp_styles
+from torchtitan.parallelisms.lora import apply_lora
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import (
@@ -53,6 +54,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
                  sequence_parallel=not training.disable_sequence_parallel, float8=uses_float8_tp_styles(job_config))
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(tp_mesh)
+    # After TP, whose layout the adapters follow; before AC, compile and FSDP, which wrap them as any weight.
+    apply_lora(model, job_config.lora)
     if parallel_dims.cp_enabled:
         # Before AC wraps the blocks.
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)

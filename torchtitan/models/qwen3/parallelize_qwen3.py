@@ -1,6 +1,6 @@
 """parallelize_qwen3: applies parallelisms to a Qwen3 model (dense or MoE) or one pipeline stage.
 
-The order is Llama's (float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP), with expert
+The order is Llama's (float8 -> TP -> LoRA -> CP -> AC -> compile -> FSDP/HSDP or DDP), with expert
 parallelism after TP, and the MoE layers' own FSDP units wrapped before their blocks
 (torchtitan/parallelisms/expert_parallel.py). `validate_qwen3` checks before any process group
 exists that the shapes allow the layout.
@@ -29,6 +29,7 @@ from torchtitan.parallelisms.expert_parallel import (
     moe_tp_plan,
 )
 from torchtitan.parallelisms.float8 import apply_float8
+from torchtitan.parallelisms.lora import apply_lora
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline import PipelinePlan
 from torchtitan.parallelisms.tensor_parallel import (
@@ -70,6 +71,7 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
                  sequence_parallel=not training.disable_sequence_parallel)
         if job_config.experimental.enable_async_tensor_parallel:
             apply_async_tp(parallel_dims.tp_mesh)
+    apply_lora(model, job_config.lora)  # after TP, whose layout the adapters follow; before AC, compile, FSDP
     if parallel_dims.ep > 1:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:

@@ -33,6 +33,9 @@ PRIVATE_NAMES = (
     PrivateName(f"{_TOOLS}.fsdp2_mem_tracker._FSDPModMemStats.local_peak", instance=True),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._update_peak_stats", ("self", "peak_state")),
     PrivateName(f"{_TOOLS}.mem_tracker.MemTracker.memory_tracking", instance=True),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._track_module_params_and_buffers",
+                ("self", "module", "install_grad_hooks")),
+    PrivateName(f"{_TOOLS}.mem_tracker.MemTracker._param_to_grad_hook_handles", instance=True),
 )
 
 __all__ = ["FSDPMemTracker", "FSDPPartsTracker", "MemTracker", "PartsTracker"]
@@ -136,13 +139,29 @@ class FSDPPartsTracker(_PeaksFromAList, FSDPMemTracker):
         self._optimizer_hook_handles = tuple(handles)
 
 
+class _NoHook:
+    """Stands for the gradient hooks a frozen parameter cannot take."""
+
+    @staticmethod
+    def remove() -> None:
+        pass
+
+
 class PartsTracker(_PeaksFromAList, MemTracker):
     """MemTracker that, like FSDPPartsTracker, takes a model part's forward run several times in
-    one step (pipeline microbatches, gradient accumulation)."""
+    one step (pipeline microbatches, gradient accumulation), and frozen parameters (LoRA's base)."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
         self._roots = set(map(id, parts))
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker hooks every parameter's gradient, and registering a hook on a parameter that
+        # needs no gradient raises; such a parameter has no gradient to count: it is marked hooked.
+        for p in module.parameters():
+            if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[p] = (_NoHook, _NoHook)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         repeated = id(module) in self._roots and module in self.memory_tracking and not self._mod_tracker.is_bw
