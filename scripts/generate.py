@@ -273,7 +273,8 @@ def encode_prompts(ns: argparse.Namespace, tokenizer: Any, prompts: list[str]) -
         encoded = [generation_prompt(template, tokenizer, system + [{"role": "user", "content": p}]) for p in prompts]
         return encoded, end_of_turn_id(template, tokenizer)
     except ChatError as e:
-        raise GenerateError(f"--chat: {e}".replace("sft.chat_template", "--chat-template")) from None
+        raise GenerateError(f"--chat: {e}".replace("sft.chat_template", "--chat-template")
+                            .replace("model.tokenizer_path", "--tokenizer")) from None
 
 
 def run(ns: argparse.Namespace) -> None:

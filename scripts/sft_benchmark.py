@@ -36,7 +36,9 @@ MODEL = ("--model.name", "llama3", "--model.tokenizer_path", TOKENIZER)
 FLAVOR = ["debugmodel"]  # --flavor
 COMMON = ("--training.seq_len", "128", "--training.batch_size", "8", "--metrics.log_freq", "50",
           "--activation_checkpoint.mode", "none", "--training.warmup_steps", "20", "--training.decay_type", "cosine",
-          "--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only", "--checkpoint.interval", "100000")
+          "--checkpoint.enable_checkpoint", "--checkpoint.interval", "100000")
+# The base and full SFT save weights alone; a LoRA run saves its adapters (generate.py folds them into the base).
+WEIGHTS_ONLY = ("--checkpoint.model_weights_only",)
 
 
 def train(workdir: Path, name: str, steps: int, *args: str) -> tuple[Path, float, float]:
@@ -69,6 +71,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--base-steps", type=int, default=300, help="pre-training steps of the base model")
+    p.add_argument("--base", help="a base model's checkpoint (a step folder of an earlier run's base) instead of "
+                                  "pre-training one")
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--lora-steps", type=int, default=400)
     p.add_argument("--lora-rank", type=int, default=16)
@@ -86,13 +90,16 @@ def main() -> None:
     prompts, expected = [m[0]["content"] for m, _ in held], [a for _, a in held]
 
     rows = []
-    base, base_loss, base_s = train(workdir, "base", ns.base_steps, "--optimizer.lr", "2e-3")
+    if ns.base:
+        base, base_loss, base_s = Path(ns.base), float("nan"), 0.0
+    else:
+        base, base_loss, base_s = train(workdir, "base", ns.base_steps, *WEIGHTS_ONLY, "--optimizer.lr", "2e-3")
     rows.append(("base (pre-trained on text)", base_loss, base_s, instruction_task.exact_match(
         answers(base, prompts, workdir), expected)))
     sft = ("--sft.format", "chat", "--training.dataset_path", str(data), "--training.document_mask",
            "--checkpoint.initial_load_path", str(base), "--training.dataset_shuffle")
     if ns.only in (None, "sft"):
-        tuned, loss, seconds = train(workdir, "sft", ns.sft_steps, *sft, "--optimizer.lr", "1e-3")
+        tuned, loss, seconds = train(workdir, "sft", ns.sft_steps, *sft, *WEIGHTS_ONLY, "--optimizer.lr", "1e-3")
         rows.append((f"full SFT, {ns.sft_steps} steps", loss, seconds,
                      instruction_task.exact_match(answers(tuned, prompts, workdir), expected)))
     if ns.only in (None, "lora"):

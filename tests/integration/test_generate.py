@@ -300,8 +300,8 @@ def test_chat_generation_renders_the_template_and_stops_at_the_end_of_turn(tmp_p
 
 @pytest.mark.parametrize("args,expected", [
     (["--prompt", "x", "--system", "be brief"], "error: --system and --chat-template need --chat"),
-    (["--prompt", "x", "--chat"], "error: --chat: tokenizer {} has no chat template (a tokenizer_config.json with "
-                                  "chat_template beside its tokenizer.json); name a template file with --chat-template"),
+    (["--prompt", "x", "--chat"], "error: --chat: chat data needs a Hugging Face tokenizer (a tokenizer.json, or the "
+                                  "folder holding it with its tokenizer_config.json) in --tokenizer, not {}"),
 ])
 def test_chat_mistakes_are_one_line(capsys, trained, args, expected):
     status, err = run_main(capsys, "--checkpoint", str(trained), *args)

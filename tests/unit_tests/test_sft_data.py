@@ -114,11 +114,15 @@ def test_rows_pack_whole_conversations_with_their_own_document_ids(tmp_path, bun
 
 def test_one_conversation_per_row_pads_the_rest(tmp_path, bundled):
     lines = _conversations(8)
-    inputs, labels, documents = next(iter(_dataset(tmp_path, bundled, lines, "--sft.packing", "false", batch=4)))
+    encoder = _encoder(bundled)
+    batch = next(iter(_dataset(tmp_path, bundled, lines, "--sft.packing", "false", batch=4)))
+    assert len(batch) == 2  # no document ids: the padding follows the conversation, causal attention suffices
+    inputs, labels = batch
     for r in range(4):
-        assert set(documents[r].tolist()) <= {0, 1}
-        assert (inputs[r][documents[r] == 1] == bundled.pad_id).all()
-        assert (labels[r][documents[r] == 1] == IGNORE_INDEX).all()
+        ids, _ = encoder(check_messages(lines[r]))
+        n = min(len(ids), inputs.shape[1])  # a longer one is truncated to the row
+        assert inputs[r][:n].tolist() == ids[:n]
+        assert (inputs[r][n:] == bundled.pad_id).all() and (labels[r][n:] == IGNORE_INDEX).all()
 
 
 def test_the_loss_of_a_packed_batch_is_the_mean_over_the_assistant_tokens(tmp_path, bundled):
@@ -196,7 +200,7 @@ def test_prompt_completion_lines_train_on_the_completion(tmp_path, bundled):
     config = parse_args(["--sft.format", "prompt_completion", "--training.dataset_path", str(path),
                          "--training.seq_len", "32", "--training.batch_size", "1", "--sft.packing", "false"])
     dataset = conversation_dataset(config, bundled, [path], "training.dataset_path", 1, [0], 1)
-    inputs, labels, _ = next(iter(dataset))
+    inputs, labels = next(iter(dataset))
     trained = bundled.decode([t for t in labels[0].tolist() if t != IGNORE_INDEX])
     assert trained == " b a" + bundled.decode([bundled.eos_id])
 
@@ -207,6 +211,7 @@ def test_prompt_completion_lines_train_on_the_completion(tmp_path, bundled):
     ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
     ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}, "content is int"),
     ({"messages": []}, "not a non-empty list"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}]}, "empty assistant turn"),
 ])
 def test_a_bad_conversation_is_one_line_naming_its_line(tmp_path, bundled, line, message):
     with pytest.raises(DatasetError, match=f"chat.jsonl:2: .*{message}") as e:
@@ -217,9 +222,18 @@ def test_a_bad_conversation_is_one_line_naming_its_line(tmp_path, bundled, line,
 def test_a_template_that_does_not_render_is_one_line(tmp_path, bundled):
     template = tmp_path / "bad.jinja"
     template.write_text("{{ raise_exception('system messages are not supported') }}")
-    with pytest.raises(DatasetError, match="chat.jsonl:1: the chat template .* does not render this conversation: "
+    with pytest.raises(DatasetError, match="the chat template .* does not render this conversation: "
                                            "system messages are not supported"):
         next(iter(_dataset(tmp_path, bundled, _conversations(2), "--sft.chat_template", str(template))))
+    # A template that fails on some conversations: those are bad lines, skipped on request.
+    template.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ 1 / 0 }}{% endif %}<|im_start|>"
+                        "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    lines = [{"messages": [{"role": "system", "content": "s"}, *CONVERSATION[1:3]]}] + _conversations(30)
+    with pytest.raises(DatasetError, match="chat.jsonl:1: the chat template .* ZeroDivisionError: division by zero "
+                                           r"\(set training.dataset_skip_bad_lines"):
+        next(iter(_dataset(tmp_path, bundled, lines, "--sft.chat_template", str(template))))
+    next(iter(_dataset(tmp_path, bundled, lines, "--sft.chat_template", str(template), skip_bad_lines=True)))
     template.write_text("{% for m in messages %}")
     with pytest.raises(ChatError, match="does not parse"):
         next(iter(_dataset(tmp_path, bundled, _conversations(2), "--sft.chat_template", str(template))))
@@ -227,12 +241,11 @@ def test_a_template_that_does_not_render_is_one_line(tmp_path, bundled):
 
 def test_a_tokenizer_without_template_or_offsets_is_refused(tmp_path):
     tiktoken = tokenizer_from_file(str(Path(BUNDLED).parent / "stdlib_docs" / "tokenizer.model"))
-    with pytest.raises(ChatError, match="has no chat template"):
+    with pytest.raises(ChatError, match="chat data needs a Hugging Face tokenizer"):
         chat_template_for(tiktoken)
-    template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    with pytest.raises(ChatError, match="needs a Hugging Face tokenizer"):
-        ConversationEncoder(tiktoken, "chat", chat_template_for(tiktoken, str(template)))
+    alone = tokenizer_from_file(str(Path(BUNDLED) / "tokenizer.json"))  # without the config that holds the template
+    with pytest.raises(ChatError, match="has no chat template"):
+        chat_template_for(alone)
 
 
 def test_the_training_loader_yields_document_ids_for_chat_data(tmp_path, bundled):
@@ -266,3 +279,79 @@ def test_option_mistakes_are_one_line_before_anything_starts(args, message):
     with pytest.raises(ConfigError, match=message) as e:
         parse_args(args)
     assert "\n" not in str(e.value)
+
+
+def _trained(tokenizer, messages, template=None) -> list[str]:
+    """The text of each run of target tokens of a conversation."""
+    encoder = ConversationEncoder(tokenizer, "chat", template or chat_template_for(tokenizer))
+    ids, targets = encoder(check_messages({"messages": messages}))
+    runs, current = [], []
+    for i, t in zip(ids, targets):
+        if t:
+            current.append(i)
+        elif current:
+            runs, current = runs + [tokenizer.decode(current)], []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_targets_are_each_turn_and_its_closing_token_in_hard_cases(tmp_path, bundled):
+    """What a search for the content would get wrong: a user who says what the assistant answers, an
+    assistant speaking first, a template whose earlier turns render otherwise once more follow, a
+    model whose end-of-text is not its end of turn, and a token running from the generation prompt
+    into the answer."""
+    deepseek, qwen = (tokenizer_from_file(REAL[f]) for f in ("deepseek_v3", "qwen"))
+    eos = deepseek.decode([deepseek.eos_id])
+    echo = [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "yes"},
+            {"role": "user", "content": "yes"}, {"role": "assistant", "content": "no"}]
+    assert _trained(deepseek, echo) == ["yes" + eos, "no" + eos]
+    assert _trained(deepseek, [{"role": "assistant", "content": "yo"}, *echo]) == ["yo" + eos, "yes" + eos, "no" + eos]
+    # Qwen3 renders earlier answers without their thinking block; base-model configs name another eos.
+    folder = tmp_path / "qwen_base"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((Path(REAL["qwen"]) / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    for tokenizer in (qwen, tokenizer_from_file(str(folder))):
+        runs = _trained(tokenizer, echo)
+        assert runs[0] == "yes<|im_end|>\n" and runs[1].endswith("no<|im_end|>\n"), runs
+    # A later system message that the template moves first: turn 1's prefix changes, so it is refused.
+    moved = [*echo[:2], {"role": "system", "content": "Be nice."}, *echo[2:]]
+    with pytest.raises(ChatError, match="renders the conversation before assistant turn 1 otherwise"):
+        _trained(deepseek, moved)
+    # "Assistant: " ends the generation prompt; " hello" is one token, the answer's first.
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    runs = _trained(qwen, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+                    chat_template_for(qwen, str(template)))
+    assert runs == [" hello there<|im_end|>"], runs
+
+
+def test_generation_stops_at_the_templates_end_of_turn_and_refuses_a_plain_text_one(tmp_path, bundled):
+    from torchtitan.datasets.chat import end_of_turn_id
+
+    qwen, deepseek = (tokenizer_from_file(REAL[f]) for f in ("qwen", "deepseek_v3"))
+    assert end_of_turn_id(chat_template_for(qwen), qwen) == qwen.token_id("<|im_end|>")
+    assert end_of_turn_id(chat_template_for(deepseek), deepseek) == deepseek.eos_id
+    assert end_of_turn_id(chat_template_for(bundled), bundled) == bundled.token_id("<|im_end|>")
+    template = tmp_path / "newline.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    with pytest.raises(ChatError, match="closes an assistant turn with .*, which holds no special token"):
+        end_of_turn_id(chat_template_for(bundled, str(template)), bundled)
+
+
+def test_nothing_fits_is_not_said_of_shuffled_data_where_something_does(tmp_path, bundled, monkeypatch):
+    """Chunks read in a shuffled order: one conversation that fits among overlong ones, over many
+    small chunks, is found every epoch (the check counts the items read since a conversation last
+    fitted, not epochs begun)."""
+    from torchtitan.datasets import chunks
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 2000)
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]}
+    lines = [long] * 20 + [_conversations(1)[0]] + [long] * 20
+    for seed in range(4):
+        batches = iter(_dataset(tmp_path, bundled, lines, "--sft.overlong", "drop", "--training.dataset_shuffle",
+                                "--training.seed", str(seed), batch=1))
+        for _ in range(3):
+            next(batches)

@@ -88,23 +88,24 @@ def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: i
 
 def check_document_mask(job_config: JobConfig, tokenizer: Any, model_cls: type | None = None) -> None:
     """training.document_mask cuts windows at end-of-text tokens, and training.mask_loss_after_eos
-    ignores the labels after them, so the tokenizer must have one; document masking hands the model
+    ignores the labels after them, so the tokenizer must have one (not for conversations, which
+    carry their document ids); document masking, and packed conversations, hand the model
     `document_ids`, so its forward must take them."""
-    training = job_config.training
+    training, sft = job_config.training, job_config.sft
     options = [name for name, on in (("training.document_mask", training.document_mask),
                                      ("training.mask_loss_after_eos", training.mask_loss_after_eos)) if on]
-    if not options:
-        return
     eos_id = getattr(tokenizer, "eos_id", None)
-    if eos_id is None or eos_id < 0:
+    # Packed conversations carry their own document ids (datasets/sft.py): no end-of-text needed.
+    if options and not sft.format and (eos_id is None or eos_id < 0):
         raise ConfigError(f"{options[0]} needs an end-of-text token to tell where documents end; the "
                           f"tokenizer {job_config.model.tokenizer_path} has none (eos_id {eos_id}); use a tokenizer "
                           f"with one, or leave {options[0]} off")
-    if not training.document_mask:
-        return
-    if model_cls is not None and "document_ids" not in inspect.signature(model_cls.forward).parameters:
-        raise ConfigError(f"training.document_mask: model {job_config.model.name!r} takes no document_ids in its "
-                          "forward (see torchtitan/models/llama/model.py); leave training.document_mask off for it")
+    masked = "training.document_mask" if training.document_mask else \
+        "sft.packing" if sft.format and sft.packing else None
+    if masked and model_cls is not None and "document_ids" not in inspect.signature(model_cls.forward).parameters:
+        fix = "leave training.document_mask off" if training.document_mask else "set sft.packing false"
+        raise ConfigError(f"{masked}: model {job_config.model.name!r} takes no document_ids in its forward (see "
+                          f"torchtitan/models/llama/model.py), so packed documents cannot be kept apart; {fix} for it")
 
 
 def check_pipelining_fn(train_spec: TrainSpec, parallel_dims: ParallelDims) -> None:

@@ -133,7 +133,7 @@ RULES: tuple[Rule, ...] = (
                                         "profiling.enable_profiling", "profiling.enable_memory_snapshot"),
          "torchtitan.config.output_locations:check_output_locations"),
     Rule("flavor", "model", ("model.name", "model.flavor"), "torchtitan.config.preflight:check_flavor"),
-    Rule("document_mask", "model", ("training.document_mask", "training.mask_loss_after_eos", "model.tokenizer_path"),
+    Rule("document_mask", "model", ("training.document_mask", "training.mask_loss_after_eos", "model.tokenizer_path", "sft.format", "sft.packing"),
          "torchtitan.config.preflight:check_document_mask"),
     Rule("pipelining_fn", "model", (*_PP,), "torchtitan.config.preflight:check_pipelining_fn"),
     Rule("hf_export", "model", ("checkpoint.last_save_in_hf",), "torchtitan.config.preflight:check_hf_adapter"),

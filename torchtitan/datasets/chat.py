@@ -105,8 +105,9 @@ def special_token_variables(tokenizer: Any) -> dict[str, Any]:
 class ChatTemplate:
     """Renders conversations with one template; picklable (worker processes compile it again)."""
 
-    def __init__(self, source: str, variables: dict[str, Any], where: str):
+    def __init__(self, source: str, variables: dict[str, Any], where: str, special_texts: tuple[str, ...] = ()):
         self.source, self.variables, self.where = source, variables, where
+        self.special_texts = special_texts  # the tokenizer's special tokens, as text
         try:
             _compile(source)  # a template that does not parse is refused when the data is built
         except ChatError as e:
@@ -123,20 +124,29 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as e:
             raise ChatError(f"the chat template ({self.where}) does not render this conversation: "
                             f"{getattr(e, 'message', None) or e}") from None
-        except (TypeError, AttributeError, KeyError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a template is code: whatever it raises is the conversation's problem
             raise ChatError(f"the chat template ({self.where}) does not render this conversation: "
                             f"{type(e).__name__}: {e}") from None
 
 
 def chat_template_for(tokenizer: Any, template_path: str = "") -> ChatTemplate:
-    """sft.chat_template's file, else the tokenizer's own template; one line when there is none."""
+    """sft.chat_template's file, else the tokenizer's own template; one line when there is none.
+    Conversations are tokenized whole and their turns found by character offsets, which only a
+    Hugging Face tokenizer gives (tiktoken and sentencepiece files carry no template either)."""
+    if not hasattr(tokenizer, "encode_with_offsets"):
+        raise ChatError(f"chat data needs a Hugging Face tokenizer (a tokenizer.json, or the folder holding it with "
+                        f"its tokenizer_config.json) in model.tokenizer_path, not {tokenizer.path}")
+    special = tuple(getattr(tokenizer, "special_tokens", {}))
     if template_path:
-        return ChatTemplate(read_template(template_path), special_token_variables(tokenizer), template_path)
+        from torchtitan.assets import resolve_path
+
+        path = resolve_path(template_path, "sft.chat_template", ChatError)
+        return ChatTemplate(read_template(path), special_token_variables(tokenizer), template_path, special)
     own = getattr(tokenizer, "chat_template", None)
     if not own:
         raise ChatError(f"tokenizer {tokenizer.path} has no chat template (a tokenizer_config.json with "
                         "chat_template beside its tokenizer.json); name a template file with sft.chat_template")
-    return ChatTemplate(own, special_token_variables(tokenizer), f"the chat_template of {tokenizer.path}")
+    return ChatTemplate(own, special_token_variables(tokenizer), f"the chat_template of {tokenizer.path}", special)
 
 
 def check_messages(record: Any) -> list[dict[str, str]]:
@@ -156,6 +166,8 @@ def check_messages(record: Any) -> list[dict[str, str]]:
             raise ValueError(f"message {i} has the unknown role {message['role']!r} (known: {', '.join(ROLES)})")
         if not isinstance(message["content"], str):
             raise ValueError(f"message {i}'s content is {type(message['content']).__name__}, not a string")
+        if role == "assistant" and not message["content"].strip():
+            raise ValueError(f"message {i} is an empty assistant turn, so nothing to train on in it")
         checked.append({**message, "role": role})
     if not any(m["role"] == "assistant" for m in checked):
         raise ValueError("the conversation has no assistant turn, so nothing to train on")
@@ -171,34 +183,50 @@ def check_prompt_completion(record: Any) -> tuple[str, str]:
     return record["prompt"], record["completion"]
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
-    """The character spans of `text` (the whole conversation rendered) that the assistant turns add."""
-    spans, cursor = [], 0
+def turn_closer(template: ChatTemplate) -> str:
+    """What the template renders after an assistant turn's content (`<|im_end|>\n`, `<|eot_id|>`, ...):
+    the end of a turn the model must learn to produce, found by rendering one."""
+    text = template.render([{"role": "user", "content": "Q"}, {"role": "assistant", "content": _PROBE}])
+    return text[text.rfind(_PROBE) + len(_PROBE):]
+
+
+_PROBE = "A7c3ProbeAnswer"
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict[str, str]], text: str,
+                    closer: str) -> list[tuple[int, int]]:
+    """The character spans of `text` (the whole conversation rendered) that the assistant turns
+    add: from the end of the conversation before the turn rendered with the generation prompt,
+    through the turn rendered alone (where the whole text starts with it), else through the turn's
+    content and the template's turn `closer` found right after it (a template that renders a turn
+    otherwise once more follow, Qwen3's thinking block). A turn that cannot be located this way is
+    refused (ValueError): searching the text for the content could find it in a user's turn."""
+    spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-        if text.startswith(before) and len(before) >= cursor:
-            start = len(before)
-        else:  # a template that renders earlier turns differently once more follow: find the content
-            start = text.find(message["content"], cursor)
-            if start < 0:
-                raise ChatError(f"the chat template ({template.where}) does not show assistant turn {i}'s content "
-                                "in the rendered conversation, so its tokens cannot be found")
+        before = template.render(messages[:i], add_generation_prompt=True)
+        if not text.startswith(before) or (spans and len(before) < spans[-1][1]):
+            raise ValueError(f"the chat template renders the conversation before assistant turn {i} otherwise once "
+                             "the turn follows, so its tokens cannot be told apart")
+        start = len(before)
         through = template.render(messages[:i + 1])
         if text.startswith(through) and len(through) > start:
-            end = len(through)
+            spans.append((start, len(through)))
+            continue
+        found = text.find(message["content"], start)
+        nearest_special = min((text.find(t, start) for t in template.special_texts if text.find(t, start) >= 0),
+                              default=len(text))
+        if found < 0 or found > nearest_special:  # the content must lie in this turn, before its closing token
+            raise ValueError(f"the chat template does not show assistant turn {i}'s content where the turn is "
+                             "rendered, so its tokens cannot be found")
+        end = found + len(message["content"])
+        if closer and text.startswith(closer, end):
+            end += len(closer)
         else:
-            found = text.find(message["content"], start)
-            if found < 0:
-                raise ChatError(f"the chat template ({template.where}) does not show assistant turn {i}'s content "
-                                "in the rendered conversation, so its tokens cannot be found")
-            end = found + len(message["content"])
-            eos = template.variables.get("eos_token")
-            if eos and text.startswith(eos, end):  # the end-of-turn marker is the assistant's to produce
-                end += len(eos)
+            closing = next((t for t in template.special_texts if closer.startswith(t)), "")
+            end += len(closing) if closing and text.startswith(closing, end) else 0
         spans.append((start, end))
-        cursor = end
     return spans
 
 
@@ -207,10 +235,7 @@ class ConversationEncoder:
 
     def __init__(self, tokenizer: Any, format: str, template: ChatTemplate | None = None):
         self.tokenizer, self.format, self.template = tokenizer, format, template
-        if format == "chat" and not hasattr(tokenizer, "encode_with_offsets"):
-            raise ChatError(f"sft.format chat needs a Hugging Face tokenizer (a tokenizer.json) in "
-                            f"model.tokenizer_path, not {tokenizer.path}: the template's special tokens are found "
-                            "in the rendered text by that tokenizer")
+        self.closer = turn_closer(template) if template is not None else ""
 
     def check(self, record: Any) -> Any:
         return check_messages(record) if self.format == "chat" else check_prompt_completion(record)
@@ -222,13 +247,18 @@ class ConversationEncoder:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
         text = self.template.render(messages)
-        spans = assistant_spans(self.template, messages, text)
+        try:
+            spans = assistant_spans(self.template, messages, text, self.closer)
+        except ValueError as e:
+            raise ChatError(f"{e} ({self.template.where})") from None
         ids, offsets = self.tokenizer.encode_with_offsets(text)
+        # A token is a target when its characters overlap a span: one that starts in the generation
+        # prompt and runs into the answer (" hello" after "Assistant:") is the answer's first token.
         targets, s = [], 0
-        for start, _ in offsets:
+        for start, end in offsets:
             while s < len(spans) and start >= spans[s][1]:
                 s += 1
-            targets.append(s < len(spans) and spans[s][0] <= start)
+            targets.append(s < len(spans) and end > spans[s][0])
         if ids:
             targets[0] = False  # a conversation's first token is never predicted from the one before it
         return ids, targets
@@ -245,14 +275,16 @@ class ConversationEncoder:
 
 def end_of_turn_id(template: ChatTemplate, tokenizer: Any) -> int:
     """The token the template closes an assistant turn with, which generation stops at: the first
-    special token the template renders after an answer (<|im_end|>, <|eot_id|>, ...); the
-    tokenizer's end-of-text where the template closes turns with plain text."""
-    probe = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "ANSWER"}]
-    text = template.render(probe)
-    after = text[text.rfind("ANSWER") + len("ANSWER"):]
+    special token the template renders after an answer (<|im_end|>, <|eot_id|>, ...); a template
+    that closes turns with plain text only is refused."""
+    closer = turn_closer(template)
     special = set(getattr(tokenizer, "special_tokens", {}).values())
-    ids, _ = tokenizer.encode_with_offsets(after)
-    return next((i for i in ids if i in special), tokenizer.eos_id)
+    ids, _ = tokenizer.encode_with_offsets(closer)
+    found = next((i for i in ids if i in special), None)
+    if found is None:
+        raise ChatError(f"the chat template ({template.where}) closes an assistant turn with {closer!r}, which holds no "
+                        "special token, so an answer's end cannot be told; name a template that ends turns with one")
+    return found
 
 
 def generation_prompt(template: ChatTemplate, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -266,8 +266,9 @@ class ShardItems:
             if self.split is None or self.split.reads(document_key(chunk.file, position)):
                 try:
                     doc, doc_targets = self.encoder(checked)
-                except DatasetError as e:
-                    raise type(e)(f"{sources.where(path, position)}: {e}") from None
+                except DatasetError as e:  # the template on this conversation: a bad line like any other
+                    self.counter.bad(sources.where(path, position), str(e))
+                    continue
                 ids += doc
                 targets += doc_targets
                 lengths.append(len(doc))

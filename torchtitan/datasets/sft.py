@@ -7,8 +7,9 @@ differs is the packing. A row of seq_len + 1 tokens holds whole conversations ba
 (`sft.packing`) or one conversation (padded); a conversation never continues into the next row,
 since its answers need their prompt. The rest of a row is padding. Each batch is (inputs, labels,
 document ids): labels are -100 except where the next token is a target, and the document ids
-(each conversation, and the padding, a document of its own) are what `training.document_mask`
-masks attention with, so no conversation attends to another.
+(each conversation, and the padding, a document of its own) keep attention inside each
+conversation, whatever `training.document_mask` says (the step hands the model a batch's own ids).
+One conversation a row comes without ids: its padding follows it, so causal attention suffices.
 
 A conversation longer than a row is truncated to the row (its first tokens) or dropped
 (`sft.overlong`); one whose kept part has no target is dropped either way. Both are counted,
@@ -44,7 +45,7 @@ class ConversationPacker(_Packer):
         self.packing, self.overlong, self.pad_id = packing, overlong, pad_id
         self.kept: dict[int, tuple[torch.Tensor, list[int]]] = {}  # item -> (targets, conversation starts)
         self.truncated = self.dropped = 0
-        self.placed_epoch = 0  # the epoch of the last conversation placed in a row
+        self.placed_at = 0  # the item after the one the last conversation placed in a row came from
 
     def _keep(self, item: dict[str, Any]) -> None:
         starts = [0]
@@ -66,11 +67,14 @@ class ConversationPacker(_Packer):
                 self.head = 0
             elif not self._fetch():
                 return None
-            if self.epoch > self.placed_epoch + 1:  # a whole epoch went by and nothing fitted
+            # Every item of two whole epochs read since a conversation last fitted: none ever will.
+            if self.items.plan is not None and self.next_item - self.placed_at > 2 * len(self.items.plan) + 1:
+                advice = ("or use sft.overlong truncate" if self.overlong == "drop"
+                          else "or give conversations whose answers start within it")
                 raise DatasetError(
                     f"no conversation of {describe(self.items.source)} (data shard {self.items.shard} of "
                     f"{self.items.num_shards}) fits in training.seq_len + 1 = {self.seq_len + 1} tokens with a "
-                    "target left (sft.overlong drop); raise training.seq_len or use sft.overlong truncate")
+                    f"target left (sft.overlong {self.overlong}); raise training.seq_len {advice}")
 
     def next_window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         row = self.seq_len + 1
@@ -94,7 +98,7 @@ class ConversationPacker(_Packer):
                 self._count("truncated", len(ids))
             pieces.append((ids[:length], targets[:length]))
             used += length
-            self.placed_epoch = self.epoch
+            self.placed_at = self.next_item
         if not pieces:
             return None
         tokens = torch.full((row,), self.pad_id, dtype=torch.int32)
@@ -117,13 +121,13 @@ class ConversationPacker(_Packer):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "truncated": self.truncated, "dropped": self.dropped,
-                "placed_epoch": self.placed_epoch}
+                "placed_at": self.placed_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.kept.clear()
         self.truncated, self.dropped = int(state["truncated"]), int(state["dropped"])
-        self.placed_epoch = int(state["placed_epoch"])
+        self.placed_at = int(state["placed_at"])
 
 
 class ConversationDataset(PackedTextDataset):
@@ -143,10 +147,12 @@ class ConversationDataset(PackedTextDataset):
         return ConversationPacker(items, seq_len, workers, self.packing, self.overlong, self.pad_id)
 
     def _batch(self, rows: list[Any]) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels, document ids) of packed rows; (inputs, labels) of one conversation a row,
+        whose padding comes after it, so plain causal attention keeps it to itself."""
         tokens, targets, documents = (torch.stack(part) for part in zip(*rows))
         tokens = tokens.long()
         labels = tokens[:, 1:].masked_fill(~targets[:, 1:], IGNORE_INDEX)
-        return tokens[:, :-1], labels, documents[:, :-1]
+        return (tokens[:, :-1], labels, documents[:, :-1]) if self.packing else (tokens[:, :-1], labels)
 
     def conversations_cut(self) -> dict[str, int]:
         """Conversations truncated and dropped so far by this rank (sft.overlong)."""
@@ -157,6 +163,9 @@ class ConversationDataset(PackedTextDataset):
 def conversation_encoder(job_config: JobConfig, tokenizer: Tokenizer) -> ConversationEncoder:
     sft = job_config.sft
     template = chat_template_for(tokenizer, sft.chat_template) if sft.format == "chat" else None
+    if sft.format == "prompt_completion" and tokenizer.eos_id < 0:
+        raise DatasetError(f"sft.format prompt_completion ends each completion with the end-of-text token, which "
+                           f"tokenizer {tokenizer.path} has not; use a tokenizer with one")
     return ConversationEncoder(tokenizer, sft.format, template)
 
 

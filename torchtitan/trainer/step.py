@@ -141,15 +141,16 @@ def document_mask_eos(job_config: JobConfig, tokenizer: Any) -> int | None:
 
 def model_kwargs(inputs: torch.Tensor, eos_id: int | None,
                  documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs beside the tokens: with document masking (`eos_id` given), the
-    document ids of the whole sequences, which every pipeline stage and tensor-parallel rank gets
-    alike; none otherwise, so the forward is exactly today's. The ids are the batch's own where the
-    data gives them (`documents`: packed conversations, sft.py), else counted from `eos_id`. Under
+    """The model's keyword inputs beside the tokens: the document ids of the whole sequences, which
+    every pipeline stage and tensor-parallel rank gets alike: the batch's own where the data gives
+    them (`documents`: packed conversations, sft.py, always kept apart), else with document masking
+    (`eos_id` given) counted from the end-of-text tokens; none otherwise, so the forward is exactly
+    today's. Under
     context parallelism the callers pass the host's tensors: CP attention plans its blocks from the
     host's ids, without waiting for the device (parallelisms/cp_attention.py)."""
-    if eos_id is None:
-        return {}
-    return {"document_ids": documents if documents is not None else document_ids(inputs, eos_id)}
+    if documents is not None:
+        return {"document_ids": documents}
+    return {} if eos_id is None else {"document_ids": document_ids(inputs, eos_id)}
 
 
 def batch_documents(batch: tuple[torch.Tensor, ...], device: torch.device, on_host: bool) -> torch.Tensor | None:
