@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--lora-steps", type=int, default=400)
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-lr", type=float, default=3e-3)
     p.add_argument("--held-out", type=int, default=200, help="held-out requests answered by each model")
     p.add_argument("--flavor", default=FLAVOR[0], help="the llama3 flavor of the base model")
     p.add_argument("--only", choices=["sft", "lora"], help="fine-tune one way only")
@@ -103,7 +104,7 @@ def main() -> None:
         rows.append((f"full SFT, {ns.sft_steps} steps", loss, seconds,
                      instruction_task.exact_match(answers(tuned, prompts, workdir), expected)))
     if ns.only in (None, "lora"):
-        tuned, loss, seconds = train(workdir, "lora", ns.lora_steps, *sft, "--optimizer.lr", "3e-3",
+        tuned, loss, seconds = train(workdir, "lora", ns.lora_steps, *sft, "--optimizer.lr", str(ns.lora_lr),
                                      "--optimizer.weight_decay", "0", "--lora.rank", str(ns.lora_rank),
                                      "--lora.alpha", str(2 * ns.lora_rank))
         rows.append((f"LoRA rank {ns.lora_rank}, {ns.lora_steps} steps", loss, seconds,

@@ -80,5 +80,16 @@ def test_a_lora_checkpoint_of_other_adapters_is_refused(tmp_path):
         assert result.returncode == 2, result.stderr[-2000:]
         one_line(result.stderr, f"its LoRA adapters sit on other layers (lora.target_modules all-linear there, {targets} "
                                 f"here): {expected}")
+    # The adapters' scale: another lora.alpha would make them fit neither run.
+    result = run_train([*job, "--training.steps", "4", *LORA, "--lora.alpha", "64"], check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    one_line(result.stderr, "holds adapters trained with lora.alpha 16, but this run's lora.alpha is 64; resume with "
+                            "lora.alpha 16")
+    # Its adapters-only step as another run's starting point, with LoRA or without: no model to start from.
+    for lora in ([], LORA):
+        result = run_train([*TINY_RUN, "--job.dump_folder", str(tmp_path / "other"), *lora,
+                            "--checkpoint.initial_load_path", str(run / "checkpoint" / "step-2")], check=False)
+        assert result.returncode == 2, result.stderr[-2000:]
+        one_line(result.stderr, "holds LoRA adapters only (rank 8, trained on")
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-2"]
     assert (run / "metrics.jsonl").read_text() == metrics

@@ -119,7 +119,7 @@ def test_exports_refuse_with_one_line(tmp_path, capsys):
     ckpt = run / "checkpoint" / "step-2"
     refused(["dcp-to-hf", ckpt, tmp_path / "out"], "add --lora-merge")
     refused(["dcp-to-hf", "--lora-merge", "--base", tmp_path / "nowhere", ckpt, tmp_path / "out"],
-            "does not exist; pass --base")
+            "nowhere does not exist; name the base model")
     refused(["dcp-to-hf", "--lora-merge", "--base", seeds["debugmodel"], ckpt, tmp_path / "out"],
             "does not fit its adapters: layers.0.attention.wq.weight is [256, 256] there, the adapters make [128, 128]")
     manifest = Manifest.read(str(seeds["tiny"]))

@@ -54,11 +54,24 @@ def loads_for(resume: ResumePoint, job_config: JobConfig) -> list[tuple[ResumePo
     LoRA, the checkpoint whole. With LoRA, weights only (a seed, a full model, a Hugging Face
     folder: the base) leave the adapters fresh; a step checkpoint of adapters alone needs its
     base first; one of a whole LoRA model is read whole."""
+    record = (resume.manifest.lora if resume.manifest is not None else None) or {}
+    if record and resume.weights_only:  # an initial_load_path that a LoRA run wrote
+        merge = (f"merge its adapters into its base first (scripts/convert_checkpoint.py dcp-to-hf --lora-merge "
+                 f"{resume.path} OUT) and start from OUT")
+        if record.get("adapters_only"):
+            raise CheckpointError(f"checkpoint.initial_load_path {resume.path} holds LoRA adapters only (rank "
+                                  f"{record.get('rank')}, trained on {record.get('base')}), no model to start from; {merge}")
+        if job_config.lora.rank == 0:
+            raise CheckpointError(f"checkpoint.initial_load_path {resume.path} holds a model with LoRA adapters (rank "
+                                  f"{record.get('rank')}); {merge}, or set lora.rank to train new adapters on its base")
     if job_config.lora.rank == 0:
         return [(resume, WHOLE)]
     if resume.weights_only or resume.hf:
         return [(resume, BASE)]
-    record = (resume.manifest.lora if resume.manifest is not None else None) or {}
+    if record and float(record.get("alpha", job_config.lora.alpha)) != job_config.lora.alpha:
+        # The adapters' scale: trained at one and resumed at another, they would fit neither.
+        raise CheckpointError(f"{resume.path} holds adapters trained with lora.alpha {record['alpha']:g}, but this run's "
+                              f"lora.alpha is {job_config.lora.alpha:g}; resume with lora.alpha {record['alpha']:g}")
     if not record.get("adapters_only"):
         return [(resume, WHOLE)]
     path = job_config.checkpoint.initial_load_path

@@ -64,6 +64,8 @@ def read_adapters(ckpt: str, manifest: Manifest, base: str | None,
     adapters, weights = _adapters_and_weights(ckpt)  # weights: the base, when the run saved the whole model
     if record.get("adapters_only"):
         path = base or record.get("base") or ""  # the run recorded its checkpoint.initial_load_path, required
+        if base and not os.path.isdir(base):
+            raise CheckpointError(f"--base {base} does not exist; name the base model's checkpoint or Hugging Face folder")
         if not os.path.isdir(path):
             raise CheckpointError(f"the base model {path!r} of checkpoint {ckpt} does not exist; pass --base with the "
                                   "base model's checkpoint or Hugging Face folder")
