@@ -116,13 +116,14 @@ def test_a_fine_tuning_job_resumes_exactly(tmp_path):
     """Chat data (sft.format), packed with document masks, shuffled and read by a worker, killed
     after step 5: the resumed job's steps 5-8 are bitwise those of a job never stopped, so the
     packer's saved position (the item and the conversations used of it, the overlong counts)
-    restarts the rows where they were."""
+    restarts the rows where they were. One process: the data position is per data shard, and
+    shards over ranks are tests/unit_tests/test_sft_data.py's."""
     sft = ("--model.tokenizer_path", "bundled:chat_tokenizer", "--training.dataset", "reverse_words", "--sft.format",
            "chat", "--training.document_mask", "--training.seq_len", "96", "--training.dataset_shuffle",
            "--training.dataset_num_workers", "1")
     whole = tmp_path / "whole"
-    run_train(job(whole, FSDP2, *sft), nproc=2)
-    killed(tmp_path / "killed", FSDP2, 2, {"TT_KILL_AFTER_STEP": "5"}, *sft)
-    resumed(tmp_path / "killed", FSDP2, 2, *sft)
+    run_train(job(whole, [], *sft))
+    killed(tmp_path / "killed", [], 1, {"TT_KILL_AFTER_STEP": "5"}, *sft)
+    resumed(tmp_path / "killed", [], 1, *sft)
     assert resumed_after(tmp_path / "killed") == 4
     assert losses(tmp_path / "killed") == losses(whole)

@@ -71,11 +71,20 @@ def test_tensor_parallel_generation_gives_the_same_text(trained):
     assert lines[1].startswith("[1] The cat sleeps") and "tensor parallel 2" in result.stderr
 
 
-def test_the_runs_hugging_face_export_generates_the_same_text(trained):
+def generate_here(capsys, *args) -> tuple[str, str]:
+    """The script's main() in this process -> (stdout, stderr): no interpreter start-up (the
+    greedy test above runs the script as a user does)."""
+    status = generate_script.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    return out, err
+
+
+def test_the_runs_hugging_face_export_generates_the_same_text(trained, capsys):
     export = trained / "step-25-hf"
     assert (export / "tokenizer.model").is_file()
-    result = generate("--checkpoint", export, "--prompt", PROMPT, "--max-new-tokens", NEW)
-    assert result.stdout.strip() == TEXT
+    out, _ = generate_here(capsys, "--checkpoint", export, "--prompt", PROMPT, "--max-new-tokens", NEW)
+    assert out.strip() == TEXT
 
 
 
@@ -276,7 +285,7 @@ def test_moe_tensor_parallel_generation_equals_one_process_with_the_runs_own_tok
 CHAT = [{"role": "user", "content": "Reverse: stone cloud river"}, {"role": "assistant", "content": "river cloud stone"}]
 
 
-def test_chat_generation_renders_the_template_and_stops_at_the_end_of_turn(tmp_path):
+def test_chat_generation_renders_the_template_and_stops_at_the_end_of_turn(tmp_path, capsys):
     """A tiny model fine-tuned on one conversation (sft.format chat, the bundled chat tokenizer):
     --chat renders the prompt as a user turn with the generation prompt, so the model answers with
     the memorised reply, and generation ends at the template's <|im_end|>: the reply and that
@@ -288,14 +297,14 @@ def test_chat_generation_renders_the_template_and_stops_at_the_end_of_turn(tmp_p
                "--optimizer.lr", "1e-2", "--training.batch_size", "4", "--training.document_mask",
                "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000", "--checkpoint.model_weights_only",
                "--job.dump_folder", str(tmp_path / "out")])
-    result = generate("--checkpoint", tmp_path / "out" / "checkpoint", "--chat", "--prompt", CHAT[0]["content"],
-                      "--max-new-tokens", "20")
-    assert result.stdout.strip() == CHAT[0]["content"] + CHAT[1]["content"]
+    out, err = generate_here(capsys, "--checkpoint", tmp_path / "out" / "checkpoint", "--chat", "--prompt",
+                             CHAT[0]["content"], "--max-new-tokens", "20")
+    assert out.strip() == CHAT[0]["content"] + CHAT[1]["content"]
     # The reply's tokens and <|im_end|>: generation stopped there, 20 tokens were allowed.
     from torchtitan.datasets.tokenizer import tokenizer_from_file
 
     tokenizer = tokenizer_from_file(str(REPO_ROOT / "torchtitan" / "assets" / "chat_tokenizer"))
-    assert f"generated {len(tokenizer.encode(CHAT[1]['content'], bos=False, eos=False)) + 1} tokens" in result.stderr
+    assert f"generated {len(tokenizer.encode(CHAT[1]['content'], bos=False, eos=False)) + 1} tokens" in err
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -224,12 +224,12 @@ def test_a_family_without_hf_adapter_and_a_folder_without_safetensors_are_one_li
     spec = dataclasses.replace(get_train_spec("llama3"), hf_adapter=None)
     monkeypatch.setattr(resume, "get_train_spec", lambda name: spec)
     with pytest.raises(CheckpointError) as raised:
-        resume._initial_weights(str(folder), "llama3")
+        resume.initial_weights(str(folder), "llama3")
     assert str(raised.value) == f"checkpoint.initial_load_path {folder} is a Hugging Face folder, but model " \
                                 "'llama3' has no Hugging Face conversion (TrainSpec.hf_adapter)"
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="has a config.json but neither model.safetensors nor "):
-        resume._initial_weights(str(folder), "llama3")
+        resume.initial_weights(str(folder), "llama3")
 
 
 NO_PARALLELISM = types.SimpleNamespace(world_mesh=None, pp_enabled=False)

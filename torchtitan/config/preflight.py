@@ -54,10 +54,8 @@ def initial_vocab_rows(job_config: JobConfig) -> int | None:
             continue
         args = found if name == "config.json" else found.get("model_args")  # a converted checkpoint's manifest
         break
-    if not isinstance(args, dict) or not isinstance(args.get("vocab_size"), int):
-        return None
-    padding = args.get("vocab_padding", 0)
-    return args["vocab_size"] + (padding if isinstance(padding, int) else 0)
+    # A checkpoint of ours records its padding rows apart (vocab_padding): its vocabulary is vocab_size.
+    return args.get("vocab_size") if isinstance(args, dict) and isinstance(args.get("vocab_size"), int) else None
 
 
 def build_model_args(train_spec: TrainSpec, job_config: JobConfig, vocab_size: int):
