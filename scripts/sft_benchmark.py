@@ -59,7 +59,8 @@ def answers(checkpoint: Path, prompts: list[str], workdir: Path, *extra: str) ->
                              "--tokenizer", TOKENIZER, "--chat", "--prompts-file", str(prompts_file),
                              "--max-new-tokens", "24", *extra], capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise SystemExit(f"generation failed: {result.stderr.strip().splitlines()[-1:]}")
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"generation failed for {checkpoint}: {last}")
     got = []
     for i, prompt in enumerate(prompts):
         line = next(x for x in result.stdout.splitlines() if x.startswith(f"[{i}] "))

@@ -315,3 +315,9 @@ def test_chat_generation_renders_the_template_and_stops_at_the_end_of_turn(tmp_p
 def test_chat_mistakes_are_one_line(capsys, trained, args, expected):
     status, err = run_main(capsys, "--checkpoint", str(trained), *args)
     assert status == 2 and err.strip() == expected.format(TIKTOKEN)
+
+
+def test_a_base_for_a_checkpoint_without_adapters_is_one_line(capsys, trained):
+    status, err = run_main(capsys, "--checkpoint", str(trained), "--prompt", "x", "--base", "/nowhere",
+                           "--max-new-tokens", "4")
+    assert status == 2 and err.count("\n") == 1 and "error: --base names the base model of a LoRA checkpoint; " in err

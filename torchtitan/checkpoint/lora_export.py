@@ -61,14 +61,15 @@ def read_adapters(ckpt: str, manifest: Manifest, base: str | None,
     from the checkpoint itself when it holds the whole model, else from `base` or the base its run
     recorded (a checkpoint of ours, or a Hugging Face folder). `check_names` vets the base's names."""
     record = lora_record(ckpt, manifest)
-    adapters, weights = _adapters_and_weights(ckpt)  # weights: the base, when the run saved the whole model
-    if record.get("adapters_only"):
-        path = base or record.get("base") or ""  # the run recorded its checkpoint.initial_load_path, required
+    path = base or record.get("base") or ""  # the run recorded its checkpoint.initial_load_path, required
+    if record.get("adapters_only"):  # the base is checked before anything is read
         if base and not os.path.isdir(base):
             raise CheckpointError(f"--base {base} does not exist; name the base model's checkpoint or Hugging Face folder")
         if not os.path.isdir(path):
             raise CheckpointError(f"the base model {path!r} of checkpoint {ckpt} does not exist; pass --base with the "
                                   "base model's checkpoint or Hugging Face folder")
+    adapters, weights = _adapters_and_weights(ckpt)  # weights: the base, when the run saved the whole model
+    if record.get("adapters_only"):
         weights = _read_base(path, manifest.model.get("name"))
     if check_names is not None:
         check_names(list(weights), f"the base model of {ckpt}")

@@ -119,8 +119,6 @@ class ChatTemplate:
         try:
             return _compile(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                 tools=None, documents=None, **self.variables)
-        except ChatError:
-            raise
         except jinja2.exceptions.TemplateError as e:
             raise ChatError(f"the chat template ({self.where}) does not render this conversation: "
                             f"{getattr(e, 'message', None) or e}") from None
