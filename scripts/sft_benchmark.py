@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--base", help="a base model's checkpoint (a step folder of an earlier run's base) instead of "
                                   "pre-training one")
     p.add_argument("--sft-steps", type=int, default=400)
-    p.add_argument("--lora-steps", type=int, default=400)
+    p.add_argument("--lora-steps", type=int, default=800, help="LoRA learns the task more slowly than full SFT")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-lr", type=float, default=3e-3)
     p.add_argument("--held-out", type=int, default=200, help="held-out requests answered by each model")
