@@ -82,7 +82,8 @@ FEATURES = {"training.compile": [True, False], "training.document_mask": [True],
             "model.flavor": ["debugmodel", "debugmodel_moe", "tiny_tied", "8B"], "training.loss_chunk_size": [16],
             "validation.enabled": [True], "checkpoint.enable_checkpoint": [True], "moe.capacity_factor": [1.25],
             "training.gradient_accumulation_steps": [2], "training.max_norm": [0.0], "job.dry_run": [True],
-            "training.dataset_shards": [2, 3, -1]}
+            "training.dataset_shards": [2, 3, -1], "sft.format": ["chat", "prompt_completion"],
+            "sft.packing": [False], "lora.rank": [4], "lora.target_modules": [["wq"]]}
 
 
 def schema() -> dict[str, tuple[typing.Any, typing.Any]]:
