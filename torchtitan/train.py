@@ -21,10 +21,13 @@ elif __name__ == "__mp_main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+# First of the package: its clock starts before the imports below (torch's), which start-up counts.
+from torchtitan.observability.goodput import Goodput
+
+# isort: split
 import gc
 import logging
 import sys
-import time
 import warnings
 from typing import Any
 
@@ -69,25 +72,25 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
     """This rank's part of the job: the build sequence, then the Trainer's run (trainer/loop.py)."""
-    started = time.perf_counter()
+    goodput = Goodput.of_this_process()  # where the wall clock goes, phase by phase (observability/goodput.py)
     training = job_config.training
     job_config.job.dump_folder = replica_dump_folder(job_config)  # fault tolerance: each group its own
     # Everything that can be checked without a process group is checked first, on every rank.
     parallel_dims, plan, train_spec, tokenizer, model_args, model = preflight(job_config, process_group.world_size())
     if job_config.memory_estimation.enabled:
         estimate_before_training(job_config)  # this rank's peak, before any process group (estimation/dry_run.py)
+    goodput.mark("preflight")
     device_type = device_setup.device_type()
-    comm = job_config.comm
-    device = process_group.init_distributed(device_type, collective_timeout(comm.init_timeout_seconds),
-                                            comm.trace_buf_size, job_config.job.dump_folder)
+    device = process_group.init_distributed(device_type, collective_timeout(job_config.comm.init_timeout_seconds),
+                                            job_config.comm.trace_buf_size, job_config.job.dump_folder)
+    goodput.mark("process_group")
     # From here on a rank that stops making progress is named within the timeout (watchdog.py).
     with watch_this_rank(process_group.rank(), process_group.world_size(), job_config.job.dump_folder,
-                         comm.init_timeout_seconds) as watchdog:
+                         job_config.comm.init_timeout_seconds) as watchdog:
         parallel_dims.build_mesh(device_type)
+        goodput.mark("mesh")
         device_setup.set_determinism(DEFAULT_SEED if training.seed < 0 else training.seed, training.deterministic)
-        logger.info(f"job: {job_config.job.description}")
-        if job_config.job.print_args:
-            logger.info(f"job config: {job_config.to_dict()}")
+        describe_job(job_config)
         resume = None if job_config.checkpoint.create_seed_checkpoint else find_resume_point(job_config)
         dataloader, shards = build_dataloader(job_config, train_spec, tokenizer, parallel_dims, resume)
 
@@ -102,19 +105,19 @@ def train(job_config: JobConfig, stops: StopRequests | None = None) -> None:
         checkpoint = CheckpointManager(job_config, parallel_dims, model_parts, optimizers, lr_schedulers, dataloader,
                                        train_state, shards.count)
         if job_config.checkpoint.create_seed_checkpoint:
-            checkpoint.save_seed()
-            logger.info("seed checkpoint written; exiting")
-            return
+            return save_seed_checkpoint(checkpoint)
+        goodput.mark("model_build")  # data, model, optimizer
         checkpoint.load(resume)
+        goodput.mark("checkpoint_load")
         groups = join_replica_groups(job_config, model_parts, optimizers, lr_schedulers, train_state, dataloader, device)
         trained = TrainedModel(train_spec, parallel_dims, model_parts, pipeline, optimizers, lr_schedulers, device,
                                join_semi_sync(groups, model_parts, lr_schedulers, train_state))
-        setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count)
+        setup = SetupRecord(job_config, model_args, n_params, resume, train_state.step, shards.count, goodput)
         metrics = MetricsLogger(job_config, device, flops_per_token, process_group.rank(), compute_dtype(training, device_type),
-                                resumed_step=train_state.step)
+                                resumed_step=train_state.step, goodput=goodput)
         validator = build_validator(job_config, trained, tokenizer, shards)
-        progress = Progress(training.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=started)
-        records = RunRecords(checkpoint, metrics, progress, validator, setup)
+        progress = Progress(training.steps, train_state.step + 1, job_config.validation.freq if validator else 0, start=goodput.created)
+        records = RunRecords(checkpoint, metrics, progress, validator, setup, goodput)
         Trainer(job_config, trained, dataloader, train_state, records, watchdog, stops,
                 eos_id=document_mask_eos(job_config, tokenizer)).run()
 
@@ -133,6 +136,19 @@ def build_dataloader(job_config: JobConfig, train_spec: TrainSpec, tokenizer: An
     resumed_shards = resume.data_shards(training.dataset_shards, dp_degree) if resume is not None else None
     shards = decide_data_shards(training.dataset_shards, dp_rank, dp_degree, resumed_shards)
     return train_spec.build_dataloader_fn(job_config, tokenizer, shards), shards
+
+
+def describe_job(job_config: JobConfig) -> None:
+    """Logs the job's description, and its whole configuration with job.print_args."""
+    logger.info(f"job: {job_config.job.description}")
+    if job_config.job.print_args:
+        logger.info(f"job config: {job_config.to_dict()}")
+
+
+def save_seed_checkpoint(checkpoint: CheckpointManager) -> None:
+    """With checkpoint.create_seed_checkpoint: step-0 of the freshly initialised weights, and no training."""
+    checkpoint.save_seed()
+    logger.info("seed checkpoint written; exiting")
 
 
 def describe_model(job_config: JobConfig, model: torch.nn.Module, model_args: Any) -> tuple[int, int]:

@@ -4,6 +4,7 @@ killed in the middle of writing a checkpoint leaves the previous one intact and 
 
 The failures are real SIGKILLs of rank 0 at chosen moments (tests/faults/checkpoint.py)."""
 
+import json
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from tests.helpers import TINY_RUN, read_metrics, read_setup, run_train
 from tests.integration.conftest import UNINTERRUPTED_STEPS
 from torchtitan.checkpoint import folders
+from torchtitan.observability import goodput
 
 # The jobs of the session's `uninterrupted` fixture (FSDP 2, a checkpoint every 2 steps), whose
 # losses every resumed job must reproduce bitwise.
@@ -49,6 +51,21 @@ def losses(folder):
     return [r["loss"] for r in records]
 
 
+def goodput_across_the_restart(folder) -> None:
+    """The resumed run's summary splits its wall time (every category, goodput_percent in (0, 100]);
+    goodput.jsonl holds both attempts, and the job's figure counts the gap between them and the
+    productive time the killed attempt spent on step 5, after the step-4 checkpoint resumed from."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    summary = [r for r in rows if r.get("record") == "summary"][-1]
+    assert 0 < summary["goodput_percent"] <= 100, summary
+    assert set(summary["goodput_seconds"]) == {*goodput.CATEGORIES, "wall"}
+    assert all(0 < r["goodput_percent"] <= 100 for r in read_metrics(folder))
+    assert [a.resumed_step for a in goodput.read_attempts(str(folder / goodput.FILE_NAME))] == [0, 4]
+    job = summary["job_goodput_seconds"]
+    assert summary["job_attempts"] == 2 and job["restarts"] > 0 and job["redone"] > 0, job
+    assert 0 < summary["job_goodput_percent"] <= 100
+
+
 # Synchronous saves are covered by the restart trials (test_restart_trials.py): a rank SIGKILLed at
 # a random step, torchrun's automatic restart, bitwise the losses of an uninterrupted run.
 @pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.fast), "async_with_pinned_mem"])
@@ -60,6 +77,7 @@ def test_a_crashed_job_resumes_exactly(tmp_path, uninterrupted, mode):
     resumed(tmp_path, FSDP2, 2, *mode_args)
     assert resumed_after(tmp_path) == 4
     assert losses(tmp_path) == uninterrupted
+    goodput_across_the_restart(tmp_path)
     # The last save, still being written when training ended, was awaited and published before exit.
     assert folders.problem_with(str(tmp_path / "checkpoint" / f"step-{STEPS}")) is None
 

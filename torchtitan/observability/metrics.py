@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.observability.goodput import Goodput
 from torchtitan.observability.metric_files import JsonlFile, TensorBoardFile
 
 logger = logging.getLogger(__name__)
@@ -274,8 +275,9 @@ class MetricsLogger:
     """Turns step measurements into throughput, MFU and memory figures; prints and records them."""
 
     def __init__(self, job_config: JobConfig, device: torch.device, flops_per_token: int, rank: int,
-                 compute_dtype: torch.dtype = torch.float32, resumed_step: int = 0):
+                 compute_dtype: torch.dtype = torch.float32, resumed_step: int = 0, goodput: Goodput | None = None):
         self.device = device
+        self.goodput = goodput
         self.flops_per_token = flops_per_token
         metrics = job_config.metrics
         self.peak_flops, peak_source = peak_flops(device, compute_dtype, metrics.peak_tflops)
@@ -288,6 +290,8 @@ class MetricsLogger:
         if metrics.save_jsonl and rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
             self.jsonl = JsonlFile(os.path.join(job_config.job.dump_folder, "metrics.jsonl"), resumed_step)
+        if goodput is not None:  # rank 0 appends this attempt to the job's goodput.jsonl
+            goodput.join_job(job_config.job.dump_folder, resumed_step, write=rank == 0)
         if metrics.enable_tensorboard and (rank == 0 or not metrics.rank_0_only):
             folder = os.path.join(job_config.job.dump_folder, metrics.save_tb_folder)
             if not metrics.rank_0_only:
@@ -325,6 +329,8 @@ class MetricsLogger:
         }
         if s.pp_bubble is not None:
             values["pp_bubble_percent"] = 100 * s.pp_bubble
+        if self.goodput is not None:  # this run's so far, on this rank's own clock: no communication
+            values["goodput_percent"] = self.goodput.percent()
         values.update(s.model_values)
         values.update({f"data_tokens/{name}": count for name, count in s.source_tokens.items()})
         bubble = f"  bubble: {100 * s.pp_bubble:.1f}%" if s.pp_bubble is not None else ""

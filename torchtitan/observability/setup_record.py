@@ -9,9 +9,9 @@ runs' records for the steps it keeps (metrics.py). Every key is listed in docs/a
 
 The parallelisms are described from rank 0's model parts as built (with pipeline parallelism,
 rank 0 holds the first stage; `moe` comes from the first rank that holds MoE layers); per-rank
-facts (state bytes, pipeline stages, MoE layers and MTP modules held) are gathered from every
-rank once. FSDP2, composable DDP, the pipeline schedule and torch.compile keep what is read
-here only in private attributes; each such read says so.
+facts (state bytes, pipeline stages, MoE layers and MTP modules held, start-up phases) are gathered
+from every rank once. FSDP2, composable DDP, the pipeline schedule and torch.compile keep what is
+read here only in private attributes; each such read says so.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torchtitan.runtime.torch_compat import pipelining as torch_compat_pipelinin
 if TYPE_CHECKING:
     from torchtitan.checkpoint.resume import ResumePoint
     from torchtitan.config.job_config import JobConfig
+    from torchtitan.observability.goodput import Goodput
     from torchtitan.parallelisms.pipeline_runtime import Pipeline
     from torchtitan.trainer.optimizer import OptimizersContainer
 
@@ -50,9 +51,10 @@ class SetupRecord:
     `write` adds what the built model parts show and every rank's state bytes."""
 
     def __init__(self, job_config: JobConfig, model_args: Any, n_params: int, resume: ResumePoint | None,
-                 resumed_step: int, data_shards: int):
+                 resumed_step: int, data_shards: int, goodput: Goodput | None = None):
         model = job_config.model
         self.first_step = resumed_step + 1
+        self.goodput = goodput  # whose start-up phases each rank reports
         self.start: dict[str, Any] = {
             "model": {"name": model.name, "flavor": model.flavor, "parameters": n_params, "vocab_size": model_args.vocab_size,
                       "vocab_padding": getattr(model_args, "vocab_padding", 0)},
@@ -70,14 +72,27 @@ class SetupRecord:
     def write(self, metrics: MetricsLogger, parallel_dims: ParallelDims, model_parts: list[nn.Module],
               optimizers: OptimizersContainer, pipeline: Pipeline | None = None) -> dict | None:
         """Collective: every rank calls it after the step `first_step`. Returns the record on rank 0."""
-        ranks = _gather(_rank_facts(model_parts, optimizers, pipeline))
+        facts = _rank_facts(model_parts, optimizers, pipeline)
+        if self.goodput is not None:
+            facts["startup_seconds"] = {k: round(v, 3) for k, v in self.goodput.startup_phases().items()}
+        ranks = _gather(facts)
         if ranks is None:
             return None
         record = {"record": "setup", "first_step": self.first_step, "world_size": len(ranks),
-                  "mesh": _mesh(parallel_dims.world_mesh) or {}, **self.start,
+                  "mesh": _mesh(parallel_dims.world_mesh) or {}, **self.start, "startup": _slowest_startup(ranks),
                   **describe_parallelisms(model_parts, parallel_dims, optimizers, pipeline, ranks), "ranks": ranks}
         metrics.log_record(record)
         return record
+
+
+def _slowest_startup(ranks: list[dict]) -> dict[str, float]:
+    """Each start-up phase's wall seconds on the slowest rank: the job waits for it at the next
+    collective, so it is the phase's cost to the job (each rank's own are under `ranks`)."""
+    slowest: dict[str, float] = {}
+    for r in ranks:
+        for phase, seconds in r.get("startup_seconds", {}).items():
+            slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+    return slowest
 
 
 def _gather(facts: dict) -> list[dict] | None:

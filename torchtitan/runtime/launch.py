@@ -29,6 +29,7 @@ import time
 from datetime import timedelta
 
 from torchtitan.errors import EXIT_USER
+from torchtitan.observability.goodput import LAUNCH_TIME_ENV
 from torchtitan.runtime.reports import REPORT_DIR_ENV, attempts_started, read_reports, summarize
 
 STOP_GRACE_SECONDS = 300  # TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides it
@@ -247,11 +248,13 @@ def _watch_rendezvous(args: argparse.Namespace) -> RendezvousWatch | None:
 
 
 def main(argv: list[str]) -> int:
+    launched = time.time()  # before torch's import: the ranks' start-up counts from here (observability/goodput.py)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    os.environ[LAUNCH_TIME_ENV] = str(launched)  # the ranks inherit it: start-up includes the rendezvous and spawn
     args = get_args_parser().parse_args(argv)
     # torchrun gives the ranks 30 s to end after passing on a signal, then kills them; a stop waits
     # for the step under way and the checkpoint due at it, which on a large model takes longer.

@@ -1,7 +1,7 @@
 """What watches a training step from outside: the watchdog's phase marks, the timers behind the step
-line (LogWindow), and the profiler's and the memory snapshot's step. The Trainer calls these at the
-boundaries of its phases, in one place (Trainer.train_step), so that the methods holding a step's
-numerics carry none of them."""
+line (LogWindow), the goodput ledger's (observability/goodput.py), and the profiler's and the memory
+snapshot's step. The Trainer calls these at the boundaries of its phases, in one place
+(Trainer.train_step), so that the methods holding a step's numerics carry none of them."""
 
 from __future__ import annotations
 
@@ -9,21 +9,28 @@ import contextlib
 import time
 from typing import Any, Iterator
 
+from torchtitan.observability.goodput import Goodput
 from torchtitan.observability.metrics import LogWindow
 from torchtitan.observability.profiling import MemorySnapshot
 from torchtitan.observability.watchdog import Watchdog, collective_timeout
 from torchtitan.runtime import process_group
 
+# Phases whose time the goodput ledger counts apart from the steps' own, by its category.
+_GOODPUT_CATEGORIES = {"checkpoint save": "checkpoint_save"}
+
 
 class StepInstruments:
     """One training run's instruments, from its first step (`first_step`) on. `profiler` and
-    `memory_snapshot` are the profiling contexts' objects (None when that profiling is off)."""
+    `memory_snapshot` are the profiling contexts' objects (None when that profiling is off); `goodput`
+    the run's ledger, whose start-up ends as the instruments are made, just before the first step."""
 
     def __init__(self, watchdog: Watchdog, first_step: int, profiler: Any = None,
-                 memory_snapshot: MemorySnapshot | None = None):
+                 memory_snapshot: MemorySnapshot | None = None, goodput: Goodput | None = None):
         self.watchdog = watchdog
         self.window = LogWindow(first_step)  # what the steps since the last step line did
         self.profiler, self.memory_snapshot = profiler, memory_snapshot
+        self.goodput = goodput if goodput is not None else Goodput()
+        self.goodput.loop_started()
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
@@ -32,7 +39,8 @@ class StepInstruments:
         from the first entry."""
         if (name, self.watchdog.step if step is None else step) != (self.watchdog.phase, self.watchdog.step):
             self.watchdog.enter(name, step)
-        yield
+        with self.goodput.counting(_GOODPUT_CATEGORIES.get(name)):
+            yield
 
     @contextlib.contextmanager
     def own_time(self, loading_data: bool = False) -> Iterator[None]:
@@ -44,6 +52,7 @@ class StepInstruments:
         self.window.own_seconds += seconds
         if loading_data:
             self.window.data_seconds += seconds
+            self.goodput.add("data_waiting", seconds)
 
     def count_tokens(self, micro_batches: list) -> None:
         # The whole sequences, before context parallelism cuts them.
@@ -58,6 +67,7 @@ class StepInstruments:
         self.window.start += seconds
 
     def step_done(self) -> None:
+        self.goodput.step_done()
         if self.profiler is not None:
             self.profiler.step()
         if self.memory_snapshot is not None:

@@ -27,6 +27,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import Preempted, Stopped, TrainingDiverged
 from torchtitan.models import TrainSpec
 from torchtitan.observability import host_reads
+from torchtitan.observability.goodput import Goodput
 from torchtitan.observability.metrics import MetricsLogger, StepMetrics, local_state_bytes
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.progress import Progress
@@ -68,13 +69,15 @@ class TrainedModel:
 @dataclass
 class RunRecords:
     """Where a run's results go besides the model: checkpoints, the step lines and metrics.jsonl,
-    the progress and summary, validations, and the setup record of what this run applied."""
+    the progress and summary, validations, the setup record of what this run applied, and the
+    goodput ledger of where its wall clock went (goodput.jsonl)."""
 
     checkpoint: CheckpointManager
     metrics: MetricsLogger
     progress: Progress
     validator: Validator | None = None
     setup: SetupRecord | None = None
+    goodput: Goodput = field(default_factory=Goodput)
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Trainer:
         self.replicas = model.replicas
         self.dataloader, self.train_state, self.eos_id = dataloader, train_state, eos_id
         self.checkpoint, self.metrics, self.progress = records.checkpoint, records.metrics, records.progress
-        self.validator, self.setup = records.validator, records.setup
+        self.validator, self.setup, self.goodput = records.validator, records.setup, records.goodput
         self.watchdog, self.stops = watchdog, stops
         self.tokens_before = train_state.tokens_seen  # the summary counts this run's own tokens
         self.first_step = train_state.step + 1  # of this run: 1, or the step after a resumed checkpoint's
@@ -150,18 +153,21 @@ class Trainer:
         summary. A stop or a divergence ends every rank after the same step."""
         try:
             ended = self.train_what_is_left()
-            self.checkpoint.close()  # waits for a save still being written in the background
+            with self.goodput.counting("checkpoint_save"):
+                self.checkpoint.close()  # waits for a save still being written in the background
             self.summarize(ended)
         except (Stopped, TrainingDiverged) as e:
             # Every rank ends here after the same step, so the save still in flight can finish: the
             # newest good checkpoint is kept and named in the run's last line.
-            self.checkpoint.close()
+            with self.goodput.counting("checkpoint_save"):
+                self.checkpoint.close()
             if isinstance(e, Stopped) and e.step is not None:
                 self.summarize("stopped")
             e.add_context(newest_checkpoint(self.job_config))
             raise
         finally:
             self.metrics.close()
+            self.goodput.close()
             self.replicas.close()
 
     def train_what_is_left(self) -> str:
@@ -183,7 +189,7 @@ class Trainer:
                 maybe_enable_memory_snapshot(self.job_config, rank, step) as memory_snapshot, \
                 host_reads.maybe_audit(self.job_config.profiling.audit_host_reads, audit, self.first_step, logger.info):
             self.data_iter = iter(self.dataloader)
-            self.instruments = StepInstruments(self.watchdog, self.first_step, profiler, memory_snapshot)
+            self.instruments = StepInstruments(self.watchdog, self.first_step, profiler, memory_snapshot, self.goodput)
             return self.train_loop()
 
     def train_loop(self) -> str:
@@ -381,10 +387,13 @@ class Trainer:
             if self.log_due(result, last):
                 with host_reads.scheduled_read():
                     self.log(result)
+                self.goodput.note(step)  # goodput.jsonl's row of this log step
         with mark.phase("checkpoint save", step):
             due = self.checkpoint.due(step, last, force=self.preempted(result))
             with host_reads.scheduled_read() if due else contextlib.nullcontext():
                 self.save(step, result, last)
+        if due:  # goodput.jsonl: how far the job had come at a step a later attempt may resume from
+            self.goodput.note(step)
         if not ran_out:  # the step's own tail
             mark.step_done()  # the profiler's and the memory snapshot's step
             self.stop_if_agreed(result)
@@ -469,6 +478,7 @@ class Trainer:
         result = self.validator.run(step, stops, self.watchdog)
         if result is None:
             return None
+        self.goodput.add("validation", result.seconds)
         self.metrics.log_validation(result.step, result.loss, result.perplexity, result.batches, result.tokens,
                                     result.seconds)
         return result.seconds
@@ -491,4 +501,4 @@ class Trainer:
     def summarize(self, ended: str) -> None:
         self.replicas.log_summary()
         log_summary(self.job_config, self.metrics, self.progress, self.train_state.step,
-                    self.train_state.tokens_seen - self.tokens_before, ended, self.without_loss.total)
+                    self.train_state.tokens_seen - self.tokens_before, ended, self.without_loss.total, self.goodput)

@@ -9,6 +9,7 @@ import os
 from torchtitan.checkpoint import folders as checkpoint_folders
 from torchtitan.checkpoint.hf_training import hf_export_path
 from torchtitan.config.job_config import JobConfig
+from torchtitan.observability.goodput import Goodput
 from torchtitan.observability.metric_files import MetricsFile
 from torchtitan.observability.metrics import MetricsLogger
 from torchtitan.observability.progress import Progress, summary
@@ -17,10 +18,11 @@ logger = logging.getLogger("torchtitan")
 
 
 def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progress, last_step: int, tokens: int,
-                ended: str = "done", steps_without_loss: int = 0) -> None:
+                ended: str = "done", steps_without_loss: int = 0, goodput: Goodput | None = None) -> None:
     """The run's closing lines on the console and its summary row in metrics.jsonl. `tokens`: the
     training tokens this run took (a resumed run's own); `steps_without_loss`: its steps in which no
-    label carried a loss (trainer/loss_tokens.py)."""
+    label carried a loss (trainer/loss_tokens.py); `goodput`: the run's ledger, whose lines (this
+    run's, and the job's after earlier attempts) follow the first line."""
     if last_step < progress.first_step:  # no step ran (the data ran out at once)
         return
     dump, metrics_options = job_config.job.dump_folder, job_config.metrics
@@ -41,6 +43,10 @@ def log_summary(job_config: JobConfig, metrics: MetricsLogger, progress: Progres
         lines.insert(1, f"steps without a label that carries a loss: {steps_without_loss} of {record['steps']} "
                         "(they trained nothing)")
         record["steps_without_loss"] = steps_without_loss
+    if goodput is not None:
+        goodput_lines, goodput_fields = goodput.summary(last_step, ended)
+        lines[1:1] = goodput_lines
+        record.update(goodput_fields)
     for line in lines:
         logger.info(line)
     metrics.log_record(record)
