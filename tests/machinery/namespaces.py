@@ -1,13 +1,20 @@
-"""Two "hosts" on one machine: Linux network namespaces joined by a veth pair.
+"""Simulated hosts on one machine: Linux network namespaces joined by a switch (a bridge).
 
-Each namespace has its own loopback, its own interface and address, so processes started in it
-can only reach the other "host" over that link, as two machines on a network would. Multi-node
-launches (NNODES=2, a c10d rendezvous at host 0's address) are tested this way without a second
-machine. Needs root and iproute2's `ip`; `unavailable()` says why not, in one line. Test machinery
-(tests/machinery/netns.py gives tests the hosts as a fixture), also driven by scripts/restart_trials.py.
+Each host is a namespace with its own loopback, its own interface and address, so processes
+started in it can only reach the other "hosts" over the switch, as machines on a network would.
+Multi-node launches (NNODES=n, a c10d rendezvous at host 0's address) are tested this way without
+a second machine. The switch is a bridge in a namespace of its own, so nothing is added to the
+machine's own network. Needs root and iproute2's `ip` (and `tc` for a slowed link); `unavailable()`
+says why not, in one line. Test machinery (tests/machinery/netns.py gives tests the hosts as a
+fixture), also driven by scripts/sim_cluster.py, scripts/restart_trials.py and scripts/ft_trials.py.
 
-    with TwoHosts() as hosts:
+    with SimulatedHosts(4) as hosts:
         proc = hosts.popen(0, ["./run_llama_train.sh"], env=hosts.node_env(0, nproc=2, port=29500))
+
+What a cluster does to a host is done to a namespace's processes: `kill_host` SIGKILLs all of
+them (the launcher and its ranks: a node lost), `slow_link` puts a token-bucket rate limit on the
+host's interface (`tc ... tbf`; this kernel has no `netem` delay), `throttle` caps the CPU time of
+the host's processes with a cgroup quota.
 """
 
 from __future__ import annotations
@@ -15,10 +22,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 PREFIX = "ttns"
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -26,7 +38,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def unavailable() -> str | None:
-    """Why two namespaces cannot be built here (None when they can). Tries to install `ip`
+    """Why namespaces cannot be built here (None when they can). Tries to install `ip`
     (iproute2) with the system package manager when it is missing and this process is root."""
     if os.geteuid() != 0:
         return "network namespaces need root (this process is not)"
@@ -42,7 +54,10 @@ def unavailable() -> str | None:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"creating a network namespace is not permitted here: {made.stderr.strip()}"
+    bridge = _ip("-n", probe, "link", "add", "ttprobebr", "type", "bridge", check=False)
     _ip("netns", "del", probe, check=False)
+    if bridge.returncode != 0:
+        return f"creating a bridge is not permitted here: {bridge.stderr.strip()}"
     return None
 
 
@@ -55,47 +70,120 @@ def remove_leftovers() -> None:
             _ip("netns", "del", name, check=False)
 
 
-class TwoHosts:
-    """Two network namespaces, host 0 and host 1, on 10.231.<n>.1 and .2, joined by a veth pair."""
+class SimulatedHosts:
+    """`n` network namespaces, hosts 0 .. n-1 on 10.231.<s>.1 .. n, each with a veth into one bridge."""
 
-    def __init__(self):
+    def __init__(self, n: int):
+        if not 2 <= n <= 200:
+            raise ValueError(f"simulated hosts: 2 to 200, not {n}")
+        self.n = n
         tag = f"{os.getpid() % 10000}{random.randrange(100)}"
-        self.namespaces = [f"{PREFIX}{tag}a", f"{PREFIX}{tag}b"]
-        self.interfaces = [f"tt{tag}a", f"tt{tag}b"]  # at most 15 characters, as Linux requires
+        self.tag = tag
+        self.namespaces = [f"{PREFIX}{tag}h{i}" for i in range(n)]
+        self.switch = f"{PREFIX}{tag}sw"
+        # At most 15 characters, as Linux requires: tt + 6 digits + h/s + the host's number.
+        self.interfaces = [f"tt{tag}h{i}" for i in range(n)]
+        self.ports = [f"tt{tag}s{i}" for i in range(n)]  # the switch's end of each host's veth
         subnet = random.randrange(1, 250)
-        self.addresses = [f"10.231.{subnet}.1", f"10.231.{subnet}.2"]
+        self.addresses = [f"10.231.{subnet}.{i + 1}" for i in range(n)]
+        self.cgroups: dict[int, Path] = {}
 
-    def __enter__(self) -> TwoHosts:
+    def __enter__(self) -> SimulatedHosts:
         remove_leftovers()
+        bridge = f"tt{self.tag}br"
         try:
-            for ns in self.namespaces:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", bridge, "type", "bridge")
+            _ip("-n", self.switch, "link", "set", bridge, "up")
+            for ns, ifname, port, addr in zip(self.namespaces, self.interfaces, self.ports, self.addresses):
                 _ip("netns", "add", ns)
-            _ip("link", "add", self.interfaces[0], "type", "veth", "peer", "name", self.interfaces[1])
-            for ns, ifname, addr in zip(self.namespaces, self.interfaces, self.addresses):
+                _ip("link", "add", ifname, "type", "veth", "peer", "name", port)
                 _ip("link", "set", ifname, "netns", ns)
+                _ip("link", "set", port, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", bridge)
+                _ip("-n", self.switch, "link", "set", port, "up")
                 _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
                 _ip("-n", ns, "link", "set", ifname, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
         except subprocess.CalledProcessError as e:
             self.__exit__(None, None, None)
-            raise RuntimeError(f"could not build two network namespaces: {' '.join(e.cmd)}: {e.stderr.strip()}") from e
+            raise RuntimeError(f"could not build {self.n} network namespaces: {' '.join(e.cmd)}: "
+                               f"{e.stderr.strip()}") from e
         return self
 
     def __exit__(self, *exc) -> None:
-        for ns in self.namespaces:
+        for host in range(self.n):
+            self.kill_host(host)
+        for ns in (*self.namespaces, self.switch):
             _ip("netns", "del", ns, check=False)
+        for folder in self.cgroups.values():
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
 
     def node_env(self, host: int, nproc: int, port: int, base: Mapping[str, str] | None = None,
                  **extra: str) -> dict[str, str]:
-        """The launcher's environment for `host` as node `host` of a 2-node job (RDZV at host 0)."""
+        """The launcher's environment for `host` as node `host` of an n-node job (RDZV at host 0)."""
         env = dict(os.environ if base is None else base)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHTITAN_REPORT_DIR", "TORCHELASTIC_RESTART_COUNT"):
             env.pop(name, None)
-        env.update(NNODES="2", NODE_RANK=str(host), RDZV_ENDPOINT=f"{self.addresses[0]}:{port}", NGPU=str(nproc),
-                   LOCAL_ADDR=self.addresses[host], GLOO_SOCKET_IFNAME=self.interfaces[host], **extra)
+        env.update(NNODES=str(self.n), NODE_RANK=str(host), RDZV_ENDPOINT=f"{self.addresses[0]}:{port}",
+                   NGPU=str(nproc), LOCAL_ADDR=self.addresses[host], GLOO_SOCKET_IFNAME=self.interfaces[host], **extra)
         return env
 
     def popen(self, host: int, cmd: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike | None = None,
               **kwargs) -> subprocess.Popen:
         """Starts `cmd` inside host `host`'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *cmd], env=dict(env), cwd=cwd, **kwargs)
+
+    def pids(self, host: int) -> list[int]:
+        """Every process running in host `host`'s namespace."""
+        listed = _ip("netns", "pids", self.namespaces[host], check=False).stdout.split()
+        return [int(p) for p in listed if p.isdigit()]
+
+    def kill_host(self, host: int) -> list[int]:
+        """SIGKILLs every process of host `host` at once, as a node that loses power; returns their pids."""
+        pids = self.pids(host)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def slow_link(self, host: int, mbit: float) -> None:
+        """Limits host `host`'s outgoing traffic to `mbit` Mbit/s (a token bucket on its interface)."""
+        subprocess.run(["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev",
+                        self.interfaces[host], "root", "tbf", "rate", f"{mbit}mbit", "burst", "64kb",
+                        "limit", "64mb"], check=True, capture_output=True, text=True, timeout=30)
+
+    def throttle(self, host: int, cpus: float) -> None:
+        """Caps the CPU time of host `host`'s processes (those running now, and their future
+        children) at `cpus` cores, with a cgroup CPU quota (v1 `cpu.cfs_quota_us` or v2 `cpu.max`)."""
+        quota = max(1000, int(cpus * CPU_PERIOD_US))
+        name = f"{self.namespaces[host]}"
+        if (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists():
+            folder = CGROUP_V1_CPU / name
+            folder.mkdir(exist_ok=True)
+            (folder / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (folder / "cpu.cfs_quota_us").write_text(str(quota))
+        elif (CGROUP_V2 / "cgroup.controllers").exists():
+            folder = CGROUP_V2 / name
+            folder.mkdir(exist_ok=True)
+            (folder / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        else:
+            raise RuntimeError("no cgroup CPU controller to throttle a host with (/sys/fs/cgroup)")
+        self.cgroups[host] = folder
+        for pid in self.pids(host):
+            try:
+                (folder / "cgroup.procs").write_text(str(pid))
+            except OSError:  # the process ended meanwhile
+                pass
+
+
+class TwoHosts(SimulatedHosts):
+    """Two simulated hosts, the shape the two-host tests and trials use."""
+
+    def __init__(self):
+        super().__init__(2)

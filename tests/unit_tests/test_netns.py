@@ -1,4 +1,4 @@
-"""Two simulated hosts (tests/machinery/namespaces.py) when `ip` refuses a step: a one-line error that
+"""Simulated hosts (tests/machinery/namespaces.py) when `ip` refuses a step: a one-line error that
 names the command, and nothing left behind. `ip` is a stand-in here; building real namespaces (root,
 iproute2) is tested by tests/integration/test_multinode.py."""
 
@@ -22,8 +22,8 @@ def test_a_refused_step_removes_what_was_built_and_names_the_command(monkeypatch
     hosts = netns.TwoHosts()
     with pytest.raises(RuntimeError) as e, hosts:
         pass
-    assert str(e.value) == (f"could not build two network namespaces: ip link add {hosts.interfaces[0]} type veth peer "
-                            f"name {hosts.interfaces[1]}: RTNETLINK answers: Operation not permitted")
-    added = [("netns", "add", ns) for ns in hosts.namespaces]
-    deleted = [("netns", "del", ns) for ns in hosts.namespaces]
+    assert str(e.value) == (f"could not build 2 network namespaces: ip link add {hosts.interfaces[0]} type veth peer "
+                            f"name {hosts.ports[0]}: RTNETLINK answers: Operation not permitted")
+    added = [("netns", "add", hosts.switch), ("netns", "add", hosts.namespaces[0])]  # up to the refused step
+    deleted = [("netns", "del", ns) for ns in (*hosts.namespaces, hosts.switch)]
     assert calls[-len(deleted):] == deleted and all(call in calls for call in added)

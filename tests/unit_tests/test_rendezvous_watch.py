@@ -62,13 +62,38 @@ def test_lines_name_the_missing_nodes_until_all_arrive(store, capsys):
     assert all(m.groups() in (("1", "1, 2"), ("2", "1")) for m in found), lines
     node1 = RendezvousWatch(_args(store.port, 3), node_rank=1, interval=0.2)
     node1.start()
-    for watch in (node0, node1, node2):  # every node's watch ends by itself once all three are there
-        watch._thread.join(timeout=5)
-        assert not watch._thread.is_alive()
+    for watch in (node0, node1, node2):  # every node's watch falls silent once all three are there
+        _wait_for(lambda: watch.met)
     _lines(capsys)
     time.sleep(0.5)
     assert _lines(capsys) == []
     assert sorted(rank for rank, _ in node1.arrivals) == [0, 1, 2]
+    for watch in (node0, node1, node2):  # and beats until its launcher stops it
+        assert watch._thread.is_alive()
+        watch.stop()
+        assert not watch._thread.is_alive()
+
+
+def test_a_node_whose_beat_stops_is_named_lost_and_one_that_left_is_not(store, monkeypatch):
+    monkeypatch.setattr(launch, "HEARTBEAT_SECONDS", 0.1)
+    node0 = RendezvousWatch(_args(store.port, 4), node_rank=0, interval=0.2)
+    node2 = RendezvousWatch(_args(store.port, 4), node_rank=2, interval=0.2)
+    # Node 1 beat once and went silent, as a machine that lost power; node 3 ended on its own.
+    store.append("torchtitan/rendezvous/watch-test/arrivals", "1 host-a\n3 host-b\n")
+    store.set("torchtitan/rendezvous/watch-test/alive/1", "7 10.0.0.2")
+    store.set("torchtitan/rendezvous/watch-test/alive/3", "left 10.0.0.4")
+    for watch in (node0, node2):
+        watch.start()
+    _wait_for(lambda: node0.met and node2.met)
+    assert node0.lost() == [(1, "10.0.0.2")]
+    assert node2.lost() == [(1, "10.0.0.2")]
+    line = _rendezvous_failure(_args(store.port, 4, "is_host=1,join_timeout=30"), RendezvousTimeoutError(), node0)
+    assert line.startswith("node NODE_RANK 1 (host 10.0.0.2) left the job and did not come back within "
+                           "RDZV_TIMEOUT=30 s"), line
+    node2.stop()  # ends on its own: the others do not count it lost
+    time.sleep(5 * launch.HEARTBEAT_SECONDS)
+    assert node0.lost() == [(1, "10.0.0.2")]
+    node0.stop()
 
 
 def test_the_same_node_rank_twice_is_said(store, capsys):

@@ -12,6 +12,7 @@ import re
 import resource
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,6 +20,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config.job_config import JobConfig
 from torchtitan.observability.goodput import Goodput
 from torchtitan.observability.metric_files import JsonlFile, TensorBoardFile
+
+if TYPE_CHECKING:
+    from torchtitan.observability.stragglers import SlowLink, SlowRank
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +246,11 @@ class StepMetrics:
     # Straggler report: (slowest rank, its seconds, the median) of the ranks' own time per step
     # (data loading and optimizer step, trainer/instruments.py); None on one process.
     own_seconds: tuple[int, float, float] | None = None
+    # On several nodes: the slowest rank's node and host, and the link probe's slowest node
+    # (observability/stragglers.py).
+    slowest_where: str = ""
+    slow_compute: SlowRank | None = None
+    slow_link: SlowLink | None = None
     steps: int = 1  # steps since the last log line
     total_steps: int = 0  # training.steps, for `step: 10/100`; 0 leaves it out
     progress: str = ""  # elapsed and estimated time left (progress.py), ending the console line
@@ -342,7 +351,25 @@ class MetricsLogger:
             rank, slowest, median = s.own_seconds
             values.update(slowest_rank=rank, slowest_rank_own_seconds=slowest, median_rank_own_seconds=median)
             if slowest - median > STRAGGLER_SHARE * s.seconds / s.steps:
-                bubble += f"  slowest: rank {rank} {slowest:.3f}s/step vs median {median:.3f}s (data + optimizer)"
+                where = f" ({s.slowest_where})" if s.slowest_where else ""
+                bubble += (f"  slowest: rank {rank}{where} {slowest:.3f}s/step vs median {median:.3f}s "
+                           f"({slowest / max(median, 1e-9):.1f}x, data + optimizer)")
+        if s.slow_compute is not None:
+            slow = s.slow_compute
+            values.update(slowest_compute_rank=slow.rank, slowest_compute_ms=1e3 * slow.seconds,
+                          median_compute_ms=1e3 * slow.median_seconds)
+            if slow.stands_out:
+                bubble += f"  {slow.text()}"
+        if s.slow_link is not None:
+            link = s.slow_link
+            values.update(slowest_link_node=link.node, slowest_link_ms=1e3 * link.seconds,
+                          median_link_ms=1e3 * link.median_seconds)
+            # A node that computes slowly also answers the probe late: its link is named only when
+            # its compute is not (the compute probe explains the delay).
+            slow_there = (s.slow_compute is not None and s.slow_compute.stands_out
+                          and s.slow_compute.where.startswith(f"node {link.node},"))
+            if link.stands_out and not slow_there:
+                bubble += f"  {link.text()}"
         c = self.colors
         logger.info(
             f"{c.red}step: {s.step:2}{f'/{s.total_steps}' if s.total_steps else ''}  {c.green}loss: {s.loss:7.4f}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "

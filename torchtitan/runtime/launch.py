@@ -34,6 +34,10 @@ from torchtitan.runtime.reports import REPORT_DIR_ENV, attempts_started, read_re
 
 STOP_GRACE_SECONDS = 300  # TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides it
 PROGRESS_INTERVAL_SECONDS = 30  # RDZV_PROGRESS_INTERVAL overrides it
+# Each node's launcher beats in node 0's store this often while the job runs; a node whose beat has
+# not moved over LOST_AFTER_BEATS beats is gone (named when the job ends for want of it).
+HEARTBEAT_SECONDS = 1.0
+LOST_AFTER_BEATS = 3
 # torchrun's default join_timeout (--rdzv-conf), the wait for all nodes; run_llama_train.sh passes RDZV_TIMEOUT.
 JOIN_TIMEOUT_SECONDS = 600
 
@@ -126,19 +130,33 @@ class RendezvousWatch:
 
     The store is node 0's. This node's own client connects only once the store is open: a TCPStore
     client that cannot connect logs a screen of C++ errors per try, and node 0's port may be held
-    by another program (torchrun's error says so). Until then the line says the store is not open."""
+    by another program (torchrun's error says so). Until then the line says the store is not open.
+
+    Once the nodes have met, the watch beats for this node in the same store for as long as the job
+    runs (a counter under its NODE_RANK, so no clocks are compared). A node lost later (its machine
+    gone, launcher and ranks with it) stops beating: when the job then ends for want of it (the
+    surviving nodes wait at the next rendezvous for RDZV_TIMEOUT, or fail without restarts), the
+    ending names it (`lost()`)."""
 
     def __init__(self, args: argparse.Namespace, node_rank: int, interval: float) -> None:
         host, _, port = args.rdzv_endpoint.rpartition(":")
         self._address = (host, int(port))
         self._endpoint = args.rdzv_endpoint
         self._key = f"torchtitan/rendezvous/{args.rdzv_id}/arrivals"
+        self._beats = f"torchtitan/rendezvous/{args.rdzv_id}/alive/"
+        self._node_rank = node_rank
+        self._my_beat = f"{self._beats}{node_rank}"
+        # The address the other nodes know this node by, where it is set (simulated hosts share a name).
+        self._host = os.environ.get("LOCAL_ADDR") or socket.gethostname()
         self._me = f"{node_rank} {socket.gethostname()}\n"
         self._hosts_store = node_rank == 0
         self.nnodes = int(args.nnodes)
         self.interval = interval
         self.join_timeout = _rdzv_option(args, "join_timeout", JOIN_TIMEOUT_SECONDS)
         self.arrivals: list[tuple[int, str]] | None = None  # (NODE_RANK, host) as last read; None: not read
+        self.met = False  # every node has arrived once (the job's first rendezvous is done)
+        self._others: dict[int, tuple[str, str, float]] = {}  # NODE_RANK: (beat, host, when it last moved)
+        self._polled_since: float | None = None
         self._start = time.monotonic()
         self._done = threading.Event()
         self._lock = threading.Lock()  # no line after stop(): the launcher's own last line comes last
@@ -183,16 +201,69 @@ class RendezvousWatch:
             self._read(store)
         except Exception:  # not a store after all: torchrun's own error says what is there
             return
-        while not self._done.wait(max(0.0, next_line - time.monotonic())):
+        beat = 0
+        while not self._done.wait(max(0.0, min(next_line, time.monotonic() + HEARTBEAT_SECONDS) - time.monotonic())):
             try:
+                beat += 1
+                store.set(self._my_beat, f"{beat} {self._host}")
+                if self.met:
+                    # Only while this node has no ranks (a restart's rendezvous, or the job ending)
+                    # are the other nodes' beats read: the one time a lost node matters, and a read
+                    # of every node's key per beat would load node 0's store on a large job.
+                    if not _started_ranks():
+                        self._poll_others(store)
+                    else:
+                        with self._lock:
+                            self._polled_since = None
+                    continue
                 self._read(store)
             except Exception:  # node 0 has gone: torchrun's own error ends the wait
                 return
             # Everyone is there; the ranks' start covers a node that joined without announcing itself.
             if len(self.arrivals or ()) >= self.nnodes or _started_ranks():
-                return
-            self._say(int(time.monotonic() - self._start))
-            next_line += self.interval
+                self.met = True
+                continue
+            if time.monotonic() >= next_line:
+                self._say(int(time.monotonic() - self._start))
+                next_line += self.interval
+        try:  # a node that ends on its own is not a lost one
+            store.set(self._my_beat, f"left {self._host}")
+        except Exception:  # node 0 has gone first
+            pass
+
+    def lost(self) -> list[tuple[int, str]]:
+        """(NODE_RANK, host) of the other nodes that stopped beating without leaving: unchanged over
+        LOST_AFTER_BEATS beats of this node's reads while it has no ranks running (a restart's
+        rendezvous, or the end). Waits up to that long for the reads; [] before the nodes first met."""
+        if not self.met:
+            return []
+        span = LOST_AFTER_BEATS * HEARTBEAT_SECONDS
+        deadline = time.monotonic() + span + 2 * HEARTBEAT_SECONDS
+        while time.monotonic() < deadline and not self._done.is_set():
+            with self._lock:
+                since = self._polled_since
+            if since is not None and time.monotonic() - since >= span:
+                break
+            time.sleep(HEARTBEAT_SECONDS / 4)
+        now = time.monotonic()
+        with self._lock:
+            seen = dict(self._others)
+        return [(rank, host) for rank, (beat, host, moved) in sorted(seen.items())
+                if rank != self._node_rank and beat != "left" and now - moved >= span]
+
+    def _poll_others(self, store) -> None:
+        """Reads every node's beat; a node's beat that changed is marked as moving now."""
+        keys = [f"{self._beats}{rank}" for rank in range(self.nnodes)]
+        values = store.multi_get(keys) if all(store.check([k]) for k in keys) else [
+            store.get(k) if store.check([k]) else b"" for k in keys]
+        now = time.monotonic()
+        with self._lock:
+            if self._polled_since is None:
+                self._polled_since = now
+            for rank, value in enumerate(values):
+                beat, _, host = value.decode().partition(" ")
+                if rank not in self._others or self._others[rank][0] != beat:
+                    self._others[rank] = (beat, host or "?", now)
 
     def _read(self, store) -> None:
         lines = store.get(self._key).decode().splitlines()
@@ -222,6 +293,12 @@ def _rendezvous_failure(args: argparse.Namespace, e: BaseException, watch: Rende
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     where = f"the {args.nnodes} nodes did not meet at the rendezvous RDZV_ENDPOINT={args.rdzv_endpoint}"
+    lost = watch.lost() if watch is not None else []
+    if lost:  # the nodes had met: one was lost during the job, and the restart's rendezvous waited for it
+        seconds = _rdzv_option(args, "join_timeout", JOIN_TIMEOUT_SECONDS)
+        return (f"{_lost_nodes(lost)} left the job and did not come back within RDZV_TIMEOUT={seconds} s, which the "
+                f"other nodes waited at the rendezvous after restarting; replace the node (same NNODES, RDZV_ENDPOINT and "
+                "RDZV_ID) and launch it, or launch the job again on the nodes left: it resumes from the newest checkpoint")
     if isinstance(e, RendezvousTimeoutError):
         seconds = _rdzv_option(args, "join_timeout", JOIN_TIMEOUT_SECONDS)
         missing = watch.missing() if watch is not None and watch.arrivals is not None else []
@@ -234,6 +311,11 @@ def _rendezvous_failure(args: argparse.Namespace, e: BaseException, watch: Rende
     detail = detail or (str(e).splitlines() or [type(e).__name__])[0]
     return (f"{where} ({type(e).__name__}: {detail[:300]}); check that node 0 (NODE_RANK=0) runs there, that its port "
             "is free and reachable from every node, and that every node has the same NNODES and RDZV_ID")
+
+
+def _lost_nodes(lost: list[tuple[int, str]]) -> str:
+    names = [f"NODE_RANK {rank} (host {host})" for rank, host in lost]
+    return f"node {names[0]}" if len(names) == 1 else f"nodes {', '.join(names)}"
 
 
 def _watch_rendezvous(args: argparse.Namespace) -> RendezvousWatch | None:
@@ -256,6 +338,13 @@ def main(argv: list[str]) -> int:
 
     os.environ[LAUNCH_TIME_ENV] = str(launched)  # the ranks inherit it: start-up includes the rendezvous and spawn
     args = get_args_parser().parse_args(argv)
+    if not args.standalone and args.nnodes != "1":
+        # Every rendezvous round gets a store of its own, hosted by that round's rank 0, instead of
+        # the one torchrun's first round opened on its rank-0 node: a node replaced after a loss
+        # joins with a restart count of 0 while the survivors count 1, so no key derived from the
+        # count is shared (process_group.py), and the first round's store may have been on the lost
+        # node. torch reads this variable (dynamic_rendezvous.py, since 2.4).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun gives the ranks 30 s to end after passing on a signal, then kills them; a stop waits
     # for the step under way and the checkpoint due at it, which on a large model takes longer.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_SECONDS))
@@ -283,20 +372,24 @@ def main(argv: list[str]) -> int:
             exit_codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
         except SignalException as e:
             signum = int(e.sigval)  # the agent has passed it on and waited for the ranks to stop
-        except RendezvousError as e:  # the nodes never met: an endpoint, port or node that is wrong
+        except RendezvousError as e:  # the nodes never met, or a node lost later never came back
             if own_logs:
                 shutil.rmtree(args.log_dir, ignore_errors=True)
+            line = _rendezvous_failure(args, e, watch)
             if watch is not None:
                 watch.stop()
-            print(f"error: {_rendezvous_failure(args, e, watch)}", file=sys.stderr, flush=True)
+            print(f"error: {line}", file=sys.stderr, flush=True)
             return EXIT_USER
         finally:
-            if watch is not None:
-                watch.stop()
             done.set()
             killer.join()
         reports = read_reports(folder)
         code, text = summarize(reports, exit_codes, signum)
+        if watch is not None:
+            lost = watch.lost() if code != 0 and not signum else []
+            watch.stop()
+            if lost:  # a peer's collective failed because a whole node went: say which
+                text += f" ({_lost_nodes(lost)} stopped: its launcher is gone with its ranks)"
         restarts = attempts_started(folder)
     unexplained = code != 0 and not any(r.kind in ("error", "hang", "stopped", "preempted") for r in reports)
     if restarts:  # the failures that were recovered from are told by the earlier attempts' output

@@ -32,6 +32,7 @@ from torchtitan.observability.metrics import MetricsLogger, StepMetrics, local_s
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.progress import Progress
 from torchtitan.observability.setup_record import SetupRecord
+from torchtitan.observability.stragglers import SlowLink, SlowRank, Topology, probe_compute, probe_links, slowest_link
 from torchtitan.observability.watchdog import Watchdog
 from torchtitan.parallelisms import grad_clip
 from torchtitan.parallelisms.float8 import precompute_float8_scales
@@ -139,6 +140,7 @@ class Trainer:
         self.agreement = StepAgreement(model.device, self.training.on_nonfinite_loss == "stop")
         self.pending: Issued | None = None  # the agreement of a step not read yet (agree_to_continue)
         self.without_loss = StepsWithoutLoss(self.train_spec.loss_fn)  # read at the step lines
+        self.topology: Topology | None = None  # where the ranks run, found at the first step line
         optimizer = job_config.optimizer
         # PyTorch's fused Adam/AdamW skip an update on the device when told (found_inf); with the
         # parameters in host memory (CPU offload) the flag would have to come to the host first.
@@ -435,17 +437,31 @@ class Trainer:
         tokens = window.tokens / pd.non_data_parallel_size
         steps = result.step - window.first_step + 1
         stragglers = collectives.slowest_and_median(window.own_seconds / steps)
+        where, compute, link = self.locate(stragglers)
         values, summary = result.report or ({}, "")
         replica_values, replica_text = self.replicas.step_line()  # with replica groups, those in this step
         if replica_text:
             values, summary = {**values, **replica_values}, f"{summary}  {replica_text}".strip()
         self.metrics.log(StepMetrics(result.step, loss_value, result.grad_norm.item(), result.lr, tokens, elapsed,
                                      window.data_seconds, bubble, values, summary, own_seconds=stragglers,
+                                     slowest_where=where, slow_compute=compute, slow_link=link,
                                      steps=steps, total_steps=self.training.steps, progress=self.progress.text(result.step),
                                      source_tokens=source_tokens(self.dataloader.dataset, pd, result.loss.device)))
         self.without_loss.read(window.first_step, result.step)
         window.restart(result.step + 1)
         self.logged = result.step
+
+    def locate(self, stragglers: tuple[int, float, float] | None) -> tuple[str, SlowRank | None, SlowLink | None]:
+        """On several nodes: where the slowest rank runs, and the compute and link probes' slowest
+        (observability/stragglers.py; collectives, on log steps, which every rank logs alike)."""
+        if stragglers is None:
+            return "", None, None
+        if self.topology is None:
+            self.topology = Topology.of_this_job()
+        if self.topology is None or self.topology.nodes < 2:
+            return "", None, None
+        return (self.topology.describe(stragglers[0]), probe_compute(self.topology, self.device),
+                slowest_link(self.topology, *probe_links(self.topology)))
 
     def preempted(self, result: StepResult | None) -> bool:
         return result is not None and self.preempted_at(result.step, result.stop_signal)
