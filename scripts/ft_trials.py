@@ -7,6 +7,7 @@ and every group ends with bitwise the same parameters.
     .venv/bin/python scripts/ft_trials.py --inner tp           # TP 2 inside each group instead
     .venv/bin/python scripts/ft_trials.py --groups 3 --trials 3 --out trials.json
     .venv/bin/python scripts/ft_trials.py --two-hosts          # groups split over 2 network namespaces (root)
+    .venv/bin/python scripts/ft_trials.py --hosts 4 --groups 4 --whole-host   # a host lost with its group, replaced
     .venv/bin/python scripts/ft_trials.py --min-replicas 2 --reference   # losses against an uninterrupted run
 
 Per trial: a fresh lighthouse (a short heartbeat timeout, so a dead group leaves the quorum in about
@@ -27,6 +28,11 @@ group's metrics.jsonl (a wall time per step) and log:
 - losses equal (--reference, with --min-replicas equal to --groups, so that no step is committed
   without every group): every step each group logged has bitwise the loss of the same group and step
   in one uninterrupted run of the same groups, trained first.
+
+With --hosts N the groups are spread over N simulated hosts (group g on host g mod N; the lighthouse
+on host 0). --whole-host kills every process of the victim group's host at once (launcher and ranks:
+a node lost, never host 0, which holds the lighthouse) and starts that host's groups again 3 s later,
+as a scheduler replacing the node; they recover live from a peer like a restarted group.
 
 Prints a markdown table; exits 1 if a trial failed (see Trial.passed).
 """
@@ -128,7 +134,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 class Cluster:
-    """A lighthouse and G groups, on this machine or on two simulated hosts (groups alternate)."""
+    """A lighthouse and G groups, on this machine or on simulated hosts (group g on host g mod N)."""
 
     def __init__(self, folder: Path, setup: Setup, hosts=None):
         folder.mkdir(parents=True, exist_ok=True)
@@ -139,14 +145,30 @@ class Cluster:
                       "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
         log = open(folder / "lighthouse.log", "w")
         self.lighthouse = self._popen(0, lighthouse, _env(), stdout=log, **kw)
+        self.setup, self.address, self.kw = setup, host, kw
         for g in range(setup.groups):
-            env = _env(NGPU=str(setup.ranks), MAX_RESTARTS="1", LOG_RANK="0")
-            if hosts is not None:  # the address peers reach this group's manager at (_advertised_host)
-                h = g % 2
-                env.update(TORCHFT_HOSTNAME=hosts.addresses[h], GLOO_SOCKET_IFNAME=hosts.interfaces[h])
-            out = open(folder / f"group_{g}.log", "w")
-            self.procs.append(self._popen(g % 2, ["./run_llama_train.sh", *group_args(folder, g, setup, host)], env,
-                                          stdout=out, **kw))
+            self.procs.append(self.start_group(g, "w"))
+
+    def host_of(self, group: int) -> int:
+        return 0 if self.hosts is None else group % self.hosts.n
+
+    def start_group(self, g: int, mode: str = "a") -> subprocess.Popen:
+        """Group `g`'s launcher (its log appended to, when it starts again after its host was lost)."""
+        env = _env(NGPU=str(self.setup.ranks), MAX_RESTARTS="1", LOG_RANK="0")
+        h = self.host_of(g)
+        if self.hosts is not None:  # the address peers reach this group's manager at (_advertised_host)
+            env.update(TORCHFT_HOSTNAME=self.hosts.addresses[h], GLOO_SOCKET_IFNAME=self.hosts.interfaces[h])
+        out = open(self.folder / f"group_{g}.log", mode)
+        return self._popen(h, ["./run_llama_train.sh", *group_args(self.folder, g, self.setup, self.address)], env,
+                           stdout=out, **self.kw)
+
+    def lose_host(self, host: int) -> list[int]:
+        """Kills every process of `host` at once; returns the groups that ran there."""
+        self.hosts.kill_host(host)
+        lost = [g for g in range(self.setup.groups) if self.host_of(g) == host]
+        for g in lost:
+            self.procs[g].wait()
+        return lost
 
     def _popen(self, host: int, cmd: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
         if self.hosts is None:
@@ -244,10 +266,14 @@ def kill_steps(steps: int) -> tuple[int, int]:
 
 
 def run_trial(folder: Path, rng: random.Random, setup: Setup, timeout: float, hosts=None,
-              kill_range: tuple[int, int] | None = None, reference: list[dict[int, float]] | None = None) -> Trial:
-    """One trial: `reference` (reference_losses) compares every logged loss with an uninterrupted run's."""
+              kill_range: tuple[int, int] | None = None, reference: list[dict[int, float]] | None = None,
+              whole_host: bool = False) -> Trial:
+    """One trial: `reference` (reference_losses) compares every logged loss with an uninterrupted run's;
+    `whole_host` loses the victim group's host (not host 0) and replaces it."""
     shutil.rmtree(folder, ignore_errors=True)
     victim, victim_rank = rng.randrange(setup.groups), rng.randrange(setup.ranks)
+    if whole_host:
+        victim = rng.choice([g for g in range(setup.groups) if g % hosts.n != 0])
     wanted = rng.randint(*(kill_range or kill_steps(setup.steps)))
     start = time.monotonic()
     cluster = Cluster(folder, setup, hosts)
@@ -256,6 +282,15 @@ def run_trial(folder: Path, rng: random.Random, setup: Setup, timeout: float, ho
         while time.monotonic() - start < timeout and all(p.poll() is None for p in cluster.procs):
             logged = [group_rows(folder, g) for g in range(setup.groups)]
             if all(logged) and logged[victim][-1]["step"] >= wanted:
+                if whole_host:
+                    kill_time, kill_step = time.time(), logged[victim][-1]["step"]
+                    lost = cluster.lose_host(cluster.host_of(victim))
+                    (folder / "kill.json").write_text(json.dumps({"time": kill_time, "step": kill_step, "group": victim,
+                                                                  "host": cluster.host_of(victim), "groups": lost}))
+                    time.sleep(3)
+                    for g in lost:
+                        cluster.procs[g] = cluster.start_group(g)
+                    break
                 pid = rank_pids(folder, victim).get(victim_rank)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -378,9 +413,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="first train the groups once without a kill, and compare every trial's losses with it "
                         "(needs --min-replicas equal to --groups)")
     p.add_argument("--two-hosts", action="store_true", help="groups alternate between two network namespaces (root)")
+    p.add_argument("--hosts", type=int, default=0, help="groups over this many network namespaces (root)")
+    p.add_argument("--whole-host", action="store_true", help="lose the victim group's host, then replace it")
     p.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="a JSON file of the rows")
     args = p.parse_args(argv)
+    n_hosts = args.hosts or (2 if args.two_hosts else 0)
+    if args.whole_host and n_hosts < 2:
+        print("error: --whole-host needs --hosts 2 or more (host 0 holds the lighthouse and is never lost)", file=sys.stderr)
+        return 2
     if args.groups < 2 or args.ranks < 1 or args.steps < 9:
         print("error: --groups must be at least 2, --ranks at least 1 and --steps at least 9", file=sys.stderr)
         return 2
@@ -392,24 +433,25 @@ def main(argv: list[str] | None = None) -> int:
                   args.inner, args.min_replicas, quorum_timeout=120 if args.min_replicas > 1 else 60)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ft-trials-"))
     print(f"runs in {workdir}; {args.trials} trials, {args.groups} groups x {args.ranks} ranks ({args.inner.upper()} "
-          f"{args.ranks} inside), at least {args.min_replicas} per step{' on two hosts' if args.two_hosts else ''}, "
+          f"{args.ranks} inside), at least {args.min_replicas} per step{f' on {n_hosts} hosts' if n_hosts else ''}, "
           f"{args.steps} steps, seed {args.seed}", flush=True)
     rng = random.Random(args.seed)
     rows = []
     hosts = None
-    if args.two_hosts:
-        from tests.machinery.namespaces import TwoHosts, unavailable
+    if n_hosts:
+        from tests.machinery.namespaces import SimulatedHosts, unavailable
 
         reason = unavailable()
         if reason:
-            print(f"error: two simulated hosts cannot be built: {reason}", file=sys.stderr)
+            print(f"error: {n_hosts} simulated hosts cannot be built: {reason}", file=sys.stderr)
             return 2
-        hosts = TwoHosts().__enter__()
+        hosts = SimulatedHosts(n_hosts).__enter__()
     try:
         reference = reference_losses(workdir / "uninterrupted", setup, args.timeout, hosts) if args.reference else None
         print(HEADER, flush=True)
         for i in range(args.trials):
-            rows.append(run_trial(workdir / f"trial-{i}", rng, setup, args.timeout, hosts, reference=reference))
+            rows.append(run_trial(workdir / f"trial-{i}", rng, setup, args.timeout, hosts, reference=reference,
+                                  whole_host=args.whole_host))
             print(format_row(i + 1, rows[-1]), flush=True)
     finally:
         if hosts is not None:

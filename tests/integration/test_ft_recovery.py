@@ -104,3 +104,11 @@ def test_a_reference_needs_every_group_in_every_step(monkeypatch, capsys, argv):
     assert trials.main(argv) == 2
     assert capsys.readouterr().err.startswith("error: --min-replicas must be between 1 and --groups, and equal to "
                                               "--groups with --reference")
+
+
+@pytest.mark.fast
+def test_a_whole_host_lost_needs_several_hosts(monkeypatch, capsys):
+    monkeypatch.setattr(trials, "Cluster", None)  # nothing may start
+    assert trials.main(["--whole-host", "--hosts", "1"]) == 2
+    assert capsys.readouterr().err == ("error: --whole-host needs --hosts 2 or more (host 0 holds the lighthouse and is "
+                                       "never lost)\n")

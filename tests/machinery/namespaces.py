@@ -74,8 +74,8 @@ class SimulatedHosts:
     """`n` network namespaces, hosts 0 .. n-1 on 10.231.<s>.1 .. n, each with a veth into one bridge."""
 
     def __init__(self, n: int):
-        if not 2 <= n <= 200:
-            raise ValueError(f"simulated hosts: 2 to 200, not {n}")
+        if not 1 <= n <= 200:
+            raise ValueError(f"simulated hosts: 1 to 200, not {n}")
         self.n = n
         tag = f"{os.getpid() % 10000}{random.randrange(100)}"
         self.tag = tag

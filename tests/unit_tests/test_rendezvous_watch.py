@@ -63,7 +63,7 @@ def test_lines_name_the_missing_nodes_until_all_arrive(store, capsys):
     node1 = RendezvousWatch(_args(store.port, 3), node_rank=1, interval=0.2)
     node1.start()
     for watch in (node0, node1, node2):  # every node's watch falls silent once all three are there
-        _wait_for(lambda: watch.met)
+        _wait_for(lambda w=watch: w.met)
     _lines(capsys)
     time.sleep(0.5)
     assert _lines(capsys) == []
