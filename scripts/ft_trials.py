@@ -60,7 +60,7 @@ from torchtitan.tools.replica_groups import lighthouse_binary  # noqa: E402
 from torchtitan.tools.runs import read_metrics  # noqa: E402
 
 SUMMARY = re.compile(r"fault tolerance: (\d+) steps committed by replica group (\d+), (\d+) of them with fewer than "
-                     r"\d+ groups; (\d+) attempts not committed")
+                     r"\d+ groups; (\d+) attempts? not committed")
 RECOVERED = "recovered live from a peer"
 # State that legitimately differs between groups: each reads its own data shard with its own RNG.
 PER_GROUP_STATE = ("dataloader", "rng", "train_state")

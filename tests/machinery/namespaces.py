@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -61,12 +62,25 @@ def unavailable() -> str | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_leftovers() -> None:
-    """Deletes namespaces a killed earlier run of this module left behind (their veths go with them)."""
+    """Deletes namespaces that a killed earlier run of this module left behind (their veths go with
+    them): those whose creating process, named in the namespace's name, is gone. Another process's
+    hosts, still in use, are left alone."""
     listed = _ip("netns", "list", check=False).stdout.split("\n")
     for line in listed:
         name = line.split(" ")[0]
-        if name.startswith(PREFIX) and "probe" not in name:
+        owner = re.match(rf"{PREFIX}(\d+)r", name)
+        if name.startswith(PREFIX) and "probe" not in name and (owner is None or not _alive(int(owner[1]))):
             _ip("netns", "del", name, check=False)
 
 
@@ -79,8 +93,11 @@ class SimulatedHosts:
         self.n = n
         tag = f"{os.getpid() % 10000}{random.randrange(100)}"
         self.tag = tag
-        self.namespaces = [f"{PREFIX}{tag}h{i}" for i in range(n)]
-        self.switch = f"{PREFIX}{tag}sw"
+        # The creating process's pid in the name: remove_leftovers() deletes only the hosts of
+        # processes that are gone, never those of another run still using its own.
+        owner = f"{PREFIX}{os.getpid()}r{random.randrange(10**6)}"
+        self.namespaces = [f"{owner}h{i}" for i in range(n)]
+        self.switch = f"{owner}sw"
         # At most 15 characters, as Linux requires: tt + 6 digits + h/s + the host's number.
         self.interfaces = [f"tt{tag}h{i}" for i in range(n)]
         self.ports = [f"tt{tag}s{i}" for i in range(n)]  # the switch's end of each host's veth

@@ -11,16 +11,11 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from tests.machinery.namespaces import SimulatedHosts, TwoHosts, unavailable
+from tests.machinery.namespaces import SimulatedHosts, unavailable
 from tests.machinery.warm_launcher import REPO_ROOT
 from torchtitan.tools.runs import raise_for_exit
 
 RDZV_PORT = 29741
-
-
-def two_hosts():
-    """A generator for a fixture: the two hosts, removed afterwards."""
-    yield from simulated_hosts(2)
 
 
 def simulated_hosts(n: int):
@@ -28,7 +23,7 @@ def simulated_hosts(n: int):
     reason = unavailable()
     if reason:
         pytest.skip(f"{n} simulated hosts cannot be built here: {reason}")
-    with (TwoHosts() if n == 2 else SimulatedHosts(n)) as hosts:
+    with SimulatedHosts(n) as hosts:
         yield hosts
 
 
@@ -55,6 +50,3 @@ def run_on_hosts(hosts: SimulatedHosts, args: Sequence[str], nproc: int, timeout
         raise_for_exit(result)
     return subprocess.CompletedProcess(results[0].args, 0, "".join(r.stdout for r in results),
                                        "".join(r.stderr for r in results))
-
-
-run_on_two_hosts = run_on_hosts
