@@ -16,6 +16,8 @@ from tests.integration.conftest import UNINTERRUPTED_STEPS
 from tests.machinery.namespaces import unavailable
 
 
+@pytest.mark.budget("a job of 2 ranks killed mid-run, restarted by torchrun (on two hosts: a new launcher, a new "
+                    "rendezvous round), imports and a checkpoint load again; 12-25 s")
 @pytest.mark.parametrize("hosts", [1, 2], ids=["one host, a random rank", "two hosts, one host lost and replaced"])
 def test_a_killed_job_restarts_by_itself_and_logs_the_uninterrupted_losses(tmp_path, uninterrupted, hosts):
     reason = unavailable() if hosts == 2 else None
@@ -27,7 +29,7 @@ def test_a_killed_job_restarts_by_itself_and_logs_the_uninterrupted_losses(tmp_p
     seed = random.randrange(1000)  # a new kill step and victim every run; the seed is in the failure
     # On two hosts the node is lost whole and a new launcher takes its place: the survivor's restart
     # count is 1 and the newcomer's 0, which only per-round stores (runtime/launch.py) let meet.
-    faults = trials.Faults(whole_host=True, replace_after=2) if hosts == 2 else trials.Faults()
+    faults = trials.Faults(whole_host=True, replace_after=1) if hosts == 2 else trials.Faults()
     rows = trials.run_trials(tmp_path, trials=1, seed=seed, steps=UNINTERRUPTED_STEPS, hosts=hosts, nproc=2,
                              timeout=300, reference=uninterrupted, flavor="tiny", faults=faults)
     (trial,) = rows

@@ -172,7 +172,7 @@ class SimulatedHosts:
     def slow_link(self, host: int, mbit: float) -> None:
         """Limits host `host`'s outgoing traffic to `mbit` Mbit/s (a token bucket on its interface)."""
         subprocess.run(["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev",
-                        self.interfaces[host], "root", "tbf", "rate", f"{mbit}mbit", "burst", "64kb",
+                        self.interfaces[host], "root", "tbf", "rate", f"{mbit}mbit", "burst", "16kb",
                         "limit", "64mb"], check=True, capture_output=True, text=True, timeout=30)
 
     def throttle(self, host: int, cpus: float) -> None:

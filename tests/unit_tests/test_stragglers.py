@@ -4,7 +4,7 @@ run in the simulated-cluster test (tests/integration/test_sim_cluster.py) and sc
 
 import pytest
 
-from torchtitan.observability.stragglers import SLOW_FLOOR_SECONDS, SlowRank, Topology, slowest_link
+from torchtitan.observability.stragglers import SLOW_FLOOR_SECONDS, SlowRank, Topology, slowest_link, slowest_node
 
 pytestmark = pytest.mark.fast
 
@@ -19,7 +19,7 @@ def test_a_slow_outgoing_link_is_blamed_on_its_node_not_on_its_neighbours():
     # Node 2 sends slowly: node 3 receives late from its left, node 1 late from its right.
     link = slowest_link(_topology(4), [FAST, FAST, FAST, SLOW], [FAST, SLOW, FAST, FAST])
     assert (link.node, link.host, link.direction, link.stands_out) == (2, "10.0.0.3", "outgoing", True)
-    assert link.text() == "slow link: node 2 (10.0.0.3) outgoing: 64 KiB in 15.0 ms vs median 0.4 ms (38x)"
+    assert link.text() == "slow link: node 2 (10.0.0.3) outgoing: 256 KiB in 15.0 ms vs median 0.4 ms (38x)"
 
 
 def test_a_slow_incoming_link_is_blamed_on_the_node_whose_both_receives_are_late():
@@ -39,7 +39,7 @@ def test_links_alike_are_not_named_however_the_times_scatter():
 def test_two_nodes_name_the_link_between_them():
     link = slowest_link(_topology(2), [FAST, SLOW], [FAST, SLOW])
     assert (link.node, link.stands_out) == (-1, True)
-    assert link.text().startswith("slow link: the link between 10.0.0.1 and 10.0.0.2: 64 KiB in 15.0 ms")
+    assert link.text().startswith("slow link: the link between 10.0.0.1 and 10.0.0.2: 256 KiB in 15.0 ms")
 
 
 def test_a_slow_rank_is_described_by_its_node_and_host():
@@ -48,4 +48,17 @@ def test_a_slow_rank_is_described_by_its_node_and_host():
     assert Topology(world=4, per_node=4, hosts=("a",)).describe(3) == ""  # one node: nothing to place
     slow = SlowRank(9, topology.describe(9), 0.099, 0.004)
     assert slow.stands_out and not SlowRank(9, "", 0.0045, 0.004).stands_out
-    assert slow.text() == "slow compute: rank 9 (node 2, 10.0.0.3) 99.0 ms vs median 4.0 ms for the same matmuls (24.8x)"
+    assert slow.text() == ("slow compute: node 2, 10.0.0.3 (rank 9) 99.0 ms vs median node 4.0 ms for the same matmuls "
+                           "(24.8x)")
+
+
+def test_a_node_is_slow_when_its_median_rank_is_not_when_one_rank_is():
+    topology = _topology(4)  # 4 ranks per node
+    times = [0.004] * 16
+    times[13] = 0.05  # one rank of node 3 descheduled for a while: noise, not a slow node
+    assert not slowest_node(times, topology).stands_out
+    for rank in (8, 9, 10):  # three of node 2's four ranks slow: the node is
+        times[rank] = 0.09
+    slow = slowest_node(times, topology)
+    assert (slow.rank, slow.where, slow.stands_out) == (8, "node 2, 10.0.0.3", True)
+    assert slow.seconds == pytest.approx(0.09) and slow.median_seconds == pytest.approx(0.004)

@@ -9,7 +9,8 @@ time says that something is slow but not what. Two measurements name it, both on
 - **Compute** (`probe_compute`): own time is only the data and optimizer phases, and a node whose
   processors are throttled (a CPU quota, a GPU clocked down) loses most of its time in forward and
   backward, where it shows only as its peers' waits. Each rank times the same few matrix
-  multiplications; the slowest rank against the median names it.
+  multiplications; each node's median rank is compared with the median node, so that one rank's
+  bad luck with the scheduler (many ranks sharing few cores) does not name its node.
 - **Links** (`probe_links`): a slowed network link does not show in any rank's own time, as every
   rank waits for it alike. Each rank sends PROBE_BYTES to the rank of the same local rank on the
   next node and receives from the previous node, then the same the other way round, timing when
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-PROBE_BYTES = 64 * 1024
+# Above the burst a traffic shaper lets through at line rate (tens of KiB), so a rate-limited link
+# shows; a healthy link moves it in well under a millisecond.
+PROBE_BYTES = 256 * 1024
 ROUNDS = 3  # the fastest of a few exchanges: scheduling noise only ever adds time
 # A node's link is named when its time exceeds the median node's by this factor and by the floor
 # (a quiet link's time is well under a millisecond, where a factor alone would name noise).
@@ -108,10 +111,10 @@ COMPUTE_ROUNDS = 5
 
 @dataclass(frozen=True)
 class SlowRank:
-    rank: int
+    rank: int  # the slowest rank of the slowest node
     where: str  # `node 2, 10.0.0.3`
-    seconds: float  # its compute probe time
-    median_seconds: float
+    seconds: float  # that node's median rank's compute probe time
+    median_seconds: float  # the median node's
 
     @property
     def stands_out(self) -> bool:
@@ -119,14 +122,14 @@ class SlowRank:
                 and self.seconds - self.median_seconds > SLOW_FLOOR_SECONDS)
 
     def text(self) -> str:
-        return (f"slow compute: rank {self.rank} ({self.where}) {1e3 * self.seconds:.1f} ms vs median "
+        return (f"slow compute: {self.where} (rank {self.rank}) {1e3 * self.seconds:.1f} ms vs median node "
                 f"{1e3 * self.median_seconds:.1f} ms for the same matmuls ({self.seconds / max(self.median_seconds, 1e-9):.1f}x)")
 
 
 def probe_compute(topology: Topology, device: torch.device) -> SlowRank:
     """Every rank times the same COMPUTE_REPEATS matmuls at once (the median of COMPUTE_ROUNDS:
     a quota-throttled process runs at full speed in bursts, which the fastest round would catch);
-    the slowest rank against the median. A collective."""
+    the slowest node against the median node (slowest_node). A collective."""
     size = COMPUTE_SIZE.get(device.type, COMPUTE_SIZE["cuda"])
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a = torch.ones(size, size, dtype=dtype, device=device) / size
@@ -145,9 +148,16 @@ def probe_compute(topology: Topology, device: torch.device) -> SlowRank:
     best = statistics.median(rounds)
     times = [torch.zeros((), dtype=torch.float64) for _ in range(topology.world)]
     dist.all_gather(times, torch.tensor(best, dtype=torch.float64))
-    values = [t.item() for t in times]
-    rank = max(range(topology.world), key=values.__getitem__)
-    return SlowRank(rank, topology.describe(rank), values[rank], statistics.median(values))
+    return slowest_node([t.item() for t in times], topology)
+
+
+def slowest_node(times: list[float], topology: Topology) -> SlowRank:
+    """The node whose median rank took longest, against the median node."""
+    per = topology.per_node
+    nodes = [statistics.median(times[n * per:(n + 1) * per]) for n in range(topology.nodes)]
+    node = max(range(topology.nodes), key=nodes.__getitem__)
+    rank = max(range(node * per, (node + 1) * per), key=times.__getitem__)
+    return SlowRank(rank, topology.describe(rank), nodes[node], statistics.median(nodes))
 
 
 def _exchange(payload: torch.Tensor, buffer: torch.Tensor, send_to: int, receive_from: int) -> float:
