@@ -192,10 +192,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(choices)} layouts that fit ({time.perf_counter() - start:.0f}s)")
     for i, c in enumerate(choices, 1):
         t = c.timing
+        terms = ", ".join(f"{name} {seconds:.3g}" for name, seconds in t.terms().items() if seconds)
         print(f"\n{i}. {c.layout.text()}: {c.peak_bytes / GiB:.3g} GiB at the peak; predicted "
-              f"{t.tokens_per_second / ns.ngpu:,.0f} tokens/s per device (step {t.step:.3g}s: compute {t.compute:.3g}, "
-              f"TP {t.tp:.3g}, CP {t.cp:.3g}, FSDP {t.fsdp:.3g}, bubble {t.bubble:.3g}"
-              + (f", EP {t.ep:.3g}" if model.is_moe else "") + ")")
+              f"{t.tokens_per_second / ns.ngpu:,.0f} tokens/s per device (step {t.step:.3g}s: {terms})")
         for line in memory_lines(c):
             print("   " + line)
         print("   " + " ".join(job_options(ns) + c.layout.overrides()))

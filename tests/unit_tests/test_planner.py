@@ -140,3 +140,93 @@ def test_the_busiest_experts_cost_time_and_memory(tiny_moe):
     assert timing(tiny_moe, no_ep, hw, 256, 8, imbalance=2.0).compute == timing(tiny_moe, no_ep, hw, 256, 8).compute
     capped = dataclasses.replace(base, capacity=1.25)
     assert timing(tiny_moe, capped, hw, 256, 8, imbalance=2.0).ep == pytest.approx(1.25 * even.ep)
+
+
+# The communication model (estimation/step_time.py): every figure below is worked out by hand from
+# the llama3 `tiny` flavor (2 blocks of 246,016 parameters, 2 norms of 128 each; embedding 288,768;
+# final norm and output 288,896) and qwen3 `tiny_moe` (2 MoE layers of 8 experts, top 2), at
+# sequence 64, batch 2, with bf16 gathers and fp32 reductions (Precision()).
+BLOCK, ROOT = 246_016, 288_768 + 288_896
+SEQ_T, BATCH_T = 64, 2
+
+
+def _kinds(model, layout, purpose=None, **kwargs):
+    collectives = [c for c in planner.traffic(model, layout, Hardware(), SEQ_T, 0, **kwargs)
+                   if purpose is None or c.purpose == purpose]
+    return {k: (v["count"], v["bytes"]) for k, v in planner.by_kind(collectives).items() if v["count"]}
+
+
+def test_traffic_of_fsdp_and_the_trainers_own_collectives(tiny_model):
+    """FSDP 4: the root gathered once (kept after forward), each block twice but the last, every
+    unit reduce-scattered once in fp32; the trainer: the stragglers' all-gather (8 bytes a rank),
+    its agreement (3 fp32), the loss tokens and the logged loss (fp64), the gradient norm (one fp32
+    per parameter tensor: 2 x 9 + 3)."""
+    layout = Layout(1, 4, 1, 1, 1, "none", BATCH_T, 1, 0)
+    assert _kinds(tiny_model, layout, "fsdp") == {"all_gather": (4, ROOT * 2 + 3 * BLOCK * 2),
+                                                  "reduce_scatter": (3, (ROOT + 2 * BLOCK) * 4)}
+    assert _kinds(tiny_model, layout, "trainer") == {"all_gather": (1, 32), "all_reduce": (4, 12 + 8 + 8 + 4 * 21)}
+    fp32 = _kinds(tiny_model, layout, "fsdp", precision=planner.Precision.of_job("auto", "float32", "cpu"))
+    assert fp32["all_gather"] == (4, ROOT * 4 + 3 * BLOCK * 4)
+
+
+def test_traffic_of_tensor_parallelism(tiny_model):
+    """TP 2 x FSDP 2, per pass of 2 x 64 tokens: 4 all-gathers and 4 reduce-scatters of tokens x
+    dim per block, the embedding's and the output's pair, loss parallelism's 3 all-reduces of one
+    fp32 per token, one all-reduce per norm weight (2 a block and the final one); FSDP gathers each
+    unit's TP shard (norms whole)."""
+    layout = Layout(1, 2, 2, 1, 1, "none", BATCH_T, 1, 0)
+    activations = BATCH_T * SEQ_T * 128 * 2
+    assert _kinds(tiny_model, layout, "tp") == {"all_gather": (10, 10 * activations),
+                                                "reduce_scatter": (10, 10 * activations),
+                                                "all_reduce": (8, 3 * BATCH_T * SEQ_T * 4 + 5 * 128 * 2)}
+    root, block = (ROOT - 128) // 2 + 128, (BLOCK - 256) // 2 + 256
+    assert _kinds(tiny_model, layout, "fsdp")["all_gather"] == (4, root * 2 + 3 * block * 2)
+    full = dataclasses.replace(layout, ac="full")  # the recomputed forward's 2 pairs a block again
+    assert _kinds(tiny_model, full, "tp")["all_gather"] == (14, 14 * activations)
+
+
+def test_traffic_of_pipeline_context_and_replicas(tiny_model):
+    """PP 2 (2 microbatches): a stage sends on and receives back each microbatch's tokens x dim
+    (mean over the 2 stages: 4 calls), and gathers each of its FSDP units once; CP 2: per block and
+    pass 4 transfers of keys or values forward, 4 backward and 8 of their fp32 gradients, each of
+    64 tokens x 8 kv heads x 8; HSDP 2 x 2: each unit's gradient shard all-reduced once."""
+    pp = Layout(1, 2, 1, 2, 1, "none", BATCH_T, 1, 2)
+    assert _kinds(tiny_model, pp, "pp") == {"send_recv": (4, 4 * SEQ_T * 128 * 2)}
+    assert _kinds(tiny_model, pp, "fsdp")["all_gather"] == (2, (ROOT + 2 * BLOCK) * 2 / 2)
+    cp = Layout(1, 2, 1, 1, 2, "none", BATCH_T, 1, 0)
+    kv = BATCH_T * SEQ_T // 2 * 8 * 8
+    assert _kinds(tiny_model, cp, "cp") == {"send_recv": (32, 16 * kv * 2 + 16 * kv * 4)}
+    hsdp = Layout(2, 2, 1, 1, 1, "none", BATCH_T, 1, 0)
+    assert _kinds(tiny_model, hsdp, "hsdp") == {"all_reduce": (3, (ROOT + 2 * BLOCK) / 2 * 4)}
+
+
+def test_traffic_of_expert_parallelism(tiny_moe):
+    """EP 2 over FSDP 4, dropless: per MoE layer 4 all-to-alls of the rank's 128 tokens x top 2 rows
+    (the busiest rank's: x the imbalance) and one exchange of the 8 experts' int64 counts; the
+    experts gathered (twice a layer, the last too) over the 2 ranks holding the same ones."""
+    layout = Layout(1, 4, 1, 1, 1, "none", BATCH_T, 1, 0, moe=True, ep=2, capacity=0.0)
+    rows = BATCH_T * SEQ_T * 2
+    assert _kinds(tiny_moe, layout, "ep", imbalance=1.0) == {"all_to_all": (8, 8 * rows * 128 * 2)}
+    assert _kinds(tiny_moe, layout, "ep", imbalance=1.5) == {"all_to_all": (8, 8 * 1.5 * rows * 128 * 2)}
+    assert _kinds(tiny_moe, layout, "routing") == {"all_to_all": (2, 2 * 64)}
+    experts = [c for c in planner.traffic(tiny_moe, layout, Hardware(), SEQ_T) if c.bytes == 393_216 / 2 * 2]
+    assert [(c.kind, c.count, c.group) for c in experts] == [("all_gather", 4, 2)]
+
+
+def test_the_step_times_communication_is_its_traffic(tiny_model):
+    """timing's terms are seconds() of traffic's collectives: alpha-beta per call, FSDP's overlapped
+    unless the hardware says otherwise (then added to compute)."""
+    hw = Hardware(intra_node_latency_us=10.0)
+    layout = Layout(1, 2, 2, 1, 1, "none", BATCH_T, 1, 0)
+    t = timing(tiny_model, layout, hw, SEQ_T, 4)
+    collectives = planner.traffic(tiny_model, layout, hw, SEQ_T, 4)
+    assert t.tp == pytest.approx(sum(planner.seconds(c, hw)[1] for c in collectives if c.purpose == "tp"))
+    assert t.latency == pytest.approx(sum(planner.seconds(c, hw)[0] for c in collectives if c.purpose != "fsdp"))
+    gather = next(c for c in collectives if c.purpose == "tp" and c.kind == "all_gather")
+    assert planner.seconds(gather, hw) == pytest.approx((gather.count * 10e-6, gather.total_bytes / 2 / 360e9))
+    shared = dataclasses.replace(hw, overlap=False, reduce_scatter_as_all_reduce=True)
+    t2 = timing(tiny_model, layout, shared, SEQ_T, 4)
+    assert t2.fsdp > t.fsdp and t2.step == pytest.approx(sum(t2.terms().values()))
+    wide = planner.Collective("all_reduce", "trainer", 2, 1000, 8, "intra")  # 14 hops of a ring, or one wait
+    assert planner.seconds(wide, hw)[0] == pytest.approx(2 * 14 * 10e-6)
+    assert planner.seconds(wide, dataclasses.replace(hw, latency_per_call=True))[0] == pytest.approx(2 * 10e-6)

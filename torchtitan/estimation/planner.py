@@ -4,7 +4,7 @@ It enumerates the layouts a job could use (tensor parallel within a node, pipeli
 HSDP, context parallel for long sequences, activation checkpointing, gradient accumulation; for
 mixture-of-experts models also expert parallelism and the routing mode, below), drops those the
 stack refuses (the config checks of a real start-up), ranks the rest by the analytic step-time
-model below, and asks the dry run (dry_run.py, fake tensors in this process) whether the fastest
+model (below), and asks the dry run (dry_run.py, fake tensors in this process) whether the fastest
 fit in the device's memory, until it has the requested number that do.
 
 Mixture-of-experts models (a model with MoE layers: modules with `num_experts` and `experts`):
@@ -24,53 +24,56 @@ Mixture-of-experts models (a model with MoE layers: modules with `num_experts` a
         computed whole (the dry run sees the fixed shapes themselves). Dropped tokens cost model
         quality, which the plan does not weigh: it shows the mode, the user chooses.
 
-The step-time model (per optimizer step, per rank; every figure a stated assumption):
+The step-time model (step_time.py, where every assumption is stated): the rank's compute at an
+assumed efficiency, plus the time of the collectives it calls (`traffic`: by kind, count and bytes,
+over the link each group spans, alpha-beta with a per-hop latency), FSDP's overlapped with compute
+and the rest exposed, plus the 1F1B bubble:
 
-    compute   = FLOPs of the rank's tokens (6 x parameters + attention, per token; x4/3 with full
-                activation checkpointing, x7/6 with selective: every 2nd block recomputed) /
-                (peak FLOP/s x efficiency),
-                for 1/(tp x pp x cp) of the model's work on the rank's share of the batch
-    tp        = 4 all-gathers and 4 reduce-scatters of a block's activations per block, forward
-                and backward (sequence parallelism), each moving (tp-1)/tp of the bytes, over
-                the intra-node bandwidth; on the critical path
-    cp        = each block's keys and values passed around the ring, (cp-1)/cp of them, forward
-                and backward twice; intra- or inter-node by where the cp ranks sit; exposed
-    fsdp      = parameters gathered twice (forward, backward) and gradients reduce-scattered once
-                per micro-step, (n-1)/n of the rank's bf16 parameters each, over the bandwidth of the
-                slowest link the shard group spans; HSDP adds an all-reduce of the fp32 gradient
-                shard across replicas (inter-node); overlapped with compute: only what exceeds it
-                counts
-    bubble    = compute x (pp - 1) / (microbatches x stages per rank) (1F1B-like schedules)
-    ep        = MoE layers: the routed pairs (tokens x top_k x load, of the rank's tp/cp slice)
-                all-to-all'ed 4 times per layer (dispatch and combine, forward and backward; 6
-                with full AC's recompute, 5 with selective), (ep-1)/ep of them over the link the
-                ep group spans (its ranks are adjacent: intra-node up to a node); exposed. The
-                experts' share of `compute` is scaled by `load`, and FSDP gathers the experts over
-                the ranks holding the same experts (ep > 1) or whole (ep 1; not split by TP)
+    step = max(compute, fsdp) + tp + cp + ep + pp + other + latency + host + bubble
 
-    step      = max(compute, fsdp) + tp + cp + ep + bubble; tokens/s = global batch tokens / step
-
-What it leaves out: the schedule's own overheads, kernel launch and Python time, imperfect
-overlap, stragglers. Its figures rank layouts; they are no promise of throughput.
+Checked against real gloo ranks by scripts/step_time_check.py (docs/memory.md, "The step-time model
+checked"): the calls and bytes of every collective kind match the traces exactly for FSDP, TP, PP,
+CP, EP and HSDP x TP; the step time, on a calibrated CPU, within 17 %. What it leaves out:
+- the kernels beyond one efficiency figure per device (on CPUs the calibration measures it at the
+  rank's shapes; on GPUs it is the assumed 50 %), and the optimizer step;
+- imperfect overlap, waiting for a slower peer, stragglers, the schedule's own overheads, DTensor's
+  host time under TP, and the bubble's idle time that other ranks use where they share cores;
+- by rule but unchecked: activation checkpointing's recomputed collectives, gradient accumulation,
+  PP combined with TP or CP (a stage sends its rank's shard of the sequence), capacity routing;
+- not at all: interleaved and other pipeline schedules (one stage per rank, 1F1B's transfers),
+  DDP's buckets (one all-reduce per FSDP-like unit), CP's all-gather method, FSDP's padding of
+  uneven shards, tied embeddings' all-reduce under PP, float8 and compile.
+Its figures rank layouts; they are no promise of throughput.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
-
-from torch import nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
 from torchtitan.errors import UserError
 from torchtitan.estimation.dry_run import DryRunResult, dry_run
-from torchtitan.estimation.tracker import is_moe_layer
-from torchtitan.models import get_train_spec
+from torchtitan.estimation.model_shape import Block, Model  # noqa: F401 - the planner's names for the model's parts
+from torchtitan.estimation.step_time import (  # noqa: F401
+    CAPACITY_OPTION,
+    EXPERT_IMBALANCE,
+    KINDS,
+    Collective,
+    Hardware,
+    Layout,
+    Precision,
+    Timing,
+    by_kind,
+    expert_load,
+    seconds,
+    timing,
+    traffic,
+)
 
-GB = 10**9
 GiB = 2**30
 # The rough memory figure (screened_bytes) lands within -20 % to +5 % of the dry run's in its
 # calibration (docs/memory.md); layouts up to this factor over the device's memory are dry-run.
@@ -78,11 +81,8 @@ SCREEN_MARGIN = 1.05
 # Refusals printed before the rest are counted only (an MoE plan meets the same few rules often:
 # the dropping mode under TP, DDP replicas under TP).
 MAX_REFUSALS_SHOWN = 5
-# Dropless routing under EP: the busiest rank's load over the even share the plan budgets for
-# (module docstring); the dropping mode's capacity factors it compares with dropless.
-EXPERT_IMBALANCE = 1.5
+# The dropping mode's capacity factors the plan compares with dropless routing.
 CAPACITY_FACTORS = (1.25,)
-CAPACITY_OPTION = "capacity_factor"  # moe.capacity_factor: 0 dropless, > 0 the dropping mode
 # screened_bytes' MoE terms, calibrated on dry runs of DeepSeek-V3 16B (FSDP 8 x EP 2, AC none)
 # and 671B (FSDP 64 x PP 8 x EP 64, full AC): bytes per routed (token, choice) row and model dim
 # that an MoE layer keeps (about 8 bf16 copies: sorted, sent, received, regrouped, the experts'
@@ -98,83 +98,6 @@ def capacity_option_available() -> bool:
     return hasattr(JobConfig().moe, CAPACITY_OPTION)
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """The cluster the plan is for; defaults: H100 SXM nodes of 8 with NVLink and 400 Gb/s links."""
-
-    gpus_per_node: int = 8
-    device_memory_gib: float = 80.0
-    peak_tflops: float = 989.0  # dense bf16 per GPU
-    efficiency: float = 0.5  # share of the peak that the model's matmuls reach
-    intra_node_gbps: float = 360.0  # GB/s per GPU that a collective moves within a node (NVLink)
-    inter_node_gbps: float = 45.0  # GB/s per GPU across nodes (one 400 Gb/s NIC per GPU)
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    cp: int
-    ac: str  # none, selective, full
-    batch_size: int  # sequences per data-parallel rank and micro-step
-    accum: int  # gradient accumulation steps
-    microbatches: int  # pipeline microbatches per micro-step (0 without PP)
-    schedule: str = "1F1B"
-    moe: bool = False  # a mixture-of-experts model: the options below are pasted
-    ep: int = 1  # expert parallelism (borrows dp_shard x cp x tp ranks: no factor of the world)
-    capacity: float | None = None  # moe.capacity_factor: 0 dropless; None: a build without the option
-
-    def overrides(self) -> list[str]:
-        """Ready-to-paste trainer options."""
-        args = ["--training.data_parallel_replicate_degree", str(self.dp_replicate),
-                "--training.data_parallel_shard_degree", str(self.dp_shard),
-                "--training.tensor_parallel_degree", str(self.tp),
-                "--experimental.context_parallel_degree", str(self.cp),
-                "--experimental.pipeline_parallel_degree", str(self.pp),
-                "--activation_checkpoint.mode", self.ac,
-                "--training.batch_size", str(self.batch_size),
-                "--training.gradient_accumulation_steps", str(self.accum)]
-        if self.pp > 1:
-            args += ["--experimental.pipeline_parallel_schedule", self.schedule,
-                     "--experimental.pipeline_parallel_microbatches", str(self.microbatches)]
-        if self.moe:
-            args += ["--training.expert_parallel_degree", str(self.ep)]
-            if self.capacity is not None:
-                args += [f"--moe.{CAPACITY_OPTION}", f"{self.capacity:g}"]
-        return args
-
-    def text(self) -> str:
-        dims = [f"{name} {value}" for name, value in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                                      ("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if value > 1]
-        pp = f", {self.schedule} x{self.microbatches}" if self.pp > 1 else ""
-        if self.moe:
-            pp += f", ep {self.ep}" + ("" if self.capacity is None else
-                                       ", dropless" if not self.capacity else f", capacity {self.capacity:g}")
-        return (f"{' x '.join(dims) or '1 rank'}, AC {self.ac}, batch {self.batch_size}"
-                + (f" x accum {self.accum}" if self.accum > 1 else "") + pp)
-
-
-@dataclass
-class Timing:
-    compute: float
-    tp: float
-    cp: float
-    fsdp: float
-    bubble: float
-    tokens: int  # per optimizer step, whole job
-    ep: float = 0.0  # expert parallelism's all-to-alls
-
-    @property
-    def step(self) -> float:
-        return max(self.compute, self.fsdp) + self.tp + self.cp + self.ep + self.bubble
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.step
-
-
 @dataclass
 class Choice:
     layout: Layout
@@ -186,66 +109,6 @@ class Choice:
     @property
     def peak_bytes(self) -> int | None:
         return None if self.estimate is None else self.estimate.largest.memory.peak
-
-
-@dataclass
-class Model:
-    """What the plan needs of a model, read from its flavor on the meta device."""
-
-    name: str
-    flavor: str
-    n_params: int
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_dim: int
-    vocab_size: int
-    flops_per_token: Callable[[int], int] = field(repr=False)
-    # Mixture-of-experts models (0 for dense ones): routed experts per MoE layer and chosen per
-    # token, MoE layers, the routed experts' parameters in all of them, an expert's hidden width.
-    num_experts: int = 0
-    top_k: int = 0
-    attention_width: int = 0  # outputs of one block's attention projections (0: unknown)
-    moe_layers: int = 0
-    expert_params: int = 0
-    moe_hidden_dim: int = 0
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @classmethod
-    def from_flavor(cls, name: str, flavor: str, vocab_size: int = 0) -> Model:
-        """`vocab_size`: the tokenizer's (the vocabulary always comes from it); 0: the flavor's."""
-        import torch
-
-        spec = get_train_spec(name)
-        if flavor not in spec.config:
-            raise UserError(f"unknown flavor {flavor!r} of model {name!r}; choose from {', '.join(spec.config)}")
-        args = spec.config[flavor]
-        if vocab_size:
-            args = dataclasses.replace(args, vocab_size=vocab_size)
-        with torch.device("meta"):
-            model = spec.model_cls.from_model_args(args)
-        heads = args.n_heads
-        head_dim = getattr(args, "head_dim", None) or args.dim // heads
-        hidden = max((m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)
-                      and m.in_features == args.dim and m.out_features != args.vocab_size), default=4 * args.dim)
-        moe = [m for m in model.modules() if is_moe_layer(m)]
-        attention = next((m.attention for m in model.modules() if isinstance(getattr(m, "attention", None), nn.Module)),
-                         None)
-        experts = {"attention_width": 0 if attention is None else
-                   sum(m.out_features for m in attention.modules() if isinstance(m, nn.Linear))}
-        if moe:
-            w1 = getattr(moe[0].experts, "w1", None)
-            experts.update(num_experts=moe[0].num_experts, top_k=moe[0].top_k, moe_layers=len(moe),
-                           expert_params=sum(p.numel() for m in moe for p in m.experts.parameters()),
-                           moe_hidden_dim=w1.shape[1] if w1 is not None else args.dim)
-        return cls(name, flavor, sum(p.numel() for p in model.parameters()), args.n_layers, args.dim, heads,
-                   getattr(args, "n_kv_heads", None) or heads, head_dim, hidden, args.vocab_size, model.flops_per_token,
-                   **experts)
 
 
 def _divisors(n: int) -> list[int]:
@@ -299,66 +162,6 @@ def enumerate_layouts(model: Model, ngpu: int, hw: Hardware, seq_len: int, globa
                             for ep in expert_degrees(model.num_experts, base.dp_shard, cp, tp):
                                 for capacity in modes:
                                     yield dataclasses.replace(base, moe=True, ep=ep, capacity=capacity)
-
-
-def expert_load(layout: Layout, imbalance: float = EXPERT_IMBALANCE) -> float:
-    """The busiest rank's routed pairs over the even share (module docstring)."""
-    if layout.capacity:
-        return layout.capacity
-    return imbalance if layout.ep > 1 else 1.0
-
-
-def timing(model: Model, layout: Layout, hw: Hardware, seq_len: int, global_batch: int,
-           imbalance: float = EXPERT_IMBALANCE) -> Timing:
-    """The analytic step time of the module docstring."""
-    tokens = global_batch * seq_len
-    local_tokens = layout.batch_size * layout.accum * seq_len  # per data-parallel rank and step
-    per_token = model.flops_per_token(seq_len)
-    load = expert_load(layout, imbalance) if model.is_moe else 1.0
-    if model.is_moe:  # the experts' share of the work at the busiest rank's load
-        per_token += (load - 1) * 6 * model.top_k * model.expert_params / model.num_experts
-    flops = per_token * local_tokens / (layout.tp * layout.pp * layout.cp)
-    flops *= {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}[layout.ac]
-    compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
-    layers = model.n_layers / layout.pp
-    bf16 = 2
-    intra, inter = hw.intra_node_gbps * GB, hw.inter_node_gbps * GB
-    tp = 0.0
-    if layout.tp > 1:
-        block_bytes = local_tokens / layout.cp * model.dim * bf16
-        tp = 8 * layers * block_bytes * (layout.tp - 1) / layout.tp / intra
-    cp = 0.0
-    if layout.cp > 1:
-        kv_bytes = local_tokens / layout.cp * 2 * model.n_kv_heads * model.head_dim * bf16 / layout.tp
-        link = intra if layout.tp * layout.cp <= hw.gpus_per_node else inter
-        cp = 3 * layers * kv_bytes * (layout.cp - 1) / link
-    ep = 0.0
-    if model.is_moe and layout.ep > 1:
-        pairs = local_tokens / (layout.cp * layout.tp) * model.top_k * load  # routed by each tp/cp rank
-        passes = {"none": 4, "selective": 5, "full": 6}[layout.ac]
-        link = intra if layout.ep <= hw.gpus_per_node else inter
-        ep = passes * model.moe_layers / layout.pp * pairs * model.dim * bf16 * (layout.ep - 1) / layout.ep / link
-    fsdp = 0.0
-    shard = layout.dp_shard * layout.cp  # FSDP shards over dp_shard x cp
-    experts = model.expert_params / layout.pp  # a stage's experts, not split by TP
-    params = (model.n_params - model.expert_params) / (layout.tp * layout.pp)
-    span = layout.tp * shard  # ranks from the first of a shard group to its last
-    link = intra if span <= hw.gpus_per_node else inter
-    if shard > 1:
-        # Gathered for every micro-step's forward and backward and reduce-scattered after its
-        # backward (training.defer_sharded_gradient_reduction, which the plan leaves off, would
-        # reduce once per step for a whole unsharded copy of the gradients).
-        fsdp += 3 * layout.accum * params * bf16 * (shard - 1) / shard / link
-    # The experts' FSDP: over the ranks holding the same experts (ep > 1), or over the MoE
-    # layers' dp_shard x cp (x tp) ranks, gathering every expert (ep 1).
-    holders = shard * layout.tp // layout.ep
-    if model.is_moe and holders > 1:
-        fsdp += 3 * layout.accum * experts / layout.ep * bf16 * (holders - 1) / holders / link
-    params += experts / layout.tp  # for HSDP's all-reduce of the shards (experts: over shard x tp ranks), below
-    if layout.dp_replicate > 1:
-        fsdp += 2 * params / shard * 4 * (layout.dp_replicate - 1) / layout.dp_replicate / inter
-    bubble = compute * (layout.pp - 1) / max(1, layout.microbatches) if layout.pp > 1 else 0.0
-    return Timing(compute, tp, cp, fsdp, bubble, tokens, ep)
 
 
 def screened_bytes(model: Model, layout: Layout, seq_len: int, imbalance: float = EXPERT_IMBALANCE) -> int:
