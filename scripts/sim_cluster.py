@@ -7,11 +7,14 @@ joined by a switch, tests/machinery/namespaces.py), one launcher per host as on 
     .venv/bin/python scripts/sim_cluster.py startup --ranks 4 8 16 32       # start-up per phase as the job grows
     .venv/bin/python scripts/sim_cluster.py straggler --link-mbit 20        # a host's link slowed: named?
     .venv/bin/python scripts/sim_cluster.py straggler --cpus 0.1            # a host's ranks throttled: named?
+    .venv/bin/python scripts/sim_cluster.py step-time --scenario moe4d-32   # the planner's step-time model checked
 
 A whole host lost mid-run (killed with its launcher, then replaced, or never back) is
 scripts/restart_trials.py --hosts N --whole-host [--never-back]; replica groups that train on
 through a lost group are scripts/ft_trials.py --hosts N. The planner's step-time model against
-these scenarios is scripts/step_time_check.py. Figures and what they mean: docs/operations.md.
+a scenario is `step-time` (scripts/step_time_check.py's check, run over the hosts; its link
+microbenchmark runs on one host, so the figures between hosts are those within one: on one machine
+a bridge and a loopback are alike). Figures and what they mean: docs/operations.md.
 
 The model is Qwen3 `tiny_moe` (2 blocks, 8 experts) on 64-token sequences, so that 32 ranks fit in
 the memory of a development machine (about 10 GiB); every rank runs one CPU thread.
@@ -106,6 +109,16 @@ def parity(scenario: Scenario, workdir: Path, steps: int, global_batch: int = 16
             "wall_seconds": wall, "run_seconds": result.run.seconds}
 
 
+def step_time(scenario: Scenario, steps: int = 6) -> dict:
+    """The planner's predicted communication per collective kind and step time for the scenario,
+    against what its ranks measured (scripts/step_time_check.py)."""
+    from scripts import step_time_check
+
+    with SimulatedHosts(scenario.hosts) as hosts:
+        return step_time_check.check([*MOE, *scenario.overrides], scenario.nproc, runner=hosts_runner(hosts),
+                                     hosts=scenario.hosts, steps=steps)
+
+
 def launch(hosts: SimulatedHosts, args: list[str], nproc: int, env: dict[str, str] | None = None,
            timeout: float = 1800) -> subprocess.CompletedProcess:
     return run_on_hosts(hosts, args, nproc, timeout, {"LOG_RANK": "0", **(env or {})})
@@ -184,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     par = sub.add_parser("parity", help="a scenario's losses against one process")
     par.add_argument("--scenario", choices=sorted(SCENARIOS), default="moe4d-32")
     par.add_argument("--steps", type=int, default=4)
+    tm = sub.add_parser("step-time", help="the planner's step-time model against a scenario")
+    tm.add_argument("--scenario", choices=sorted(SCENARIOS), default="moe4d-32")
     st = sub.add_parser("startup", help="start-up time per phase at several sizes")
     st.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32])
     sg = sub.add_parser("straggler", help="a slowed or throttled host, and whether the step lines name it")
@@ -193,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     sg.add_argument("--slow-host", type=int, default=2)
     sg.add_argument("--link-mbit", type=float, default=None, help="limit the host's outgoing link to this rate")
     sg.add_argument("--cpus", type=float, default=None, help="cap the host's ranks at this many cores")
-    for sp in (par, st, sg):
+    for sp in (par, tm, st, sg):
         sp.add_argument("--workdir", type=Path, default=None)
         sp.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
@@ -210,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{figures['scenario']}: {figures['ranks']} ranks on {figures['hosts']} hosts, {figures['steps']} steps: "
               f"max |loss diff| {figures['max_loss_diff']:.3e}, final grad-norm rel diff "
               f"{figures['grad_norm_rel_diff']:.3e}; the layout's run {figures['run_seconds']:.0f} s")
+    elif args.command == "step-time":
+        from scripts import step_time_check
+
+        figures = step_time(SCENARIOS[args.scenario])
+        print(step_time_check.table(figures))
     elif args.command == "startup":
         figures = [startup(n, workdir) for n in args.ranks]
         phases = sorted({k for f in figures for k in f["startup"]}, key=list(figures[-1]["startup"]).index)

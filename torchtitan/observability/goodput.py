@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from torchtitan.observability.metric_files import MetricsFile
+from torchtitan.observability.metric_files import JsonRowsFile
 from torchtitan.observability.progress import duration
 from torchtitan.runtime.reports import attempt as torchrun_restart
 
@@ -73,7 +73,7 @@ def launch_time() -> float | None:
     return float(value)
 
 
-class GoodputFile(MetricsFile):
+class GoodputFile(JsonRowsFile):
     """goodput.jsonl of rank 0, appended; a write that fails stops it with one warning, never the
     run (metric_files.py says why)."""
 
@@ -94,13 +94,6 @@ class GoodputFile(MetricsFile):
                         self.file.write("\n")
 
         self._guarded("at start-up", open_it)
-
-    def write(self, row: dict[str, Any], step: int | None) -> None:
-        def write_row() -> None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-
-        self._guarded("at the end of the run" if step is None else f"at step {step}", write_row)
 
 
 def _set_aside(path: str) -> None:

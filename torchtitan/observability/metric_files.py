@@ -74,7 +74,20 @@ class MetricsFile:
             self._guarded("at the end of the run", self.file.close)
 
 
-class JsonlFile(MetricsFile):
+class JsonRowsFile(MetricsFile):
+    """A file of one JSON object per line, each flushed as written (metrics.jsonl, goodput.jsonl)."""
+
+    file: Any = None
+
+    def write(self, row: dict[str, Any], step: int | None) -> None:
+        def write_row() -> None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+        self._guarded("at the end of the run" if step is None else f"at step {step}", write_row)
+
+
+class JsonlFile(JsonRowsFile):
     """metrics.jsonl of rank 0: one row per logged step, and records of other kinds."""
 
     what = "metrics file"
@@ -88,13 +101,6 @@ class JsonlFile(MetricsFile):
             self.kept_validations = _kept_validations(self.file)
 
         self._guarded("at start-up", open_it)
-
-    def write(self, row: dict[str, Any], step: int | None) -> None:
-        def write_row() -> None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-
-        self._guarded("at the end of the run" if step is None else f"at step {step}", write_row)
 
     def _abandon(self) -> None:
         super()._abandon()

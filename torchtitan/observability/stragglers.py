@@ -46,6 +46,11 @@ SLOW_FACTOR = 3.0
 SLOW_FLOOR_SECONDS = 0.002
 
 
+def stands_out(seconds: float, median_seconds: float) -> bool:
+    """Slow enough to name: SLOW_FACTOR times the median's time, and SLOW_FLOOR_SECONDS more."""
+    return seconds > SLOW_FACTOR * median_seconds and seconds - median_seconds > SLOW_FLOOR_SECONDS
+
+
 @dataclass(frozen=True)
 class Topology:
     """Where the ranks run: torchrun numbers a node's ranks contiguously (rank = node x per_node +
@@ -93,9 +98,7 @@ class SlowLink:
 
     @property
     def stands_out(self) -> bool:
-        """Slow enough to name: SLOW_FACTOR times the median node's time, and SLOW_FLOOR_SECONDS more."""
-        return (self.seconds > SLOW_FACTOR * self.median_seconds
-                and self.seconds - self.median_seconds > SLOW_FLOOR_SECONDS)
+        return stands_out(self.seconds, self.median_seconds)
 
     def text(self) -> str:
         kib = PROBE_BYTES // 1024
@@ -118,8 +121,7 @@ class SlowRank:
 
     @property
     def stands_out(self) -> bool:
-        return (self.seconds > SLOW_FACTOR * self.median_seconds
-                and self.seconds - self.median_seconds > SLOW_FLOOR_SECONDS)
+        return stands_out(self.seconds, self.median_seconds)
 
     def text(self) -> str:
         return (f"slow compute: {self.where} (rank {self.rank}) {1e3 * self.seconds:.1f} ms vs median node "
