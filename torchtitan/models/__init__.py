@@ -2,6 +2,7 @@
 
 from torchtitan.models import (
     deepseek_v3,  # noqa: F401  (registers deepseek_v3)
+    gpt_oss,  # noqa: F401  (registers gpt_oss)
     llama,  # noqa: F401  (registers llama2 and llama3)
     qwen3,  # noqa: F401  (registers qwen3, dense and MoE)
 )

@@ -172,14 +172,27 @@ class GroupedExperts(nn.Module):
 
     Stacked rather than E separate modules so that one grouped matmul computes every expert, and
     so that expert parallelism can shard them by expert (dim 0) as one tensor, with names that do
-    not depend on the layout (`moe.experts.w1`, whatever rank holds which experts)."""
+    not depend on the layout (`moe.experts.w1`, whatever rank holds which experts).
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    gpt-oss's experts add two things (off by default): `bias`, one bias per expert for each of the
+    three projections (b1, b3 (E, hidden), b2 (E, dim); stacked and sharded by expert like the
+    weights), and `swiglu_limit`, its clamped SwiGLU: the gate clamped from above and the linear
+    part on both sides at the limit, then gate x sigmoid(`swiglu_alpha` x gate) x (up + 1)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, bias: bool = False,
+                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0):
         super().__init__()
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        else:
+            self.b1 = self.b2 = self.b3 = None
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha  # limit 0: the plain SwiGLU
         # None: F.grouped_mm where `kernels.supported` says so; False: always the loop.
         self.use_grouped_mm: bool | None = None
         self.kernels = DEVICE_KERNELS  # a seam (module docstring): the dry run's differ
@@ -188,6 +201,9 @@ class GroupedExperts(nn.Module):
         trunc_normal(self.w1, 0.02)
         trunc_normal(self.w2, init_std)
         trunc_normal(self.w3, init_std)
+        for bias in (self.b1, self.b2, self.b3):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
         """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim); or
@@ -198,11 +214,34 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = x.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype)
         grouped = self.use_grouped_mm is not False and self.kernels.supported(x, w1, w2, w3)
+        rows_expert = self._row_experts(counts, w1.shape[0], x) if self.b1 is not None else None
         if isinstance(counts, torch.Tensor) and not grouped and not torch.compiler.is_compiling():
             counts = counts.tolist()  # the loop's split sizes, read once for the three matmuls
         matmul = self.kernels.matmul
-        h = F.silu(matmul(x, w1, counts, grouped)) * matmul(x, w3, counts, grouped)
-        return matmul(h, w2, counts, grouped)
+        gate, up = matmul(x, w1, counts, grouped), matmul(x, w3, counts, grouped)
+        if rows_expert is not None:
+            gate, up = gate + self._bias_rows(self.b1, rows_expert, gate), up + self._bias_rows(self.b3, rows_expert, up)
+        if self.swiglu_limit > 0:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            h = gate * torch.sigmoid(gate * self.swiglu_alpha) * (up + 1)
+        else:
+            h = F.silu(gate) * up
+        out = matmul(h, w2, counts, grouped)
+        return out if rows_expert is None else out + self._bias_rows(self.b2, rows_expert, out)
+
+    @staticmethod
+    def _row_experts(counts: torch.Tensor | int, local_experts: int, x: torch.Tensor) -> torch.Tensor:
+        """(N,) the local expert of each sorted row, made on the device: `output_size` keeps the
+        repeat from reading the counts to the host."""
+        experts = torch.arange(local_experts, device=x.device)
+        if isinstance(counts, int):
+            return experts.repeat_interleave(counts)
+        return experts.repeat_interleave(counts, output_size=x.shape[0])
+
+    @staticmethod
+    def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return _local(bias).to(like.dtype)[rows_expert]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +262,7 @@ class TokenChoiceRouter(nn.Module):
     scaling factor)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, score_func: str = "softmax",
-                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0):
+                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0, gate_bias: bool = False):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be softmax or sigmoid, got {score_func!r}")
@@ -233,7 +272,7 @@ class TokenChoiceRouter(nn.Module):
         if top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"top_k {top_k} exceeds the {topk_group * (num_experts // n_group)} experts of "
                              f"{topk_group} groups of {num_experts // n_group}")
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Linear(dim, num_experts, bias=gate_bias)  # gpt-oss's router has a bias
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.score_func, self.n_group, self.topk_group, self.route_scale = score_func, n_group, topk_group, route_scale
@@ -294,7 +333,8 @@ class StepStats(NamedTuple):
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
                  aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0, score_func: str = "softmax",
-                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0, capacity_factor: float = 0.0):
+                 n_group: int = 1, topk_group: int = 1, route_scale: float = 1.0, capacity_factor: float = 0.0,
+                 linear_biases: bool = False, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {num_experts}")
@@ -302,8 +342,9 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.bias_update_rate = aux_loss_coef, bias_update_rate
         self.capacity_factor = capacity_factor  # 0: dropless (module docstring)
         self.router = TokenChoiceRouter(dim, num_experts, top_k, norm_topk_prob, score_func, n_group, topk_group,
-                                        route_scale)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+                                        route_scale, gate_bias=linear_biases)
+        # gpt-oss: the router and every expert projection have biases, and the experts clamp their SwiGLU.
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, linear_biases, swiglu_limit, swiglu_alpha)
         # Auxiliary-loss-free balancing state: saved in checkpoints, updated by the trainer.
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
         # This step's routed tokens per expert and auxiliary loss (this rank's share), for the
@@ -322,6 +363,8 @@ class MoE(nn.Module):
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         trunc_normal(self.router.gate.weight, 0.02)
+        if self.router.gate.bias is not None:
+            nn.init.zeros_(self.router.gate.bias)
         self.experts.init_weights(init_std)
         device = buffer_device or self.expert_bias.device
         self.expert_bias = torch.zeros(self.num_experts, device=device)

@@ -42,12 +42,14 @@ def parse_split_points(points: list[str], n_layers: int) -> list[int]:
     return starts
 
 
-def decoder_unit_costs(block_flops: float, n_layers: int, vocab_rows: int, dim: int, seq_len: int) -> list[float]:
+def decoder_unit_costs(block_flops: float | list[float], n_layers: int, vocab_rows: int, dim: int,
+                       seq_len: int) -> list[float]:
     """Estimated training cost of each transformer block, in FLOPs per token: `block_flops` (the
-    family's per-block cost, the one its FLOP count uses) for every block, with the output
+    family's per-block cost, the one its FLOP count uses; one per block where blocks differ, as
+    gpt-oss's banded and full ones) for every block, with the output
     projection added to the last block (it runs on the last stage) and the embedding lookup, which
     costs memory but almost no compute, counted by its parameters on the first."""
-    costs = [float(block_flops)] * n_layers
+    costs = [float(c) for c in block_flops] if isinstance(block_flops, list) else [float(block_flops)] * n_layers
     costs[-1] += 6.0 * vocab_rows * dim
     costs[0] += vocab_rows * dim / seq_len  # the embedding's weight update, spread over the tokens
     return costs
