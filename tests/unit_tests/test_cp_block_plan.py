@@ -27,7 +27,7 @@ def _random_documents(batch: int, seq: int, seed: int, mean: float) -> torch.Ten
     return ids
 
 
-def _coverage(cp: int, chunk: int, ids: torch.Tensor | None, tile: int, method: str):
+def _coverage(cp: int, chunk: int, ids: torch.Tensor | None, tile: int, method: str, window: int | None = None):
     """Per batch row, how often each global (query, key) cell is computed unmasked, and the
     number of cells computed at all (masked or not)."""
     seq = 2 * cp * chunk
@@ -39,11 +39,11 @@ def _coverage(cp: int, chunk: int, ids: torch.Tensor | None, tile: int, method: 
         # Local row -> global position, and per key/value source local column -> global position.
         rows = torch.cat([torch.arange(s.start, s.end) for s in chunk_spans(rank, cp, chunk)])
         if method == "ring":
-            sources = [(ring_step_blocks(rank, src, cp, chunk, documents, tile),
+            sources = [(ring_step_blocks(rank, src, cp, chunk, documents, tile, window),
                         torch.cat([torch.arange(s.start, s.end) for s in chunk_spans(src, cp, chunk)]))
                        for src in range(cp)]
         else:
-            sources = [(_query_blocks(rank, cp, chunk, documents, tile), torch.arange(seq))]
+            sources = [(_query_blocks(rank, cp, chunk, documents, tile, window), torch.arange(seq))]
         for blocks, cols in sources:
             for block in blocks:
                 q, k = rows[block.rows], cols[block.cols]
@@ -52,6 +52,7 @@ def _coverage(cp: int, chunk: int, ids: torch.Tensor | None, tile: int, method: 
                 if block.causal:
                     allowed &= torch.ones(len(q), len(k), dtype=torch.bool).tril()
                 mask = block_mask(block, ids)
+                assert (mask is None) == (block.masked_at is None)
                 if mask is not None:
                     assert block.masked_at == (int(q[0]), int(k[0]))
                     allowed &= torch.isfinite(mask[:, 0])
@@ -71,6 +72,25 @@ def test_each_allowed_pair_is_computed_once(method, cp, chunk, tile, mean):
     assert torch.equal(counts, allowed.int())
     if mean < 20 and tile < chunk:  # short documents, small tiles: most of the triangle is skipped, not masked
         assert computed < 0.6 * seq * (seq + 1) / 2, computed
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("window,with_documents", [(5, False), (1, False), (9, True), (100, False)])
+def test_banded_attention_computes_each_pair_in_the_band_once(method, window, with_documents):
+    """gpt-oss's sliding-window blocks: key j for query i iff i - window < j <= i, alone or beside
+    documents; a band narrower than a chunk computes far fewer cells than the causal triangle."""
+    cp, chunk, tile = 4, 8, 4
+    seq = 2 * cp * chunk
+    ids = _random_documents(2, seq, seed=window, mean=12.0) if with_documents else None
+    counts, computed = _coverage(cp, chunk, ids, tile, method, window)
+    positions = torch.arange(seq)
+    allowed = (positions.unsqueeze(0) <= positions.unsqueeze(1)) & (positions.unsqueeze(0) > positions.unsqueeze(1) - window)
+    if ids is not None:
+        allowed = allowed & (ids.unsqueeze(2) == ids.unsqueeze(1))
+    assert torch.equal(counts, allowed.int().expand_as(counts))
+    if window < chunk:
+        # Each query meets at most its tile's rows plus the window of keys: far below the triangle.
+        assert computed < seq * (window + tile), computed
 
 
 @pytest.mark.parametrize("method", ["ring", "allgather"])

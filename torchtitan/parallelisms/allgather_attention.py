@@ -48,36 +48,37 @@ def _gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
     return unshard_sequence(list(gathered.view(cp, *local.shape).unbind(0)), dim=3)
 
 
-def _query_blocks(rank: int, cp: int, chunk: int, documents: DocumentPlan | None, tile: int):
+def _query_blocks(rank: int, cp: int, chunk: int, documents: DocumentPlan | None, tile: int,
+                  window: int | None = None):
     """Every block of this rank's queries: each chunk against the key chunks up to its own, one
     key chunk at a time. Blocks stay at most a chunk wide, so grouped-query attention expands (and
     its gradients come back in) one chunk of keys at a time, never the whole sequence's."""
     blocks = []
     for queries in chunk_spans(rank, cp, chunk):
         for start in range(0, queries.end, chunk):
-            blocks += plan_blocks(queries, Span(start, chunk, start), documents, tile)
+            blocks += plan_blocks(queries, Span(start, chunk, start), documents, tile, window)
     return blocks
 
 
 def allgather_forward(q, k, v, group, scale: float, kernel: str, ids: torch.Tensor | None,
-                      documents: DocumentPlan | None, tile: int):
+                      documents: DocumentPlan | None, tile: int, window: int | None = None):
     """Out (fp32) and lse of this rank's queries over the whole sequence (as `ring_forward`)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     keys, values = _gather_sequence(k, v, group).unbind(0)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    forward_blocks(q, keys, values, _query_blocks(rank, cp, q.shape[2] // 2, documents, tile), out, lse, scale,
-                   kernel, ids)
+    forward_blocks(q, keys, values, _query_blocks(rank, cp, q.shape[2] // 2, documents, tile, window), out, lse,
+                   scale, kernel, ids)
     return out, lse
 
 
 def allgather_backward(dout, q, k, v, out, lse, group, scale: float, kernel: str, ids: torch.Tensor | None,
-                       documents: DocumentPlan | None, tile: int):
+                       documents: DocumentPlan | None, tile: int, window: int | None = None):
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     keys, values = _gather_sequence(k, v, group).unbind(0)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros((2, *keys.shape), dtype=torch.float32, device=k.device)
-    backward_blocks(dout, q, keys, values, out, lse, _query_blocks(rank, cp, q.shape[2] // 2, documents, tile),
+    backward_blocks(dout, q, keys, values, out, lse, _query_blocks(rank, cp, q.shape[2] // 2, documents, tile, window),
                     dq, dkv[0], dkv[1], scale, kernel, ids)
     # Every rank's chunks in rank order, then one reduce-scatter: rank r receives the sum over ranks
     # of the gradients of its own chunks.

@@ -44,9 +44,10 @@ class Block:
     rows: slice  # local query rows
     cols: slice  # local key columns
     causal: bool  # a square diagonal block, upper triangle masked
-    # Document masking: the global positions of the first row and column (the mask is built from
-    # the ids there); None for a block that needs no mask.
+    # Document masking or a window: the global positions of the first row and column (the mask is
+    # built from the ids there and from the positions); None for a block that needs no mask.
     masked_at: tuple[int, int] | None = None
+    window: int | None = None  # banded attention: key j seen by query i iff i - window < j <= i
 
 
 @dataclass(frozen=True)
@@ -84,35 +85,42 @@ class DocumentPlan:
             self.latest = starts.amax(dim=0).tolist()
 
 
-def plan_blocks(queries: Span, keys: Span, documents: DocumentPlan | None, tile: int = DEFAULT_TILE) -> list[Block]:
+def plan_blocks(queries: Span, keys: Span, documents: DocumentPlan | None, tile: int = DEFAULT_TILE,
+                window: int | None = None) -> list[Block]:
     """The blocks that compute `queries` against `keys`, causally (keys after a query are never
-    attended). Ranges are whole CP chunks: the key range either ends at or before the queries
-    start, or contains them exactly (the diagonal)."""
+    attended), within `window` positions of each query when banded (gpt-oss's sliding-window
+    blocks): keys wholly outside the band are never computed, as keys of earlier documents.
+    Ranges are whole CP chunks: the key range either ends at or before the queries start, or
+    contains them exactly (the diagonal)."""
     if keys.start >= queries.end:
         return []
     diagonal = keys.end > queries.start
     if diagonal and not (keys.start <= queries.start and keys.end == queries.end):
         raise ValueError(f"keys {keys} must end before queries {queries} or end with them")
-    if documents is None:
-        return _tile_blocks(queries, keys, None)
-    # One block per part when the whole chunk is one document in every row, else tiles.
-    whole = _tile_blocks(queries, keys, documents)
+    if documents is None and window is None:
+        return _tile_blocks(queries, keys, None, None)
+    # One block per part when the whole chunk is one document in every row and inside the band,
+    # else tiles; a band's tiles are at most a window tall, so each meets about two windows of keys.
+    whole = _tile_blocks(queries, keys, documents, window)
     if all(block.masked_at is None for block in whole) and len(whole) <= 1 + diagonal:
         return whole
+    rows = tile if window is None else max(1, min(tile, window))
     blocks: list[Block] = []
-    for start in range(queries.start, queries.end, tile):
-        part = Span(start, min(tile, queries.end - start), queries.local + start - queries.start)
-        blocks += _tile_blocks(part, keys, documents)
+    for start in range(queries.start, queries.end, rows):
+        part = Span(start, min(rows, queries.end - start), queries.local + start - queries.start)
+        blocks += _tile_blocks(part, keys, documents, window)
     return merge_full_blocks(blocks)
 
 
-def _tile_blocks(queries: Span, keys: Span, documents: DocumentPlan | None) -> list[Block]:
+def _tile_blocks(queries: Span, keys: Span, documents: DocumentPlan | None, window: int | None) -> list[Block]:
     """The blocks of one run of queries: the keys before them, then the diagonal square."""
     qs, qe = queries.start, queries.end
     lo = keys.start if documents is None else max(keys.start, documents.earliest[qs])
+    if window is not None:
+        lo = max(lo, qs - window + 1)  # the first query's band starts there; later queries' later
     hi = min(keys.end, qe)
     if lo >= hi:
-        return []  # every key of the range is in an earlier document than every query
+        return []  # every key of the range is in an earlier document, or out of the band, for every query
 
     def rows() -> slice:
         return slice(queries.local, queries.local + queries.length)
@@ -120,15 +128,19 @@ def _tile_blocks(queries: Span, keys: Span, documents: DocumentPlan | None) -> l
     def cols(a: int, b: int) -> slice:
         return slice(keys.local + a - keys.start, keys.local + b - keys.start)
 
+    def banded(first_key: int) -> bool:
+        """Whether the band cuts the block: its last query is a window or more past its first key."""
+        return window is not None and qe - 1 - first_key >= window
+
     blocks = []
     past_end = min(hi, qs)
     if lo < past_end:
         # One document throughout iff the last query's document began at or before lo in every row.
-        masked = documents is not None and documents.latest[qe - 1] > lo
-        blocks.append(Block(rows(), cols(lo, past_end), False, (qs, lo) if masked else None))
+        masked = (documents is not None and documents.latest[qe - 1] > lo) or banded(lo)
+        blocks.append(Block(rows(), cols(lo, past_end), False, (qs, lo) if masked else None, window if masked else None))
     if hi > qs:  # the diagonal square [qs, qe)
-        masked = documents is not None and documents.latest[qe - 1] > qs
-        blocks.append(Block(rows(), cols(qs, qe), not masked, (qs, qs) if masked else None))
+        masked = (documents is not None and documents.latest[qe - 1] > qs) or banded(qs)
+        blocks.append(Block(rows(), cols(qs, qe), not masked, (qs, qs) if masked else None, window if masked else None))
     return blocks
 
 
@@ -154,7 +166,7 @@ def forward_blocks(q, k, v, blocks: list[Block], out, lse, scale: float, kernel:
     columns are expanded to q's heads, never the whole range at once."""
     groups = q.shape[1] // k.shape[1]
     for block in blocks:
-        mask = block_mask(block, ids)
+        mask = block_mask(block, ids, q.device)
         bk, bv = expand_heads(k[:, :, block.cols], groups), expand_heads(v[:, :, block.cols], groups)
         o, s = block_forward(q[:, :, block.rows], bk, bv, block.causal, scale, kernel, mask)
         merge(out, lse, o, s, block.rows, masked=mask is not None)
@@ -169,17 +181,29 @@ def backward_blocks(dout, q, k, v, out, lse, blocks: list[Block], dq, dk, dv, sc
         rows, cols = block.rows, block.cols
         bk, bv = expand_heads(k[:, :, cols], groups), expand_heads(v[:, :, cols], groups)
         gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], bk, bv, out[:, :, rows],
-                                    lse[:, :, rows].contiguous(), block.causal, scale, kernel, block_mask(block, ids))
+                                    lse[:, :, rows].contiguous(), block.causal, scale, kernel,
+                                    block_mask(block, ids, q.device))
         dq[:, :, rows] += gq
         dk[:, :, cols] += reduce_head_groups(gk, groups)
         dv[:, :, cols] += reduce_head_groups(gv, groups)
 
 
-def block_mask(block: Block, ids: torch.Tensor | None) -> torch.Tensor | None:
+def block_mask(block: Block, ids: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
     """The additive mask (batch, 1, rows, cols) of a masked block, from the device's document ids
-    (batch, seq) of the whole sequence; None for an unmasked block."""
+    (batch, seq) of the whole sequence (None without document masking) and the block's window;
+    None for an unmasked block."""
     if block.masked_at is None:
         return None
     q0, k0 = block.masked_at
     rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
-    return document_mask(ids[:, q0:q0 + rows], ids[:, k0:k0 + cols], causal=q0 == k0)
+    if ids is None:
+        mask = torch.zeros(1, 1, rows, cols, device=device)
+        if q0 == k0:
+            mask = mask.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    else:
+        mask = document_mask(ids[:, q0:q0 + rows], ids[:, k0:k0 + cols], causal=q0 == k0)
+    if block.window is not None:
+        q_pos = torch.arange(q0, q0 + rows, device=mask.device).unsqueeze(1)
+        k_pos = torch.arange(k0, k0 + cols, device=mask.device).unsqueeze(0)
+        mask = mask.masked_fill(k_pos <= q_pos - block.window, float("-inf"))
+    return mask

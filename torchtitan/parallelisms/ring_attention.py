@@ -72,12 +72,13 @@ def chunk_spans(rank: int, cp: int, chunk: int) -> list[Span]:
 
 
 def ring_step_blocks(rank: int, src: int, cp: int, chunk: int, documents: DocumentPlan | None,
-                     tile: int) -> list[Block]:
-    """The blocks rank `rank` computes against the key/value block of rank `src`."""
+                     tile: int, window: int | None = None) -> list[Block]:
+    """The blocks rank `rank` computes against the key/value block of rank `src` (none, with a
+    window, when every key of the block is out of every query's band: the ring still passes it on)."""
     blocks = []
     for queries in chunk_spans(rank, cp, chunk):
         for keys in chunk_spans(src, cp, chunk):
-            blocks += plan_blocks(queries, keys, documents, tile)
+            blocks += plan_blocks(queries, keys, documents, tile, window)
     return merge_full_blocks(blocks)
 
 
@@ -105,7 +106,7 @@ class _Ring:
 
 
 def ring_forward(q, k, v, group, scale: float, kernel: str, ids: torch.Tensor | None,
-                 documents: DocumentPlan | None, tile: int):
+                 documents: DocumentPlan | None, tile: int, window: int | None = None):
     """Out (fp32) and lse of this rank's queries over the whole sequence; `ids` (batch, seq): the
     device's document ids with `documents` their plan, or both None for plain causal attention."""
     ring = _Ring(group)
@@ -117,15 +118,15 @@ def ring_forward(q, k, v, group, scale: float, kernel: str, ids: torch.Tensor | 
     for step in range(cp):
         src = (rank - step) % cp
         pending = ring.start(kv) if step < cp - 1 else None  # the next block travels during compute
-        forward_blocks(q, kv[0], kv[1], ring_step_blocks(rank, src, cp, c, documents, tile), out, lse, scale,
-                       kernel, ids)
+        forward_blocks(q, kv[0], kv[1], ring_step_blocks(rank, src, cp, c, documents, tile, window), out, lse,
+                       scale, kernel, ids)
         if pending is not None:
             kv = _Ring.finish(pending)
     return out, lse
 
 
 def ring_backward(dout, q, k, v, out, lse, group, scale: float, kernel: str, ids: torch.Tensor | None,
-                  documents: DocumentPlan | None, tile: int):
+                  documents: DocumentPlan | None, tile: int, window: int | None = None):
     ring = _Ring(group)
     rank, cp = ring.rank, ring.size
     c = q.shape[2] // 2
@@ -141,7 +142,7 @@ def ring_backward(dout, q, k, v, out, lse, group, scale: float, kernel: str, ids
         pending = ring.start(kv) if step < cp - 1 else None
         # The accumulators gain this rank's share in place: they are this rank's own tensors
         # (fresh zeros, or buffers just received).
-        backward_blocks(dout, q, kv[0], kv[1], out, lse, ring_step_blocks(rank, src, cp, c, documents, tile),
+        backward_blocks(dout, q, kv[0], kv[1], out, lse, ring_step_blocks(rank, src, cp, c, documents, tile, window),
                         dq, grads[0], grads[1], scale, kernel, ids)
         if cp > 1:
             # After the last step one more hop brings each accumulator home: its owner is next.

@@ -42,6 +42,10 @@ QWEN3_MOE_CAPACITY = f"{QWEN3_MOE} --moe.capacity_factor 1.0"
 DEEPSEEK_V3 = ("--model.name deepseek_v3 --model.flavor tiny --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001")
 DEEPSEEK_V3_NO_MTP = f"{DEEPSEEK_V3} --model.mtp_depth 0"
 DEEPSEEK_V3_DEBUG = DEEPSEEK_V3.replace("tiny", "debugmodel")
+# gpt-oss's `tiny`: a banded block (window 8, shorter than any rank's share of the 64-token
+# sequences, so context parallelism's ring skips and masks key blocks) and a full one, sinks,
+# biased attention, router and experts, the clamped SwiGLU; auxiliary loss and bias both on.
+GPT_OSS = "--model.name gpt_oss --model.flavor tiny --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001"
 # bf16 compute (training.mixed_precision_param) on llama3's 2-block `tiny` model: the seed and
 # the baseline (one process under autocast) too. bf16 rounds each matmul's output to 8 bits of
 # mantissa, and layouts split those matmuls differently (rows over ranks, columns over TP ranks,
@@ -178,6 +182,17 @@ SUITES: dict[str, list[Layout]] = {
           shared=f"{DEEPSEEK_V3_DEBUG} --moe.capacity_factor 1.0"),
         L("dsv3_fsdp2_no_mtp", 2, "--training.data_parallel_shard_degree 2", {"fsdp.mesh": {"dp_shard_cp": 2}},
           shared=DEEPSEEK_V3_NO_MTP),
+    ],
+    # gpt-oss (issue 56): its attention (sinks, banded blocks, biases) and experts (biases, clamped
+    # SwiGLU) under each parallelism alone, and experts over tensor-parallel ranks.
+    "gpt_oss": [
+        L("gptoss_fsdp2", 2, "--training.data_parallel_shard_degree 2", {"fsdp.mesh": {"dp_shard_cp": 2}}, shared=GPT_OSS),
+        L("gptoss_tp2", 2, "--training.tensor_parallel_degree 2", {"tp.mesh": {"tp": 2}}, shared=GPT_OSS),
+        L("gptoss_ep2", 2, "--training.expert_parallel_degree 2", {"moe.ep_mesh": {"ep": 2}}, shared=GPT_OSS),
+        L("gptoss_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=GPT_OSS),
+        L("gptoss_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=GPT_OSS),
+        L("gptoss_ep2_tp2", 4, "--training.expert_parallel_degree 2 --training.tensor_parallel_degree 2",
+          {"moe.ep_mesh": {"ep": 2}, "tp.mesh": {"tp": 2}}, shared=GPT_OSS),
     ],
     # Document masking through each way the document ids travel: beside the tokens into an FSDP
     # model whose blocks are compiled (accumulating gradients), into TP ranks that gather the
