@@ -16,6 +16,10 @@ parallelism can go to 8; flavors `M<n>` and `M<n>_tied`.
 `deepseek_v3_matrix` is the DeepSeek-V3 variant: deepseek_v3's `tiny` (width 128, 16 latent-attention
 heads, 8 routed experts top-2 in 4 groups plus a shared one, one MTP module) at each depth, its first
 block dense and the rest MoE; flavors `D<n>` (the family has no tied embeddings).
+
+`gpt_oss_matrix` is the gpt-oss variant: gpt_oss's `tiny` (width 128, 16 query and 8 key/value heads
+with sinks, banded blocks of window 8 alternating with full ones, 8 biased experts top-2 with the
+clamped SwiGLU) at each depth; flavors `G<n>`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
+from torchtitan.models.gpt_oss import gpt_oss_configs
 from torchtitan.models.llama import llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.train_spec import get_train_spec, register_train_spec, registered_names
@@ -30,12 +35,13 @@ from torchtitan.models.train_spec import get_train_spec, register_train_spec, re
 MODEL_NAME = "llama3_matrix"
 MOE_MODEL_NAME = "qwen3_moe_matrix"
 DSV3_MODEL_NAME = "deepseek_v3_matrix"
+GPT_OSS_MODEL_NAME = "gpt_oss_matrix"
 DEPTHS = (2, 4, 8, 16)
 
 
-def flavor_name(depth: int, tied: bool, moe: bool = False, dsv3: bool = False) -> str:
-    if dsv3:
-        return f"D{depth}"
+def flavor_name(depth: int, tied: bool, moe: bool = False, dsv3: bool = False, gptoss: bool = False) -> str:
+    if dsv3 or gptoss:
+        return f"{'D' if dsv3 else 'G'}{depth}"
     return f"{'M' if moe else 'L'}{depth}{'_tied' if tied else ''}"
 
 
@@ -59,9 +65,17 @@ def _dsv3_flavors() -> dict:
             for depth in DEPTHS}
 
 
+def _gpt_oss_flavors() -> dict:
+    # gpt_oss's `tiny` at each depth: G2 is `tiny` itself (a banded block, then a full one, alternating).
+    return {flavor_name(depth, False, gptoss=True): dataclasses.replace(gpt_oss_configs["tiny"], n_layers=depth)
+            for depth in DEPTHS}
+
+
 if MODEL_NAME not in registered_names():  # importing twice (a warm process) registers once
     register_train_spec(dataclasses.replace(get_train_spec("llama3"), name=MODEL_NAME, config=_flavors()))
 if MOE_MODEL_NAME not in registered_names():
     register_train_spec(dataclasses.replace(get_train_spec("qwen3"), name=MOE_MODEL_NAME, config=_moe_flavors()))
 if DSV3_MODEL_NAME not in registered_names():
     register_train_spec(dataclasses.replace(get_train_spec("deepseek_v3"), name=DSV3_MODEL_NAME, config=_dsv3_flavors()))
+if GPT_OSS_MODEL_NAME not in registered_names():
+    register_train_spec(dataclasses.replace(get_train_spec("gpt_oss"), name=GPT_OSS_MODEL_NAME, config=_gpt_oss_flavors()))

@@ -22,7 +22,14 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from tests.machinery.matrix_model import DEPTHS, DSV3_MODEL_NAME, MODEL_NAME, MOE_MODEL_NAME, flavor_name
+from tests.machinery.matrix_model import (
+    DEPTHS,
+    DSV3_MODEL_NAME,
+    GPT_OSS_MODEL_NAME,
+    MODEL_NAME,
+    MOE_MODEL_NAME,
+    flavor_name,
+)
 from torchtitan.tools.parity import POSITIVE, Check, Expectations, Layout
 from torchtitan.tools.parity_layouts import FLOAT8, FLOAT8_GRAD_NORM_RTOL, FLOAT8_SPLIT_TOLERANCE
 
@@ -132,14 +139,15 @@ def _on_off(name: str, kind: str, args: tuple[str, ...], expect_off: Expectation
 
 _AC = "--activation_checkpoint.mode"
 _SAC = "--activation_checkpoint.selective_ac_option"
-_MOE = ("moe", "dsv3")
+_MOE = ("moe", "dsv3", "gptoss")
 FACTORS = (
     # The model first: whether later factors exist depends on it. A mixture-of-experts model has its
     # experts split over every rank expert parallelism can borrow (dp_shard x cp x tp; Point.ep_degree):
     # matrix_model's qwen3_moe_matrix ("moe") or deepseek_v3_matrix ("dsv3": latent attention, a
-    # dense first block, shared experts, MTP).
-    Factor("model", ("dense", "moe", "dsv3"), "model", meets=DIMS, label={"moe": "moe", "dsv3": "dsv3"},
-           cost={"moe": 0.3, "dsv3": 0.6}),
+    # dense first block, shared experts, MTP) or gpt_oss_matrix ("gptoss": sinks, banded and full
+    # attention blocks, biased router and experts, clamped SwiGLU).
+    Factor("model", ("dense", "moe", "dsv3", "gptoss"), "model", meets=DIMS,
+           label={"moe": "moe", "dsv3": "dsv3", "gptoss": "gptoss"}, cost={"moe": 0.3, "dsv3": 0.6, "gptoss": 0.5}),
     Factor("tied", ("untied", "tied"), "model", meets=ALL_DIMS, label={"tied": "tied"}, cost={"tied": 0.1}),
     # Single-stage (1F1B, GPipe), multi-stage round-robin (Interleaved1F1B, ...) or V-shaped stages;
     # the concrete schedule is the point's own (Point.schedule).
@@ -204,8 +212,9 @@ FACTORS = (
     Factor("groups", ("off", "on"), "layout", max_ranks=GROUP_RANKS, label={"on": "groups2"}, cost={"on": 1.5}),
 )
 FACTOR = {f.name: f for f in FACTORS}
-# Pairs of values no model offers (not refusals: there is nothing to run). DeepSeek-V3 has no tied embeddings.
-IMPOSSIBLE = (frozenset({("tied", "tied"), ("model", "dsv3")}),)
+# Pairs of values no model offers (not refusals: there is nothing to run). DeepSeek-V3 and gpt-oss have
+# no tied embeddings.
+IMPOSSIBLE = (frozenset({("tied", "tied"), ("model", "dsv3")}), frozenset({("tied", "tied"), ("model", "gptoss")}))
 RESUME_STEP = 2
 
 
@@ -268,6 +277,10 @@ class Point:
         return self.value("model") == "dsv3"
 
     @property
+    def gptoss(self) -> bool:
+        return self.value("model") == "gptoss"
+
+    @property
     def mtp(self) -> bool:
         return self.dsv3 and self.value("mtp") == "on"
 
@@ -284,14 +297,15 @@ class Point:
 
     @property
     def flavor(self) -> str:
-        return flavor_name(self.depth, self.value("tied") == "tied", moe=self.moe, dsv3=self.dsv3)
+        return flavor_name(self.depth, self.value("tied") == "tied", moe=self.moe, dsv3=self.dsv3, gptoss=self.gptoss)
 
     def _factor_args(self, kind: str) -> list[str]:
         return [a for f, v in self.variants if FACTOR[f].kind == kind for a in FACTOR[f].args.get(v, ())]
 
     def model_args(self) -> tuple[str, ...]:
         """Overrides that define the weights (the seed checkpoint uses them)."""
-        name = DSV3_MODEL_NAME if self.dsv3 else MOE_MODEL_NAME if self.moe else MODEL_NAME
+        name = (DSV3_MODEL_NAME if self.dsv3 else GPT_OSS_MODEL_NAME if self.gptoss else MOE_MODEL_NAME if self.moe
+                else MODEL_NAME)
         return ("--experimental.custom_import", "tests.machinery.matrix_model", "--model.name", name,
                 "--model.flavor", self.flavor, *self._factor_args("model"))
 

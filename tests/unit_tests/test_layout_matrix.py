@@ -280,7 +280,30 @@ def test_deepseek_v3_meets_every_dim_and_never_ties_embeddings(points, ci):
     for dim in lm.DIMS:
         assert any(p.degrees.over(dim) for p in dsv3 if not p.refused_by_design), dim
     assert all(p.value("tied") != "tied" for p in dsv3)  # the family has no tied embeddings
-    assert any(p.dsv3 and p.degrees.over("cp") and not p.mtp for p in ci if not p.refused_by_design)
+    assert any(p.dsv3 and p.degrees.over("cp") and not p.mtp for p in points if not p.refused_by_design)
+
+
+def test_gpt_oss_meets_every_dim_and_never_ties_embeddings(points, ci):
+    """The gpt-oss variant (sinks, banded blocks, biased experts): trained beside every parallel dim
+    in the whole matrix, with the CI subset keeping it beside context parallelism (the banded ring)."""
+    gpt = [p for p in points if p.gptoss]
+    for dim in (*lm.DIMS, "ep"):
+        assert any(dim in p.active_dims for p in gpt if not p.refused_by_design), dim
+    assert all(p.value("tied") != "tied" for p in gpt)
+    assert any(p.gptoss and p.degrees.over("cp") for p in ci if not p.refused_by_design)
+    point = make_point({"model": "gptoss"}, dp_shard=2, tp=2)
+    assert point.name == "fsdp2_tp2+gptoss" and point.flavor == "G2" and point.ep_degree == 4
+    assert "gpt_oss_matrix" in point.shared()
+
+
+def test_the_gpt_oss_matrix_flavors_alternate_banded_and_full_blocks():
+    from torchtitan.models.train_spec import get_train_spec
+
+    flavors = get_train_spec("gpt_oss_matrix").config
+    assert sorted(flavors) == sorted(flavor_name(d, False, gptoss=True) for d in (2, 4, 8, 16))
+    for depth in (2, 4, 8, 16):
+        args = flavors[flavor_name(depth, False, gptoss=True)]
+        assert args.n_layers == depth and [args.layer_window(i) for i in range(2)] == [8, None]
 
 
 def test_the_deepseek_v3_matrix_flavors_keep_a_dense_first_block_and_mtp():

@@ -42,6 +42,11 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+try:  # PyTorch 2.9+ asks for the log-sum-exp this way (return_lse warns there); older ones take return_lse
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older PyTorch
+    AuxRequest = None
+
 from torchtitan.models.common import PaddedVocabMask, build_norm, reset_norm, trunc_normal
 from torchtitan.models.moe import MoE, _local
 
@@ -170,7 +175,12 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents:
     if flex:
         mask = _flex_mask(documents, window, q.shape[0], q.shape[2], q.device)
         attend = flex_attention if q.device.type == "cpu" or torch.compiler.is_compiling() else _compiled_flex()
-        out, lse = attend(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+        gqa = q.shape[1] != k.shape[1]
+        if AuxRequest is not None:
+            out, aux = attend(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        else:  # pragma: no cover - older PyTorch
+            out, lse = attend(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=True)
         return with_sinks(out, lse, sinks)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
