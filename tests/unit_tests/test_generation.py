@@ -19,7 +19,7 @@ from torchtitan.inference.generation import (
     sample,
 )
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
-from torchtitan.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs, YarnScaling
+from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3, DeepSeekV3ModelArgs, YarnScaling
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 
@@ -139,6 +139,24 @@ def test_the_latent_cache_gives_the_models_own_logits_and_greedy_tokens(flavor):
         bound = largest_difference(torch.float32, terms, float(expected[:, :vocab].abs().max()))
         assert torch.equal(expected[:-1].argmax(-1), chosen[row])
         assert (top2[:, 0] - top2[:, 1] > 2 * bound).all(), (top2[:, 0] - top2[:, 1]).min()
+
+
+def test_the_cache_holds_the_latents_the_script_counts():
+    """scripts/kv_cache_memory.py (docs/generation.md's table): its count of every head's keys and
+    values per token is the model's (Attention.expand's outputs, 671B's shapes on the meta device), and
+    the tiny flavor's cache in bf16, after a prompt and a decoding step, holds exactly the latent count
+    for each row and position of the main blocks: the MTP module's attention never runs."""
+    from scripts.kv_cache_memory import measured, per_token
+
+    big = deepseek_v3_configs["671B"]
+    with torch.device("meta"):
+        attention = Attention(big)
+        k, v = attention.expand(torch.empty(1, 1, big.kv_lora_rank), torch.empty(1, 1, 1, big.qk_rope_head_dim))
+    count = per_token(big, torch.bfloat16)
+    assert count.per_head_elements == k.numel() + v.numel() and count.layers == big.n_layers
+    tiny = deepseek_v3_configs["tiny"]
+    assert tiny.mtp_depth > 0
+    assert measured(tiny, 2, 8, torch.bfloat16) == 2 * 8 * per_token(tiny, torch.bfloat16).latent_bytes
 
 
 def test_a_padded_row_sees_no_padding():
