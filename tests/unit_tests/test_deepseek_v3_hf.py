@@ -22,6 +22,7 @@ from tests.tolerances import largest_difference, transformer_sums
 from torchtitan.checkpoint import hf_folder, hf_training
 from torchtitan.checkpoint.hf_training import whole_model_shapes
 from torchtitan.errors import CheckpointError
+from torchtitan.inference.generation import Sampling, generate
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs, hf_format
 from torchtitan.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from torchtitan.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3ModelArgs, YarnScaling
@@ -42,6 +43,10 @@ MTP = dataclasses.replace(ARGS, mtp_depth=2)
 # Ours against transformers' kernels: the sums of a forward of ARGS (hidden size 96, plus the router's
 # over dim and the 8 experts, plus the low-rank projections' 24; the queries' head dim 24).
 FORWARD_SUMS = transformer_sums(n_layers=3, dim=64, hidden=96 + 64 + 8 + 24, seq=SEQ, head_dim=24)
+# Our cached generation against transformers': those sums plus, per block, the latent space's (the
+# queries' absorption over qk_nope_head_dim, the scores over kv_lora_rank + qk_rope_head_dim, the
+# values' W_UV over kv_lora_rank: torchtitan/inference/generation.py).
+GENERATION_SUMS = FORWARD_SUMS + ARGS.n_layers * (ARGS.qk_nope_head_dim + 2 * ARGS.kv_lora_rank + ARGS.qk_rope_head_dim)
 
 
 def logits_tolerance(expected: torch.Tensor) -> float:
@@ -435,6 +440,19 @@ def test_converted_reference_models_give_the_reference_logits(transformers, tmp_
     assert diff <= logits_tolerance(expected)
     routed = [int((layer.moe.tokens_per_expert > 0).sum()) for layer in list(model.layers.values())[1:]]
     assert all(n >= 5 for n in routed), routed  # the router spread its tokens over most experts
+    # Greedy generation: ours caches the latents and decodes in the latent space, transformers caches
+    # every head's keys and values; the same tokens. No rounding within the two tolerances could
+    # change them: transformers' best logit leads the next by more than twice their sum at every step.
+    reference.generation_config.eos_token_id = None  # (eos_id None below: neither stops early)
+    prompt, new = tokens()[:, :SEQ // 2], SEQ // 2
+    with torch.no_grad():
+        theirs = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    ours = torch.stack(list(generate(model, prompt.tolist(), new, Sampling(), eos_id=None)), dim=1)
+    assert torch.equal(ours, theirs.sequences[:, -new:])
+    logits = torch.stack(theirs.logits, dim=1)
+    top2 = logits.topk(2).values
+    assert (top2[..., 0] - top2[..., 1] > 2 * largest_difference(torch.float32, GENERATION_SUMS, float(logits.abs().max()))).all()
     # The comparison sees the routing bias: without it, other experts are chosen and the logits move.
     with torch.no_grad():
         for layer in list(model.layers.values())[1:]:

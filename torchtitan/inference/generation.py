@@ -8,10 +8,22 @@ position p, hands the model the table's rows from p on, so the new tokens are ro
 positions. The caching kernel stores the keys and values of the new positions and attends over
 every cached one, causally, skipping padding.
 
+DeepSeek-V3's latent attention (MLA) has a seam of its own, `attention.latent_kernel(q, latent,
+k_rope)`, which sees the tensors every head's keys and values are made from: one normalised latent
+(kv_lora_rank) and one rotated key part (qk_rope_head_dim) per token, shared by all heads. Its
+caching kernel stores those, 576 numbers per token and layer for DeepSeek-V3 instead of 40,960
+(docs/generation.md). The prompt attends through every head's keys and values, as the model
+computes them; each later token attends in the latent space ("absorb" mode of DeepSeek's
+reference): with wkv_b's rows split per head into W_UK (the keys' non-rotated part) and W_UV (the
+values), q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_j p_j W_UV c_j = W_UV sum_j p_j c_j, so
+the queries are taken into the latent space, attend over the cached latents, and the result is
+taken to each head's values. Equal in exact arithmetic; the sums are ordered otherwise.
+
 Prompts of different lengths are left-padded into one batch: a row's real tokens then sit at
 positions shifted by its padding, which RoPE does not notice (attention scores depend on the
 distance between positions only), and padding keys are masked out. Tensor parallelism needs no
-change here: each rank's kernels see its own heads.
+change here: each rank's kernels see its own heads (a latent kernel takes its heads' rows of
+wkv_b, and every rank holds the whole latent, which all heads share).
 """
 
 from __future__ import annotations
@@ -24,10 +36,25 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kernel") and callable(m.kernel)]
+
+
+def _visible(cache: KVCache, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """(batch, 1, end - start, end) bools: which cached positions the queries at start..end see."""
+    # A query sees the real keys up to its own position, and always itself: a padding query
+    # would otherwise see nothing, and its NaN would reach real rows through the values.
+    query_pos = torch.arange(start, end, device=device)[:, None]
+    key_pos = torch.arange(end, device=device)[None, :]
+    return ((key_pos <= query_pos) & cache.real[:, None, None, :end]) | (key_pos == query_pos)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    # On CPU in fp32, as the models' causal_attention computes (torchtitan/models/common.py).
+    return torch.float32 if q.device.type == "cpu" and q.dtype != torch.float32 else q.dtype
 
 
 class _CachingKernel:
@@ -38,25 +65,77 @@ class _CachingKernel:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v) if t is not None]
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.cache
         start, end = c.position, c.position + q.shape[2]
         if self.k is None:  # sized on first use: under tensor parallelism a rank holds only its heads
-            # (values may have their own head size: DeepSeek-V3's latent attention)
             self.k = k.new_zeros((k.shape[0], k.shape[1], c.max_len, k.shape[3]))
             self.v = v.new_zeros((v.shape[0], v.shape[1], c.max_len, v.shape[3]))
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
-        # A query sees the real keys up to its own position, and always itself: a padding query
-        # would otherwise see nothing, and its NaN would reach real rows through the values.
-        query_pos = torch.arange(start, end, device=q.device)[:, None]
-        key_pos = torch.arange(end, device=q.device)[None, :]
-        allowed = ((key_pos <= query_pos) & c.real[:, None, None, :end]) | (key_pos == query_pos)
-        compute = torch.float32 if q.device.type == "cpu" and q.dtype != torch.float32 else q.dtype
-        out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute), attn_mask=allowed,
+        compute = _compute_dtype(q)
+        out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute),
+                                             attn_mask=_visible(c, start, end, q.device),
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype)
+
+
+class _LatentCachingKernel:
+    """One latent-attention layer's normalised latents and rotated key parts for every position so
+    far (the module docstring): the prompt attends as the model does, later tokens in the latent space."""
+
+    def __init__(self, cache: KVCache, attention: nn.Module):
+        self.cache, self.attention = cache, attention
+        # (batch, max_len, kv_lora_rank + qk_rope_head_dim): each position's latent, then its rotated
+        # key part, so that the keys of the latent space are one slice of it and the values another.
+        self.latents: torch.Tensor | None = None
+        self.up: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV of this rank's heads
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.latents] if self.latents is not None else []
+
+    def __call__(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """q (batch, seq, heads, qk head dim), scaled and rotated; latent (batch, seq, kv_lora_rank);
+        k_rope (batch, seq, 1, qk_rope_head_dim) -> (batch, seq, heads, v_head_dim)."""
+        c, a = self.cache, self.attention
+        start, end = c.position, c.position + q.shape[1]
+        if self.latents is None:
+            self.latents = latent.new_zeros((latent.shape[0], c.max_len, latent.shape[-1] + k_rope.shape[-1]))
+        self.latents[:, start:end] = torch.cat([latent, k_rope.squeeze(2)], dim=-1)
+        visible = _visible(c, start, end, q.device)
+        compute = _compute_dtype(q)
+        if start == 0:
+            # The prompt: every head's keys and values of these positions, as the model computes them
+            # (a long prompt attends over fewer dims per score than in the latent space).
+            k, v = a.expand(latent, k_rope)
+            q, k, v = (t.transpose(1, 2).to(compute) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible).transpose(1, 2).to(latent.dtype)
+        w_uk, w_uv = self._up_projections(compute)
+        q_nope, q_rope = q.to(compute).split([a.nope_dim, a.rope_dim], dim=-1)
+        query = torch.cat([torch.einsum("bshn,hnr->bhsr", q_nope, w_uk), q_rope.transpose(1, 2)], dim=-1)
+        # One key and value "head" that every query head shares: the latent (with the rotated part, for
+        # the keys).
+        keys = self.latents[:, None, :end].to(compute)
+        # The scale the model's kernel applies (1/sqrt of its queries' head size); the rest of MLA's
+        # softmax scale is already in q (Attention.query_factor).
+        out = F.scaled_dot_product_attention(query, keys, keys[..., :a.kv_lora_rank], attn_mask=visible,
+                                             scale=(a.nope_dim + a.rope_dim) ** -0.5, enable_gqa=True)
+        return torch.einsum("bhsr,hvr->bshv", out, w_uv).to(latent.dtype)
+
+    def _up_projections(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK (heads, qk_nope_head_dim, kv_lora_rank) and W_UV (heads, v_head_dim, kv_lora_rank):
+        wkv_b's rows per head, as Attention.expand splits its output."""
+        if self.up is None:
+            a = self.attention
+            w = a.wkv_b.weight.detach()
+            w = w.to_local() if isinstance(w, DTensor) else w  # tensor parallel: this rank's heads' rows
+            w = w.to(dtype).view(-1, a.nope_dim + a.v_dim, a.kv_lora_rank)
+            self.up = tuple(w.split([a.nope_dim, a.v_dim], dim=1))
+        return self.up
 
 
 class KVCache:
@@ -70,18 +149,28 @@ class KVCache:
         self._full_rope = model.rope_cache
         if max_len > self._full_rope.shape[0]:
             raise ValueError(f"{max_len} positions exceed the model's RoPE table ({self._full_rope.shape[0]})")
-        self._attention = _attention_modules(model)
-        self._saved = [m.kernel for m in self._attention]
+        # Latent attention's own seam where it has one (nothing per head is cached), else the kernel.
+        self._seams = [(m, "latent_kernel" if hasattr(m, "latent_kernel") else "kernel")
+                       for m in _attention_modules(model)]
+        self._saved = [getattr(m, seam) for m, seam in self._seams]
+        self._kernels: list[_CachingKernel | _LatentCachingKernel] = []
 
     def __enter__(self) -> KVCache:
-        for m in self._attention:
-            m.kernel = _CachingKernel(self)
+        for m, seam in self._seams:
+            kernel = _LatentCachingKernel(self, m) if seam == "latent_kernel" else _CachingKernel(self)
+            setattr(m, seam, kernel)
+            self._kernels.append(kernel)
         return self
 
     def __exit__(self, *exc) -> None:
-        for m, kernel in zip(self._attention, self._saved):
-            m.kernel = kernel
+        for (m, seam), kernel in zip(self._seams, self._saved):
+            setattr(m, seam, kernel)
         self.model.rope_cache = self._full_rope
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds: every layer's buffers (allocated at the layer's first forward, for
+        `max_len` positions; layers that never run, MTP's in generation, hold none)."""
+        return sum(t.nbytes for kernel in self._kernels for t in kernel.buffers())
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, multiple_of: int = 1) -> torch.Tensor:

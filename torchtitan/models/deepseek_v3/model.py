@@ -30,9 +30,11 @@ value is kept (`take_mtp_loss`) for the logs.
 The idioms that let parallelism reach the model by module name are the Llama model's
 (torchtitan/models/llama/model.py): `view(..., -1, head_dim)`, blocks in a ModuleDict keyed by
 index, optional embedding/norm/output for pipeline stages, `Attention.kernel`, a RoPE table
-passed to each block, `init_weights` separate from construction. One more seam is latent attention's
+passed to each block, `init_weights` separate from construction. Two more seams are latent attention's
 own: `Attention.shared_by_heads`, applied to the rotated key part that every head shares (tensor
-parallelism sums its gradient over the ranks that split the heads).
+parallelism sums its gradient over the ranks that split the heads), and `Attention.latent_kernel`,
+which, when set, attends from the latents themselves instead of every head's keys and values
+(generation's latent cache, torchtitan/inference/generation.py; `expand` gives the keys and values).
 """
 
 from __future__ import annotations
@@ -195,6 +197,12 @@ class Attention(nn.Module):
         # only some heads, whose gradients for it are then a partial sum: it sets this to sum them over
         # the tp ranks in backward (parallelize_deepseek_v3.sum_gradient_over_tp).
         self.shared_by_heads: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # None, or (q, latent, k_rope) -> every head's output (batch, seq, heads, v_head_dim), called
+        # instead of `expand` and `kernel` with the scaled rotated queries (batch, seq, heads, qk head
+        # dim), the normalised latents (batch, seq, kv_lora_rank) and the rotated key part (batch,
+        # seq, 1, qk_rope_head_dim): generation caches these per token, not every head's keys and
+        # values (torchtitan/inference/generation.py).
+        self.latent_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
@@ -213,18 +221,27 @@ class Attention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1) * self.query_factor
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
+        latent = self.kv_norm(latent)
+        k_rope = apply_rope(self.shared_by_heads(k_rope).unsqueeze(2), rope)  # one per token, every head's
+        if self.latent_kernel is not None:
+            out = self.latent_kernel(q, latent, k_rope)
+        else:
+            k, v = self.expand(latent, k_rope)
+            if self.pad_values:
+                v = F.pad(v, (0, q.shape[-1] - self.v_dim))
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = self.kernel(q, k, v) if mask is None else self.kernel(q, k, v, mask)
+            if self.pad_values:
+                out = out[..., : self.v_dim]
+            out = out.transpose(1, 2)
+        return self.wo(out.reshape(bsz, seqlen, -1))
+
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys (batch, seq, heads, qk head dim) and values (batch, seq, heads,
+        v_head_dim) from the normalised latents and the rotated key part (as `forward` has them)."""
+        kv = self.wkv_b(latent).view(*latent.shape[:2], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope = self.shared_by_heads(k_rope)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope).expand(-1, -1, k_nope.shape[2], -1)  # one per token, every head
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        if self.pad_values:
-            v = F.pad(v, (0, q.shape[-1] - self.v_dim))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.kernel(q, k, v) if mask is None else self.kernel(q, k, v, mask)
-        if self.pad_values:
-            out = out[..., : self.v_dim]
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1), v
 
 
 class TransformerBlock(nn.Module):
