@@ -80,7 +80,7 @@ def test_the_checkouts_train_configs_is_the_packaged_folder():
     assert repo_configs.resolve() == (ASSETS / "train_configs").resolve()
 
 
-@pytest.mark.parametrize("config", ["debug_model.toml", "qwen3_moe_debug.toml"])
+@pytest.mark.parametrize("config", ["debug_model.toml", "qwen3_moe_debug.toml", "gpt_oss_debug.toml"])
 def test_the_shipped_debug_configs_validate_on_two_ranks(config):
     """`--validation.enabled` on a shipped debug config (the README's quick start) finds a full
     validation batch for each of the launcher's 2 ranks in the held-out split of the bundled corpus."""

@@ -13,6 +13,12 @@ document ids' values (parallelisms/cp_block_plan.py). On fake tensors it plans p
 attention: every block a document mask could skip is computed, an upper bound on time and on the
 transient memory of one block (the masks themselves are one block's size).
 
+gpt-oss's attention kernel (sinks, banded blocks) materialises its scores where FlexAttention is
+not run (the CPU the dry run simulates on); on the GPUs a job runs on, FlexAttention keeps only the
+output and the log-sum-exp. The dry run stands in a fused kernel of those shapes
+(`fused_sink_attention`): causal attention over the whole sequence, an upper bound on a banded
+block's time.
+
 `expert_load` (the planner's, for dropless routing under expert parallelism): the simulated rank
 is the busiest of its expert-parallel group and receives `expert_load` times its even share of
 the group's tokens (it still sends its own tokens evenly). Without expert parallelism a rank
@@ -30,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.gpt_oss.model import sink_attention
 from torchtitan.models.moe import DEVICE_KERNELS, ExpertKernels, expert_token_counts, grouped_mm
 from torchtitan.parallelisms.context_parallel import host_document_ids
 from torchtitan.parallelisms.expert_parallel import exchange_counts
@@ -62,6 +69,15 @@ def balanced_exchange(send_counts: torch.Tensor, tokens: torch.Tensor, group: di
     recv = [sum(counts[r * local_experts:(r + 1) * local_experts]) for r in range(ep)]
     send = [n // ep + (r < n % ep) for r in range(ep)]
     return torch.tensor(counts, device=tokens.device).view(ep, local_experts), send, recv
+
+
+def fused_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None, *,
+                         sinks: torch.Tensor, window: int | None) -> torch.Tensor:
+    """gpt-oss's `Attention.kernel` on fake tensors: what a fused kernel keeps (the output and a
+    (batch, heads, seq) log-sum-exp-sized factor from the sinks), not a (seq x seq) score matrix."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    factor = torch.sigmoid(out[..., 0] - sinks.view(1, -1, 1))  # (batch, heads, seq), as sinks scale it
+    return out * factor.unsqueeze(-1).to(out.dtype)
 
 
 class _GroupedMatmulShapes(torch.autograd.Function):
@@ -111,3 +127,5 @@ def on_fake_tensors(modules: Iterable[nn.Module], expert_load: float = 1.0) -> N
                 module.exchange_counts = exchange
             if getattr(module, "attention_mask", None) is host_document_ids:
                 module.attention_mask = causal_under_cp
+            if getattr(module, "kernel", None) is sink_attention:
+                module.kernel = fused_sink_attention
