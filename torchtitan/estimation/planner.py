@@ -161,6 +161,10 @@ def enumerate_layouts(model: Model, ngpu: int, hw: Hardware, seq_len: int, globa
                                 continue
                             for ep in expert_degrees(model.num_experts, base.dp_shard, cp, tp):
                                 for capacity in modes:
+                                    # The dropping mode caps each whole sequence, which TP and CP split
+                                    # over ranks: the trainer refuses the pair, so it is never planned.
+                                    if capacity and tp * cp > 1:
+                                        continue
                                     yield dataclasses.replace(base, moe=True, ep=ep, capacity=capacity)
 
 
