@@ -137,3 +137,70 @@ def positive_number(raw: dict[str, Any], key: str, default: float | None = None,
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise CheckpointError(f"{where}{key} {value!r} is not a positive number")
     return float(value)
+
+
+def aliased_positive_int(cfg: dict[str, Any], keys: tuple[str, str], default: int) -> int:
+    """A positive int that config.json may give under either of two names (Qwen3-MoE's published
+    `num_experts` and transformers 5's alias `num_local_experts`, say); where both are set they must
+    agree, since each reader of the file believes its own."""
+    given = {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    if len(given) == 2 and given[keys[0]] != given[keys[1]]:
+        raise CheckpointError(f"{keys[0]} {given[keys[0]]!r} and {keys[1]} {given[keys[1]]!r} disagree")
+    key = next(iter(given), keys[0])
+    return positive_int({key: given.get(key, default)}, key)
+
+
+# RoPE settings in config.json live in two places: transformers 5's `rope_parameters` and the older
+# top-level `rope_theta` / `rope_scaling` (what transformers 4 and most published files hold).
+
+
+def rope_dicts(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """(place, its dict, its rope_type) for each of `rope_parameters` and `rope_scaling` that is set;
+    `type` is the older spelling of `rope_type`, "default" when neither is given."""
+    found = []
+    for key in ("rope_parameters", "rope_scaling"):
+        raw = cfg.get(key)
+        if raw is None:
+            continue
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{key} {raw!r} is not a JSON object")
+        if "type" in raw and "rope_type" in raw and raw["type"] != raw["rope_type"]:
+            raise CheckpointError(f"{key} type {raw['type']!r} and rope_type {raw['rope_type']!r} disagree")
+        found.append((key, raw, raw.get("rope_type", raw.get("type", "default"))))
+    return found
+
+
+def agreed_rope_theta(cfg: dict[str, Any], dicts: list[tuple[str, dict[str, Any], str]], default: float) -> float:
+    """The RoPE theta that every place naming one names (the top-level `rope_theta` and those of
+    `dicts`, from `rope_dicts`): transformers 4 and 5 read different places, so they must agree;
+    `default` (the family's in transformers) when none does."""
+    thetas: dict[str, float] = {}
+    if cfg.get("rope_theta") is not None:
+        thetas["rope_theta"] = positive_number(cfg, "rope_theta")
+    for key, raw, _ in dicts:
+        if raw.get("rope_theta") is not None:
+            thetas[f"{key} rope_theta"] = positive_number(raw, "rope_theta", where=f"{key} ")
+    (first, theta), *others = [*thetas.items()] or [("", default)]
+    for name, other in others:
+        if other != theta:
+            raise CheckpointError(f"{first} {theta:g} and {name} {other:g} disagree; keep one, or make them equal")
+    return theta
+
+
+def yarn_fields(raw: dict[str, Any], key: str, max_seq_len: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """YaRN's settings of a RoPE dict as transformers reads them: `original_max_position_embeddings`
+    (max_position_embeddings when absent), `factor` (max_position_embeddings / original when absent),
+    `beta_fast` 32 and `beta_slow` 1 when absent or 0 (transformers: `or 32`, `or 1`), and each of
+    `extra` (DeepSeek's mscale fields) 0 when absent, every one a non-negative number."""
+    where = f"{key} "
+    original = positive_int(raw, "original_max_position_embeddings", max_seq_len, where)
+    values: dict[str, Any] = {"factor": positive_number(raw, "factor", max_seq_len / original, where),
+                              "original_max_position_embeddings": original}
+    for field, default in (("beta_fast", 32.0), ("beta_slow", 1.0), *((name, 0.0) for name in extra)):
+        value = raw.get(field)
+        if value is None or (value == 0 and field.startswith("beta")):
+            value = default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise CheckpointError(f"{key} {field} {value!r} is not a non-negative number")
+        values[field] = float(value)
+    return values

@@ -40,7 +40,15 @@ import torch
 
 from torchtitan.errors import CheckpointError
 from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs, YarnScaling
-from torchtitan.models.hf_adapter import positive_int, positive_number, rope_rows_from_hf, rope_rows_to_hf
+from torchtitan.models.hf_adapter import (
+    agreed_rope_theta,
+    positive_int,
+    positive_number,
+    rope_dicts,
+    rope_rows_from_hf,
+    rope_rows_to_hf,
+    yarn_fields,
+)
 from torchtitan.models.hf_experts import stacked_experts_from_hf
 
 ARCHITECTURE, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
@@ -455,19 +463,9 @@ def _check_supported(cfg: dict[str, Any]) -> None:
 def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnScaling | None]:
     """(theta, YaRN scaling or None) from `rope_parameters` and/or the top-level `rope_theta` /
     `rope_scaling`; every place that sets one must agree (transformers 4 and 5 read different ones)."""
-    thetas: dict[str, float] = {}
-    if cfg.get("rope_theta") is not None:
-        thetas["rope_theta"] = positive_number(cfg, "rope_theta")
+    dicts = rope_dicts(cfg)
     scalings: dict[str, YarnScaling | None] = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        raw = cfg.get(key)
-        if raw is None:
-            continue
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{key} {raw!r} is not a JSON object")
-        if "type" in raw and "rope_type" in raw and raw["type"] != raw["rope_type"]:
-            raise CheckpointError(f"{key} type {raw['type']!r} and rope_type {raw['rope_type']!r} disagree")
-        kind = raw.get("rope_type", raw.get("type", "default"))
+    for key, raw, kind in dicts:
         if kind not in ("default", "yarn"):
             raise CheckpointError(f"{key} rope_type {kind!r} is not supported (this DeepSeek-V3 computes plain RoPE "
                                   "or YaRN)")
@@ -478,13 +476,8 @@ def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnScaling | N
                           ("attention_factor", (None,))):
             if raw.get(field) not in ok:
                 raise CheckpointError(f"{key} {field} {raw[field]!r} is not supported")
-        if raw.get("rope_theta") is not None:
-            thetas[f"{key} rope_theta"] = positive_number(raw, "rope_theta", where=f"{key} ")
         scalings[key] = _yarn(raw, key, max_seq_len) if kind == "yarn" else None
-    (first, theta), *others = [*thetas.items()] or [("", _HF_DEFAULTS["rope_theta"])]
-    for name, other in others:
-        if other != theta:
-            raise CheckpointError(f"{first} {theta:g} and {name} {other:g} disagree; keep one, or make them equal")
+    theta = agreed_rope_theta(cfg, dicts, _HF_DEFAULTS["rope_theta"])
     if len(scalings) == 2 and scalings["rope_parameters"] != scalings["rope_scaling"]:
         raise CheckpointError("rope_parameters and rope_scaling describe different RoPE scalings; keep one, or make "
                               "them equal")
@@ -492,17 +485,6 @@ def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnScaling | N
 
 
 def _yarn(raw: dict[str, Any], key: str, max_seq_len: int) -> YarnScaling:
-    """YaRN's settings as transformers reads them: factor max_position_embeddings / original when
-    absent, beta_fast 32 and beta_slow 1 when absent, mscale / mscale_all_dim 0 (unused) when absent."""
-    where = f"{key} "
-    original = positive_int(raw, "original_max_position_embeddings", max_seq_len, where)
-    factor = positive_number(raw, "factor", max_seq_len / original, where)
-    values = {}
-    for field, default in (("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", 0.0), ("mscale_all_dim", 0.0)):
-        value = raw.get(field)
-        if value is None or (value == 0 and field.startswith("beta")):  # transformers: `or 32`, `or 1`
-            value = default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise CheckpointError(f"{key} {field} {value!r} is not a non-negative number")
-        values[field] = float(value)
-    return YarnScaling(factor=factor, original_max_position_embeddings=original, **values)
+    """YaRN's settings as transformers reads them (hf_adapter.yarn_fields), mscale / mscale_all_dim 0
+    (unused) when absent."""
+    return YarnScaling(**yarn_fields(raw, key, max_seq_len, extra=("mscale", "mscale_all_dim")))
