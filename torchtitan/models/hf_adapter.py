@@ -27,6 +27,7 @@ This module also holds the q/k row permutation that every family with HF's `rota
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from torchtitan.errors import CheckpointError
@@ -99,6 +100,16 @@ class HFAdapter(Protocol):
         show in shapes: `n_heads` and `n_kv_heads` are the user's, None where not given (the
         converter's --n-heads and --n-kv-heads, which the refusals name)."""
         ...
+
+
+_BLOCK = re.compile(r"^layers\.(\d+)\.")
+
+
+def blocks_reached(fqns: Iterable[str]) -> int:
+    """How many blocks our FQNs reach (`layers.{i}.*`: the highest i, plus one): what
+    `whole_model_names` sizes a model by."""
+    layers = [int(m.group(1)) for m in map(_BLOCK.match, fqns) if m]
+    return max(layers) + 1 if layers else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,3 +215,23 @@ def yarn_fields(raw: dict[str, Any], key: str, max_seq_len: int, extra: tuple[st
             raise CheckpointError(f"{key} {field} {value!r} is not a non-negative number")
         values[field] = float(value)
     return values
+
+
+def check_common_fields(cfg: dict[str, Any], model_type: str, family: str,
+                        required_values: dict[str, tuple[Any, ...]]) -> None:
+    """The refusals every family's config.json reader starts with, each one line naming the field:
+    another model_type (absent: taken as `model_type`), a missing size, a field whose value is not
+    one of those `required_values` accepts (absent or null: the first, what `family` computes with),
+    and tied embeddings (for a family whose output projection is its own)."""
+    found = cfg.get("model_type", model_type)
+    if found != model_type:
+        raise CheckpointError(f"model_type {found!r} is not {model_type}")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
+    if missing:
+        raise CheckpointError(f"config.json lacks {', '.join(missing)}")
+    for key, accepted in required_values.items():
+        value = cfg.get(key)
+        if value is not None and value not in accepted:
+            raise CheckpointError(f"{key} {value!r} is not supported (this {family} computes with {accepted[0]!r})")
+    if cfg.get("tie_word_embeddings"):
+        raise CheckpointError(f"tie_word_embeddings true is not supported: {family}'s output projection is its own")

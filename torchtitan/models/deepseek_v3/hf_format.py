@@ -42,6 +42,7 @@ from torchtitan.errors import CheckpointError
 from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs, YarnScaling
 from torchtitan.models.hf_adapter import (
     agreed_rope_theta,
+    check_common_fields,
     positive_int,
     positive_number,
     rope_dicts,
@@ -432,18 +433,7 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3ModelArgs:
 
 def _check_supported(cfg: dict[str, Any]) -> None:
     """Refuses what this model cannot compute, each in one line naming the field."""
-    model_type = cfg.get("model_type", MODEL_TYPE)
-    if model_type != MODEL_TYPE:
-        raise CheckpointError(f"model_type {model_type!r} is not {MODEL_TYPE}")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
-    if missing:
-        raise CheckpointError(f"config.json lacks {', '.join(missing)}")
-    for key, accepted in _REQUIRED_HF_VALUES.items():
-        value = cfg.get(key)
-        if value is not None and value not in accepted:
-            raise CheckpointError(f"{key} {value!r} is not supported (this DeepSeek-V3 computes with {accepted[0]!r})")
-    if cfg.get("tie_word_embeddings"):
-        raise CheckpointError("tie_word_embeddings true is not supported: DeepSeek-V3's output projection is its own")
+    check_common_fields(cfg, MODEL_TYPE, "DeepSeek-V3", _REQUIRED_HF_VALUES)
     kv_heads = cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != cfg["num_attention_heads"]:
         raise CheckpointError(f"num_key_value_heads {kv_heads!r} is not num_attention_heads {cfg['num_attention_heads']!r} "
