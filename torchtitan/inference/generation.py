@@ -6,7 +6,8 @@ tensors already rotated by RoPE, and the model passes its `rope_cache` to every 
 takes its first `seq` rows. `KVCache` swaps every kernel for a caching one and, for a forward at
 position p, hands the model the table's rows from p on, so the new tokens are rotated for their own
 positions. The caching kernel stores the keys and values of the new positions and attends over
-every cached one, causally, skipping padding.
+every cached one, causally, skipping padding; for gpt-oss, within its block's window and with its
+heads' sinks, which its attention hands the kernel (`kernel(q, k, v, documents, sinks=, window=)`).
 
 Prompts of different lengths are left-padded into one batch: a row's real tokens then sit at
 positions shifted by its padding, which RoPE does not notice (attention scores depend on the
@@ -38,7 +39,10 @@ class _CachingKernel:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None, *,
+                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """The kernel seam's call; gpt-oss's attention also passes its heads' `sinks` and its block's
+        `window` (None: full attention). `documents` is always None here: generation packs no documents."""
         c = self.cache
         start, end = c.position, c.position + q.shape[2]
         if self.k is None:  # sized on first use: under tensor parallelism a rank holds only its heads
@@ -49,14 +53,34 @@ class _CachingKernel:
         self.v[:, :, start:end] = v
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
         # A query sees the real keys up to its own position, and always itself: a padding query
-        # would otherwise see nothing, and its NaN would reach real rows through the values.
+        # would otherwise see nothing, and its NaN would reach real rows through the values. A
+        # banded block's window counts positions, so left padding shifts nothing within it.
         query_pos = torch.arange(start, end, device=q.device)[:, None]
         key_pos = torch.arange(end, device=q.device)[None, :]
-        allowed = ((key_pos <= query_pos) & c.real[:, None, None, :end]) | (key_pos == query_pos)
+        allowed = (key_pos <= query_pos) & c.real[:, None, None, :end]
+        if window is not None:
+            allowed &= key_pos > query_pos - window
+        allowed |= key_pos == query_pos
+        if sinks is not None:
+            return _attention_with_sinks(q, keys, values, allowed, sinks)
         compute = torch.float32 if q.device.type == "cpu" and q.dtype != torch.float32 else q.dtype
         out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute), attn_mask=allowed,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype)
+
+
+def _attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                          sinks: torch.Tensor) -> torch.Tensor:
+    """Attention in float32 where each head's sink logit joins the softmax's denominator and attends to
+    nothing: the output without sinks times sigmoid(lse - sink), lse the log-sum-exp of the allowed
+    scores (SDPA gives no lse, so the scores are materialised: a few new positions against the cache)."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1).float(), values.repeat_interleave(groups, dim=1).float()
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    return (out * torch.sigmoid(lse - sinks.float().view(1, -1, 1, 1))).to(q.dtype)
 
 
 class KVCache:
