@@ -354,6 +354,9 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
     # are not at their initial zeros, since the export then computes otherwise in transformers.
     without_hf, dropped = set(adapter.tensors_without_hf(args)), []
     embedding_names = adapter.from_hf_names(hf_folder.HF_OUTPUT) + adapter.from_hf_names(hf_folder.HF_EMBEDDING)
+    # Parts of an HF tensor made of several of ours (gpt-oss's gate_up_proj from w1 and w3), held
+    # until the last arrives: they share that HF name, so the sort below brings them together.
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for fqn in sorted(state, key=lambda k: hf_folder._hf_order(adapter.to_hf_name(k) or k)):
         value = state[fqn]
         full = value.full_tensor() if isinstance(value, DTensor) else value  # every rank of its mesh joins
@@ -365,7 +368,8 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
         if fqn in without_hf and bool(full.any()):
             dropped.append(fqn)
         try:
-            for name, tensor in adapter.to_hf_tensors(fqn, full.detach().to("cpu", dtype), args).items():
+            for name, tensor in hf_folder.hf_tensors_of(adapter, fqn, full.detach().to("cpu", dtype), args,
+                                                        pending).items():
                 tensor = tensor.contiguous().clone()  # apart from every other tensor (safetensors refuses shared storage)
                 nbytes = tensor.numel() * tensor.element_size()
                 if shard and size + nbytes > MAX_SHARD_BYTES:

@@ -12,7 +12,14 @@ Names need not map one to one. Mostly one of our tensors is one HF tensor, but:
   (experts, hidden, dim), are one `mlp.experts.{j}.gate_proj.weight` per expert): `to_hf_tensors`
   splits it and `from_hf_tensors` merges the parts back;
 - one HF tensor may hold parts of several of ours (transformers' fused `gate_up_proj`, our w1 and
-  w3): `from_hf_names` names each of them, and each one's `from_hf_tensors` takes its part;
+  w3): `from_hf_names` names each of them, and each one's `from_hf_tensors` takes its part. A family
+  that also writes such a tensor (gpt-oss, whose only HF layout is fused) gives, from each one's
+  `to_hf_tensors`, its part under the fused name, and has `to_hf_fused(name, parts, args)`, which
+  joins the parts (our FQN -> part) once all are there (torchtitan/checkpoint/hf_folder.py:
+  `hf_tensors_of`);
+- a folder may store a tensor quantized (DeepSeek-V3's fp8 weights beside their scales, gpt-oss's
+  MXFP4 blocks and scales): `from_hf_names` relates the scales to the same FQNs, and
+  `from_hf_tensors` dequantizes; exports are never quantized;
 - we may keep a tensor HF has no counterpart for (the auxiliary-loss-free `moe.expert_bias`):
   `to_hf_name` gives None, an export leaves it out and an import fills in `tensors_without_hf`;
 - HF's names may depend on the args (DeepSeek-V3 numbers its MTP modules after the last block):
