@@ -205,6 +205,30 @@ def agreed_rope_theta(cfg: dict[str, Any], dicts: list[tuple[str, dict[str, Any]
     return theta
 
 
+def check_yarn_dict(key: str, raw: dict[str, Any], kind: str, family: str, keys: set[str],
+                    fixed: tuple[tuple[str, tuple[Any, ...]], ...]) -> None:
+    """Refuses, in one line naming it, what a RoPE dict of a family computing plain RoPE or YaRN
+    cannot hold: another rope_type, a key outside `keys`, a `fixed` field with a value other than
+    those it accepts (absent: None)."""
+    if kind not in ("default", "yarn"):
+        raise CheckpointError(f"{key} rope_type {kind!r} is not supported (this {family} computes plain RoPE or YaRN)")
+    unknown = sorted(set(raw) - keys, key=str)
+    if unknown:
+        raise CheckpointError(f"{key} key {unknown[0]!r} is not understood")
+    for field, ok in fixed:
+        if raw.get(field) not in ok:
+            raise CheckpointError(f"{key} {field} {raw[field]!r} is not supported")
+
+
+def agreed_scaling(scalings: dict[str, Any]) -> Any:
+    """The RoPE scaling that `rope_parameters` and `rope_scaling` (place -> what it describes) both
+    describe, where both are set; the one set, or None."""
+    if len(scalings) == 2 and scalings["rope_parameters"] != scalings["rope_scaling"]:
+        raise CheckpointError("rope_parameters and rope_scaling describe different RoPE scalings; keep one, or make "
+                              "them equal")
+    return next(iter(scalings.values()), None)
+
+
 def yarn_fields(raw: dict[str, Any], key: str, max_seq_len: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """YaRN's settings of a RoPE dict as transformers reads them: `original_max_position_embeddings`
     (max_position_embeddings when absent), `factor` (max_position_embeddings / original when absent),

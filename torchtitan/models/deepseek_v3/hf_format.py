@@ -42,7 +42,9 @@ from torchtitan.errors import CheckpointError
 from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs, YarnScaling
 from torchtitan.models.hf_adapter import (
     agreed_rope_theta,
+    agreed_scaling,
     check_common_fields,
+    check_yarn_dict,
     positive_int,
     positive_number,
     rope_dicts,
@@ -456,22 +458,10 @@ def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnScaling | N
     dicts = rope_dicts(cfg)
     scalings: dict[str, YarnScaling | None] = {}
     for key, raw, kind in dicts:
-        if kind not in ("default", "yarn"):
-            raise CheckpointError(f"{key} rope_type {kind!r} is not supported (this DeepSeek-V3 computes plain RoPE "
-                                  "or YaRN)")
-        unknown = sorted(set(raw) - _YARN_KEYS, key=str)
-        if unknown:
-            raise CheckpointError(f"{key} key {unknown[0]!r} is not understood")
-        for field, ok in (("partial_rotary_factor", (None, 1, 1.0)), ("truncate", (None, True)),
-                          ("attention_factor", (None,))):
-            if raw.get(field) not in ok:
-                raise CheckpointError(f"{key} {field} {raw[field]!r} is not supported")
+        check_yarn_dict(key, raw, kind, "DeepSeek-V3", _YARN_KEYS, (("partial_rotary_factor", (None, 1, 1.0)),
+                                                                    ("truncate", (None, True)), ("attention_factor", (None,))))
         scalings[key] = _yarn(raw, key, max_seq_len) if kind == "yarn" else None
-    theta = agreed_rope_theta(cfg, dicts, _HF_DEFAULTS["rope_theta"])
-    if len(scalings) == 2 and scalings["rope_parameters"] != scalings["rope_scaling"]:
-        raise CheckpointError("rope_parameters and rope_scaling describe different RoPE scalings; keep one, or make "
-                              "them equal")
-    return theta, next(iter(scalings.values()), None)
+    return agreed_rope_theta(cfg, dicts, _HF_DEFAULTS["rope_theta"]), agreed_scaling(scalings)
 
 
 def _yarn(raw: dict[str, Any], key: str, max_seq_len: int) -> YarnScaling:

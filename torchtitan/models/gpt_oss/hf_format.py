@@ -37,8 +37,10 @@ from torchtitan.errors import CheckpointError
 from torchtitan.models.gpt_oss.model import GptOssModelArgs, YarnRope
 from torchtitan.models.hf_adapter import (
     agreed_rope_theta,
+    agreed_scaling,
     aliased_positive_int,
     check_common_fields,
+    check_yarn_dict,
     positive_int,
     positive_number,
     rope_dicts,
@@ -355,17 +357,10 @@ def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnRope | None
     dicts = rope_dicts(cfg)
     scalings: dict[str, YarnRope | None] = {}
     for key, raw, kind in dicts:
-        if kind not in ("default", "yarn"):
-            raise CheckpointError(f"{key} rope_type {kind!r} is not supported (this gpt-oss computes YaRN or plain "
-                                  "RoPE)")
-        unknown = sorted(set(raw) - _ROPE_KEYS, key=str)
-        if unknown:
-            raise CheckpointError(f"{key} key {unknown[0]!r} is not understood")
         # transformers' YaRN attention factor is 0.1 ln(factor) + 1 unless these change it; ours is that.
-        for field, ok in (("partial_rotary_factor", (None, 1, 1.0)), ("attention_factor", (None,)),
-                          ("mscale", (None, 0, 0.0)), ("mscale_all_dim", (None, 0, 0.0))):
-            if raw.get(field) not in ok:
-                raise CheckpointError(f"{key} {field} {raw[field]!r} is not supported")
+        check_yarn_dict(key, raw, kind, "gpt-oss", _ROPE_KEYS, (("partial_rotary_factor", (None, 1, 1.0)),
+                                                               ("attention_factor", (None,)), ("mscale", (None, 0, 0.0)),
+                                                               ("mscale_all_dim", (None, 0, 0.0))))
         truncate = raw.get("truncate")
         if truncate is not None and not isinstance(truncate, bool):
             raise CheckpointError(f"{key} truncate {truncate!r} is not true or false")
@@ -373,7 +368,4 @@ def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnRope | None
         scalings[key] = YarnRope(**yarn_fields(raw, key, max_seq_len), truncate=truncate is not False) \
             if kind == "yarn" else None
     theta = agreed_rope_theta(cfg, dicts, _HF_DEFAULTS["rope_theta"])
-    if len(scalings) == 2 and scalings["rope_parameters"] != scalings["rope_scaling"]:
-        raise CheckpointError("rope_parameters and rope_scaling describe different RoPE scalings; keep one, or make "
-                              "them equal")
-    return theta, next(iter(scalings.values())) if scalings else _HF_DEFAULT_YARN
+    return theta, agreed_scaling(scalings) if scalings else _HF_DEFAULT_YARN
