@@ -245,6 +245,31 @@ def test_malformed_mxfp4_tensors_are_refused_in_one_line():
               "E8M0 scales)")
 
 
+def test_a_run_reads_an_mxfp4_folder_directly(tmp_path):
+    """checkpoint.initial_load_path (and generate.py, which loads the same way) naming an MXFP4 folder:
+    the blocks and scales are checked on the meta device, then each rank dequantizes the experts it
+    holds; the model is the one hf-to-dcp's import gives. A quantized tensor the family does not
+    dequantize (uint8 under a dense name) is still refused in one line."""
+    from torchtitan.checkpoint.hf_training import load_hf_weights, whole_model_shapes
+    from torchtitan.checkpoint.states import ModelState
+
+    hf = _quantized_folder(hf_folder.to_hf(_random_state(ARGS), ARGS, ADAPTER), torch.Generator().manual_seed(5))
+    hf_folder.write_fresh(str(tmp_path), hf, {**ADAPTER.hf_config(ARGS), "quantization_config": {"quant_method": "mxfp4"}},
+                          10**9)
+    want, _ = hf_folder.hf_to_ours(hf, ARGS, ADAPTER, "hf")
+    model = GptOss(ARGS)
+    with torch.device("meta"):
+        whole = whole_model_shapes(GptOss(ARGS))
+    load_hf_weights(str(tmp_path), ModelState([model]), ADAPTER, ARGS, whole, [], False)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name].float()), name
+    name = "model.layers.0.self_attn.sinks"
+    hf_folder.write_fresh(str(tmp_path), {**hf, name: hf[name].to(torch.uint8)}, ADAPTER.hf_config(ARGS), 10**9)
+    _one_line(lambda: load_hf_weights(str(tmp_path), ModelState([model]), ADAPTER, ARGS, whole, [], False),
+              f"{tmp_path}: tensor {name} is stored as U8; weights are read from F64, F32, F16, BF16 only "
+              "(dequantize the folder first)")
+
+
 # ---------------------------------------------------------------------------------------------
 # config.json
 

@@ -31,7 +31,8 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.model"  # where an export puts a tokenizer file given to it (Meta's and HF's name)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 # Derived buffers some HF exports carry: kept in the sidecar, so the files still come back exactly.
 _BUFFER_SUFFIX = ".rotary_emb.inv_freq"
 # Names every HF `*ForCausalLM` decoder gives its embedding, final norm and output projection. A tied
