@@ -578,7 +578,7 @@ def _convert(*args) -> int:
         return convert_checkpoint.main([str(a) for a in args])
 
 
-def test_convert_script_round_trips_and_exports_mxfp4_folders_dense(transformers, tmp_path):
+def test_convert_script_round_trips_and_exports_mxfp4_folders_dense(transformers, tmp_path, capsys):
     """hf-to-dcp finds the family by itself; a dense folder comes back byte for byte (the fused
     gate_up_proj rebuilt from w1 and w3); an MXFP4 folder exports dense, in the dtype asked for, with
     no quantization_config, and transformers loads it with the dequantized model's logits."""
@@ -600,6 +600,11 @@ def test_convert_script_round_trips_and_exports_mxfp4_folders_dense(transformers
     config = json.loads((mx_dir / "config.json").read_text())
     (mx_dir / "config.json").write_text(json.dumps({**config, "quantization_config": GPT_OSS_120B["quantization_config"]}))
     assert _convert("hf-to-dcp", mx_dir, mx_ckpt) == 0
+    capsys.readouterr()
+    assert _convert("dcp-to-hf", mx_ckpt, tmp_path / "kept_dtype") == 0  # no --dtype: the original files were asked for
+    assert capsys.readouterr().err == ("warning: writing a fresh layout, not the original files: the original files hold "
+                                       "quantized weights (model.layers.0.mlp.experts.down_proj_blocks, U8), and "
+                                       "exports are unquantized\n")
     assert _convert("dcp-to-hf", mx_ckpt, out, "--dtype", "float32") == 0
     written = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in written and written["dtype"] == "float32"  # save_pretrained's spelling kept

@@ -273,6 +273,9 @@ def _exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any
             if tensor is None and (split := _split_experts(key, hf)) is not None:
                 return (f"they hold the experts fused ({key}: transformers' own layout), and this export writes them "
                         f"one tensor per expert ({split}, ...), as published models are")
+            if tensor is None and entry["dtype"] in ("U8", "F8_E4M3", "F8_E5M2"):
+                return (f"the original files hold quantized weights ({key}, {entry['dtype']}), and exports are "
+                        "unquantized")
             if tensor is None:
                 return f"{key} has no tensor of that name in this export"
             if getattr(torch, _ST_DTYPES.get(entry["dtype"], "?"), None) != tensor.dtype:
