@@ -270,6 +270,32 @@ def test_a_run_reads_an_mxfp4_folder_directly(tmp_path):
               "(dequantize the folder first)")
 
 
+def test_a_runs_final_export_joins_the_fused_experts(tmp_path):
+    """checkpoint.last_save_in_hf writes one parameter at a time: w1 and w3 wait for each other and
+    leave as one gate_up_proj, the folder holding what the converter's export holds, and reading it
+    back gives the model (expert_bias as a fresh model's zeros)."""
+    from types import SimpleNamespace
+
+    from torchtitan.checkpoint.hf_training import load_hf_weights, whole_model_shapes, write_hf_weights
+    from torchtitan.checkpoint.states import ModelState
+
+    state = _random_state(ARGS)
+    model = GptOss(ARGS)
+    model.load_state_dict(state)
+    out = tmp_path / "step-1-hf"
+    write_hf_weights(ModelState([model]), ADAPTER, ARGS, SimpleNamespace(world_mesh=None, pp_enabled=False), str(out),
+                     torch.float32, {}, None, "attempt")
+    written = hf_folder.read_hf_tensors(str(out), hf_folder.safetensors_files(str(out)))[0]
+    expected = hf_folder.to_hf(state, ARGS, ADAPTER)
+    assert sorted(written) == sorted(expected) and all(torch.equal(written[k], expected[k]) for k in expected)
+    back = GptOss(ARGS)
+    with torch.device("meta"):
+        whole = whole_model_shapes(GptOss(ARGS))
+    load_hf_weights(str(out), ModelState([back]), ADAPTER, ARGS, whole, [], False)
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, torch.zeros_like(tensor) if name.endswith("expert_bias") else state[name]), name
+
+
 # ---------------------------------------------------------------------------------------------
 # config.json
 
