@@ -8,7 +8,7 @@ import pytest
 from tests.helpers import TINY_RUN, losses, read_setup, run_train
 from tests.unit_tests.test_converted_checkpoints import convert, reference
 
-FAMILY_RUNS = {"llama3": [], "qwen3": ["--model.name", "qwen3"]}
+FAMILY_RUNS = {"llama3": [], "qwen3": ["--model.name", "qwen3"], "gpt_oss": ["--model.name", "gpt_oss"]}
 STEPS = ["--training.steps", "2", "--training.warmup_steps", "1"]
 
 

@@ -1,6 +1,6 @@
 """Weights made by scripts/convert_checkpoint.py are first-class checkpoints, for every family with an HFAdapter.
 
-Tiny random transformers models (Llama and Qwen3) of the `tiny` flavors' shapes are built in this
+Tiny random transformers models (Llama, Qwen3, gpt-oss) of the `tiny` flavors' shapes are built in this
 process and saved with `save_pretrained` (no hub), converted with hf-to-dcp, and then: generate.py
 gives transformers' logits and greedy tokens, a run's fit check accepts them for their flavor and
 refuses them for another (or for another head layout) in one line naming both models, and dcp-to-hf
@@ -32,7 +32,7 @@ from torchtitan.models import get_train_spec  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-FAMILIES = ["llama3", "qwen3"]
+FAMILIES = ["llama3", "qwen3", "gpt_oss"]
 VOCAB = 2256  # the bundled tokenizer's: the vocabulary a run of the `tiny` flavor has
 SEQ, NEW = 10, 6
 # Ours against transformers' kernels: the sums of a forward of the `tiny` flavors (dim 128, hidden 512, head dim 8).
@@ -100,7 +100,8 @@ def test_hf_to_dcp_records_the_model_as_registered(converted):
     args = run_args(family)
     assert {k: manifest.model_args[k] for k in ("dim", "n_layers", "n_heads", "vocab_size", "rope_theta")} == \
         {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "vocab_size", "rope_theta")}
-    assert manifest.tied == ({"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {})
+    tied = getattr(args, "tie_word_embeddings", False)  # gpt-oss has no tied flavor
+    assert manifest.tied == ({"output.weight": "tok_embeddings.weight"} if tied else {})
 
 
 def test_a_converted_folder_generates_the_reference_logits_and_tokens(converted):

@@ -240,6 +240,28 @@ def test_fp8_folders_import_dequantized():
         hf_folder.hf_to_ours(quantized, args, ADAPTER, "hf")
 
 
+def test_a_run_reads_an_fp8_folder_directly(tmp_path):
+    """checkpoint.initial_load_path (and generate.py) naming an fp8 folder: each weight is dequantized
+    with its scale as it is loaded, the model hf-to-dcp's import gives."""
+    from torchtitan.checkpoint.hf_training import load_hf_weights
+    from torchtitan.checkpoint.states import ModelState
+
+    g = torch.Generator().manual_seed(3)
+    quantized = {}
+    for name, w in hf_folder.to_hf(_random_state(ARGS), ARGS, ADAPTER).items():
+        if "self_attn" in name and w.dim() == 2:
+            quantized[name], quantized[name + "_scale_inv"] = _quantize(w, g)
+        else:
+            quantized[name] = w
+    hf_folder.write_fresh(str(tmp_path), quantized, {**ADAPTER.hf_config(ARGS), "quantization_config":
+                                                     DEEPSEEK_V3["quantization_config"]}, 10**9)
+    want, _ = hf_folder.hf_to_ours(quantized, ARGS, ADAPTER, "hf")
+    model = DeepSeekV3(ARGS)
+    load_hf_weights(str(tmp_path), ModelState([model]), ADAPTER, ARGS, whole_model_shapes(DeepSeekV3(ARGS)), [], False)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name].float()), name
+
+
 # ---------------------------------------------------------------------------------------------
 # config.json
 

@@ -20,6 +20,7 @@ from torchtitan.inference.generation import (
 )
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3, DeepSeekV3ModelArgs, YarnScaling
+from torchtitan.models.gpt_oss.model import GptOss, GptOssModelArgs
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.qwen3.model import Qwen3, Qwen3ModelArgs
 
@@ -37,6 +38,11 @@ MODELS = {
                                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                                           v_head_dim=6, num_experts=4, top_k=2, moe_hidden_dim=32,
                                                           score_func="sigmoid", mtp_depth=1)),
+    # Sinks, and banded blocks whose 5-position window the 20-token sequences and the prompts outgrow:
+    # the caching kernel must drop what falls out of the window, and weigh the sinks.
+    "gpt_oss": lambda: GptOss(GptOssModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=300,
+                                              max_seq_len=64, sliding_window=5, num_experts=4, top_k=2,
+                                              moe_hidden_dim=32)),
 }
 
 
@@ -49,6 +55,10 @@ def model_named(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = MODELS[name]()
     model.init_weights()
+    with torch.no_grad():  # gpt-oss starts its sinks at zero: give each head its own
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_()
     return model.eval()
 
 
@@ -65,7 +75,7 @@ def test_cached_logits_equal_rerunning_the_whole_sequence(name):
         assert_reordered(cached, reference_logits(model, tokens[:, :t])[:, -1], FORWARD_SUMS)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_greedy_tokens_with_and_without_the_cache_are_the_same(name):
     model = model_named(name)
     prompts = [[1, 5, 9, 200, 17], [1, 40], [1, 7, 7, 7, 7, 7, 7, 8, 9]]

@@ -31,7 +31,8 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.model"  # where an export puts a tokenizer file given to it (Meta's and HF's name)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 # Derived buffers some HF exports carry: kept in the sidecar, so the files still come back exactly.
 _BUFFER_SUFFIX = ".rotary_emb.inv_freq"
 # Names every HF `*ForCausalLM` decoder gives its embedding, final norm and output projection. A tied
@@ -272,6 +273,9 @@ def _exact_plan(hf: dict[str, torch.Tensor], sidecar: str, layout: dict[str, Any
             if tensor is None and (split := _split_experts(key, hf)) is not None:
                 return (f"they hold the experts fused ({key}: transformers' own layout), and this export writes them "
                         f"one tensor per expert ({split}, ...), as published models are")
+            if tensor is None and entry["dtype"] in ("U8", "F8_E4M3", "F8_E5M2"):
+                return (f"the original files hold quantized weights ({key}, {entry['dtype']}), and exports are "
+                        "unquantized")
             if tensor is None:
                 return f"{key} has no tensor of that name in this export"
             if getattr(torch, _ST_DTYPES.get(entry["dtype"], "?"), None) != tensor.dtype:
@@ -314,10 +318,42 @@ def _hf_order(name: str) -> tuple:
     return ({HF_EMBEDDING: 0, HF_NORM: 2}.get(name, 3), 0, name)
 
 
+def hf_tensors_of(adapter: HFAdapter, fqn: str, w: torch.Tensor, args: Any,
+                  pending: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole HF tensors that our tensor `fqn` completes: `adapter.to_hf_tensors`, except that a
+    part of an HF tensor made of several of ours (gpt-oss's fused gate_up_proj, w1's and w3's
+    columns: `from_hf_names` gives them all) waits in `pending` until the last part arrives, and is
+    then joined by the adapter's `to_hf_fused`."""
+    out = {}
+    for name, tensor in adapter.to_hf_tensors(fqn, w, args).items():
+        owners = our_names(adapter, name, args)
+        if len(owners) < 2:
+            out[name] = tensor
+            continue
+        parts = pending.setdefault(name, {})
+        parts[fqn] = tensor
+        if len(parts) == len(owners):
+            out[name] = adapter.to_hf_fused(name, pending.pop(name), args)  # type: ignore[attr-defined]
+    return out
+
+
+def check_nothing_pending(pending: dict[str, dict[str, torch.Tensor]], adapter: HFAdapter, args: Any) -> None:
+    """Refuses an export that gave only some of the parts of an HF tensor made of several of ours."""
+    if pending:
+        name, parts = next(iter(pending.items()))
+        lacking = sorted(set(our_names(adapter, name, args)) - set(parts))
+        raise CheckpointError(f"{name} is made of {', '.join(our_names(adapter, name, args))}, but the weights lack "
+                              f"{lacking[0]}")
+
+
 def to_hf(model: dict[str, torch.Tensor], args: Any, adapter: HFAdapter) -> dict[str, torch.Tensor]:
     """HF name -> tensor in HF's layout and order, from our FQN -> tensor. One of ours may become
-    several HF tensors (views of it: `write_fresh` copies them apart) or none (`to_hf_name` None)."""
-    out = {name: t.contiguous() for k, v in model.items() for name, t in adapter.to_hf_tensors(k, v, args).items()}
+    several HF tensors (views of it: `write_fresh` copies them apart), none (`to_hf_name` None), or
+    part of one (`hf_tensors_of`)."""
+    out, pending = {}, {}
+    for k, v in model.items():
+        out.update({name: t.contiguous() for name, t in hf_tensors_of(adapter, k, v, args, pending).items()})
+    check_nothing_pending(pending, adapter, args)
     return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
 
 

@@ -57,6 +57,11 @@ _UNFINISHED = re.compile(r"^(step-\d+-hf)\.(partial|replaced)-")
 # Safetensors dtypes a folder's weights may have: floating point, which converts to any training
 # dtype without loss of meaning (float8 or integer weights are quantized and need their scales).
 _WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Quantized parts a family's conversion may dequantize (DeepSeek-V3's fp8 weights beside their
+# scales, gpt-oss's MXFP4 blocks and scales): read, and refused unless what they convert to is one
+# of the weight dtypes above.
+_QUANTIZED_DTYPES = ("U8", "F8_E4M3", "F8_E5M2")
+_TORCH_WEIGHT_DTYPES = tuple(hf_folder._ST_DTYPES[d] for d in _WEIGHT_DTYPES)
 
 
 def hf_export_path(checkpoint_folder: str, step: int) -> str:
@@ -106,13 +111,19 @@ class _Folder:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.where[name].get_slice(name).get_shape())
 
+    def stored_dtype(self, name: str) -> str:
+        return self.where[name].get_slice(name).get_dtype()
+
     def dtype(self, name: str) -> torch.dtype:
         """The tensor's dtype; one line for one that weights cannot be converted from."""
-        stored = self.where[name].get_slice(name).get_dtype()
-        if stored not in _WEIGHT_DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name} is stored as {stored}; weights are read from "
-                                  f"{', '.join(_WEIGHT_DTYPES)} only (dequantize the folder first)")
+        stored = self.stored_dtype(name)
+        if stored not in _WEIGHT_DTYPES + _QUANTIZED_DTYPES:
+            raise self.not_weights(name)
         return getattr(torch, hf_folder._ST_DTYPES[stored])
+
+    def not_weights(self, name: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: tensor {name} is stored as {self.stored_dtype(name)}; weights are read "
+                               f"from {', '.join(_WEIGHT_DTYPES)} only (dequantize the folder first)")
 
     def read(self, name: str) -> torch.Tensor:
         try:
@@ -177,9 +188,13 @@ def _expected_shapes(folder: _Folder, parts: dict[str, list[str]], adapter: Any,
     for fqn, names in parts.items():
         meta = {n: torch.empty(folder.shape(n), dtype=folder.dtype(n), device="meta") for n in names}
         try:
-            shapes[fqn] = tuple(adapter.from_hf_tensors(fqn, meta, args).shape)
+            converted = adapter.from_hf_tensors(fqn, meta, args)
         except CheckpointError as e:
             raise CheckpointError(f"{folder.path}: {e}") from None
+        if str(converted.dtype).removeprefix("torch.") not in _TORCH_WEIGHT_DTYPES:
+            # quantized parts the family does not dequantize (an fp8 weight in a Llama folder, say)
+            raise folder.not_weights(next(n for n in names if folder.stored_dtype(n) not in _WEIGHT_DTYPES))
+        shapes[fqn] = tuple(converted.shape)
     return shapes
 
 
@@ -354,6 +369,9 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
     # are not at their initial zeros, since the export then computes otherwise in transformers.
     without_hf, dropped = set(adapter.tensors_without_hf(args)), []
     embedding_names = adapter.from_hf_names(hf_folder.HF_OUTPUT) + adapter.from_hf_names(hf_folder.HF_EMBEDDING)
+    # Parts of an HF tensor made of several of ours (gpt-oss's gate_up_proj from w1 and w3), held
+    # until the last arrives: they share that HF name, so the sort below brings them together.
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for fqn in sorted(state, key=lambda k: hf_folder._hf_order(adapter.to_hf_name(k) or k)):
         value = state[fqn]
         full = value.full_tensor() if isinstance(value, DTensor) else value  # every rank of its mesh joins
@@ -365,7 +383,8 @@ def write_hf_weights(model: ModelState, adapter: Any, args: Any, parallel_dims: 
         if fqn in without_hf and bool(full.any()):
             dropped.append(fqn)
         try:
-            for name, tensor in adapter.to_hf_tensors(fqn, full.detach().to("cpu", dtype), args).items():
+            for name, tensor in hf_folder.hf_tensors_of(adapter, fqn, full.detach().to("cpu", dtype), args,
+                                                        pending).items():
                 tensor = tensor.contiguous().clone()  # apart from every other tensor (safetensors refuses shared storage)
                 nbytes = tensor.numel() * tensor.element_size()
                 if shard and size + nbytes > MAX_SHARD_BYTES:

@@ -6,7 +6,8 @@ tensors already rotated by RoPE, and the model passes its `rope_cache` to every 
 takes its first `seq` rows. `KVCache` swaps every kernel for a caching one and, for a forward at
 position p, hands the model the table's rows from p on, so the new tokens are rotated for their own
 positions. The caching kernel stores the keys and values of the new positions and attends over
-every cached one, causally, skipping padding.
+every cached one, causally, skipping padding; for gpt-oss, within its block's window and with its
+heads' sinks, which its attention hands the kernel (`kernel(q, k, v, documents, sinks=, window=)`).
 
 DeepSeek-V3's latent attention (MLA) has a seam of its own, `attention.latent_kernel(q, latent,
 k_rope)`, which sees the tensors every head's keys and values are made from: one normalised latent
@@ -43,13 +44,18 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kernel") and callable(m.kernel)]
 
 
-def _visible(cache: KVCache, start: int, end: int, device: torch.device) -> torch.Tensor:
-    """(batch, 1, end - start, end) bools: which cached positions the queries at start..end see."""
+def _visible(cache: KVCache, start: int, end: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(batch, 1, end - start, end) bools: which cached positions the queries at start..end see,
+    within `window` positions of each query for a banded block (gpt-oss; None: every earlier one)."""
     # A query sees the real keys up to its own position, and always itself: a padding query
-    # would otherwise see nothing, and its NaN would reach real rows through the values.
+    # would otherwise see nothing, and its NaN would reach real rows through the values. A banded
+    # block's window counts positions, so left padding shifts nothing within it.
     query_pos = torch.arange(start, end, device=device)[:, None]
     key_pos = torch.arange(end, device=device)[None, :]
-    return ((key_pos <= query_pos) & cache.real[:, None, None, :end]) | (key_pos == query_pos)
+    allowed = (key_pos <= query_pos) & cache.real[:, None, None, :end]
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed | (key_pos == query_pos)
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -68,7 +74,10 @@ class _CachingKernel:
     def buffers(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v) if t is not None]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None, *,
+                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """The kernel seam's call; gpt-oss's attention also passes its heads' `sinks` and its block's
+        `window` (None: full attention). `documents` is always None here: generation packs no documents."""
         c = self.cache
         start, end = c.position, c.position + q.shape[2]
         if self.k is None:  # sized on first use: under tensor parallelism a rank holds only its heads
@@ -77,11 +86,27 @@ class _CachingKernel:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         keys, values = self.k[:, :, :end], self.v[:, :, :end]
+        allowed = _visible(c, start, end, q.device, window)
+        if sinks is not None:
+            return _attention_with_sinks(q, keys, values, allowed, sinks)
         compute = _compute_dtype(q)
-        out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute),
-                                             attn_mask=_visible(c, start, end, q.device),
+        out = F.scaled_dot_product_attention(q.to(compute), keys.to(compute), values.to(compute), attn_mask=allowed,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out.to(q.dtype)
+
+
+def _attention_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                          sinks: torch.Tensor) -> torch.Tensor:
+    """Attention in float32 where each head's sink logit joins the softmax's denominator and attends to
+    nothing: the output without sinks times sigmoid(lse - sink), lse the log-sum-exp of the allowed
+    scores (SDPA gives no lse, so the scores are materialised: a few new positions against the cache)."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1).float(), values.repeat_interleave(groups, dim=1).float()
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    return (out * torch.sigmoid(lse - sinks.float().view(1, -1, 1, 1))).to(q.dtype)
 
 
 class _LatentCachingKernel:

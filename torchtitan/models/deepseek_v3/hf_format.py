@@ -40,7 +40,18 @@ import torch
 
 from torchtitan.errors import CheckpointError
 from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs, YarnScaling
-from torchtitan.models.hf_adapter import positive_int, positive_number, rope_rows_from_hf, rope_rows_to_hf
+from torchtitan.models.hf_adapter import (
+    agreed_rope_theta,
+    agreed_scaling,
+    check_common_fields,
+    check_yarn_dict,
+    positive_int,
+    positive_number,
+    rope_dicts,
+    rope_rows_from_hf,
+    rope_rows_to_hf,
+    yarn_fields,
+)
 from torchtitan.models.hf_experts import stacked_experts_from_hf
 
 ARCHITECTURE, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
@@ -424,18 +435,7 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3ModelArgs:
 
 def _check_supported(cfg: dict[str, Any]) -> None:
     """Refuses what this model cannot compute, each in one line naming the field."""
-    model_type = cfg.get("model_type", MODEL_TYPE)
-    if model_type != MODEL_TYPE:
-        raise CheckpointError(f"model_type {model_type!r} is not {MODEL_TYPE}")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
-    if missing:
-        raise CheckpointError(f"config.json lacks {', '.join(missing)}")
-    for key, accepted in _REQUIRED_HF_VALUES.items():
-        value = cfg.get(key)
-        if value is not None and value not in accepted:
-            raise CheckpointError(f"{key} {value!r} is not supported (this DeepSeek-V3 computes with {accepted[0]!r})")
-    if cfg.get("tie_word_embeddings"):
-        raise CheckpointError("tie_word_embeddings true is not supported: DeepSeek-V3's output projection is its own")
+    check_common_fields(cfg, MODEL_TYPE, "DeepSeek-V3", _REQUIRED_HF_VALUES)
     kv_heads = cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != cfg["num_attention_heads"]:
         raise CheckpointError(f"num_key_value_heads {kv_heads!r} is not num_attention_heads {cfg['num_attention_heads']!r} "
@@ -455,54 +455,16 @@ def _check_supported(cfg: dict[str, Any]) -> None:
 def _rope(cfg: dict[str, Any], max_seq_len: int) -> tuple[float, YarnScaling | None]:
     """(theta, YaRN scaling or None) from `rope_parameters` and/or the top-level `rope_theta` /
     `rope_scaling`; every place that sets one must agree (transformers 4 and 5 read different ones)."""
-    thetas: dict[str, float] = {}
-    if cfg.get("rope_theta") is not None:
-        thetas["rope_theta"] = positive_number(cfg, "rope_theta")
+    dicts = rope_dicts(cfg)
     scalings: dict[str, YarnScaling | None] = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        raw = cfg.get(key)
-        if raw is None:
-            continue
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{key} {raw!r} is not a JSON object")
-        if "type" in raw and "rope_type" in raw and raw["type"] != raw["rope_type"]:
-            raise CheckpointError(f"{key} type {raw['type']!r} and rope_type {raw['rope_type']!r} disagree")
-        kind = raw.get("rope_type", raw.get("type", "default"))
-        if kind not in ("default", "yarn"):
-            raise CheckpointError(f"{key} rope_type {kind!r} is not supported (this DeepSeek-V3 computes plain RoPE "
-                                  "or YaRN)")
-        unknown = sorted(set(raw) - _YARN_KEYS, key=str)
-        if unknown:
-            raise CheckpointError(f"{key} key {unknown[0]!r} is not understood")
-        for field, ok in (("partial_rotary_factor", (None, 1, 1.0)), ("truncate", (None, True)),
-                          ("attention_factor", (None,))):
-            if raw.get(field) not in ok:
-                raise CheckpointError(f"{key} {field} {raw[field]!r} is not supported")
-        if raw.get("rope_theta") is not None:
-            thetas[f"{key} rope_theta"] = positive_number(raw, "rope_theta", where=f"{key} ")
+    for key, raw, kind in dicts:
+        check_yarn_dict(key, raw, kind, "DeepSeek-V3", _YARN_KEYS, (("partial_rotary_factor", (None, 1, 1.0)),
+                                                                    ("truncate", (None, True)), ("attention_factor", (None,))))
         scalings[key] = _yarn(raw, key, max_seq_len) if kind == "yarn" else None
-    (first, theta), *others = [*thetas.items()] or [("", _HF_DEFAULTS["rope_theta"])]
-    for name, other in others:
-        if other != theta:
-            raise CheckpointError(f"{first} {theta:g} and {name} {other:g} disagree; keep one, or make them equal")
-    if len(scalings) == 2 and scalings["rope_parameters"] != scalings["rope_scaling"]:
-        raise CheckpointError("rope_parameters and rope_scaling describe different RoPE scalings; keep one, or make "
-                              "them equal")
-    return theta, next(iter(scalings.values()), None)
+    return agreed_rope_theta(cfg, dicts, _HF_DEFAULTS["rope_theta"]), agreed_scaling(scalings)
 
 
 def _yarn(raw: dict[str, Any], key: str, max_seq_len: int) -> YarnScaling:
-    """YaRN's settings as transformers reads them: factor max_position_embeddings / original when
-    absent, beta_fast 32 and beta_slow 1 when absent, mscale / mscale_all_dim 0 (unused) when absent."""
-    where = f"{key} "
-    original = positive_int(raw, "original_max_position_embeddings", max_seq_len, where)
-    factor = positive_number(raw, "factor", max_seq_len / original, where)
-    values = {}
-    for field, default in (("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", 0.0), ("mscale_all_dim", 0.0)):
-        value = raw.get(field)
-        if value is None or (value == 0 and field.startswith("beta")):  # transformers: `or 32`, `or 1`
-            value = default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise CheckpointError(f"{key} {field} {value!r} is not a non-negative number")
-        values[field] = float(value)
-    return YarnScaling(factor=factor, original_max_position_embeddings=original, **values)
+    """YaRN's settings as transformers reads them (hf_adapter.yarn_fields), mscale / mscale_all_dim 0
+    (unused) when absent."""
+    return YarnScaling(**yarn_fields(raw, key, max_seq_len, extra=("mscale", "mscale_all_dim")))

@@ -8,6 +8,7 @@ torchtitan/parallelisms/.
 from torchtitan.datasets.text_dataset import build_text_dataloader, build_validation_dataloader
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.models.gpt_oss.flavors import gpt_oss_configs
+from torchtitan.models.gpt_oss.hf_adapter import GptOssHFAdapter
 from torchtitan.models.gpt_oss.model import GptOss, GptOssModelArgs
 from torchtitan.models.gpt_oss.parallelize_gpt_oss import parallelize_gpt_oss, validate_gpt_oss
 from torchtitan.models.gpt_oss.pipeline_gpt_oss import pipeline_gpt_oss
@@ -33,5 +34,6 @@ register_train_spec(
         loss_fn=cross_entropy_loss,
         validate_fn=validate_gpt_oss,
         after_step_fn=moe_after_step,
+        hf_adapter=GptOssHFAdapter(),
     )
 )

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import TYPE_CHECKING, Any, Iterable
 
 from torchtitan.errors import CheckpointError
+from torchtitan.models.hf_adapter import blocks_reached
 from torchtitan.models.llama import hf_format
 from torchtitan.models.llama.model import ModelArgs
 
 if TYPE_CHECKING:
     import torch
-
-_BLOCK = re.compile(r"^layers\.(\d+)\.")
-
-
-def _n_layers(fqns: Iterable[str]) -> int:
-    """How many blocks `fqns` reach (`layers.{i}.*`: the highest i, plus one)."""
-    layers = [int(m.group(1)) for m in map(_BLOCK.match, fqns) if m]
-    return max(layers) + 1 if layers else 0
 
 
 class LlamaHFAdapter:
@@ -37,7 +29,7 @@ class LlamaHFAdapter:
         return (hf_format.from_hf_name(name),)  # one to one
 
     def whole_model_names(self, fqns: Iterable[str]) -> list[str]:
-        return hf_format.param_names(_n_layers(fqns))
+        return hf_format.param_names(blocks_reached(fqns))
 
     def to_hf_tensors(self, fqn: str, w: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
         return {hf_format.to_hf_name(fqn): hf_format.to_hf_tensor(fqn, w, args)}
@@ -77,5 +69,5 @@ class LlamaHFAdapter:
         # Every embedding row becomes part of HF's vocabulary: HF has no masked padding rows.
         args = dataclasses.replace(base, dim=dim, n_heads=n_heads, vocab_size=rows, vocab_padding=0,
                                    n_kv_heads=None if kv_from_shape == n_heads else kv_from_shape,
-                                   n_layers=_n_layers(shapes))
+                                   n_layers=blocks_reached(shapes))
         return hf_format.with_ffn_hidden_dim(args, shapes["layers.0.feed_forward.w1.weight"][0])

@@ -6,23 +6,15 @@ from whether they hold MoE blocks."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import TYPE_CHECKING, Any, Iterable
 
 from torchtitan.errors import CheckpointError
+from torchtitan.models.hf_adapter import blocks_reached
 from torchtitan.models.qwen3 import hf_format
 from torchtitan.models.qwen3.model import Qwen3ModelArgs
 
 if TYPE_CHECKING:
     import torch
-
-_BLOCK = re.compile(r"^layers\.(\d+)\.")
-
-
-def _n_layers(fqns: Iterable[str]) -> int:
-    """How many blocks `fqns` reach (`layers.{i}.*`: the highest i, plus one)."""
-    layers = [int(m.group(1)) for m in map(_BLOCK.match, fqns) if m]
-    return max(layers) + 1 if layers else 0
 
 
 class Qwen3HFAdapter:
@@ -41,7 +33,7 @@ class Qwen3HFAdapter:
 
     def whole_model_names(self, fqns: Iterable[str]) -> list[str]:
         fqns = list(fqns)
-        return hf_format.param_names(_n_layers(fqns), hf_format.is_moe_names(fqns))
+        return hf_format.param_names(blocks_reached(fqns), hf_format.is_moe_names(fqns))
 
     def to_hf_tensors(self, fqn: str, w: torch.Tensor, args: Qwen3ModelArgs) -> dict[str, torch.Tensor]:
         return hf_format.to_hf_tensors(fqn, w, args)
@@ -79,7 +71,7 @@ class Qwen3HFAdapter:
                 raise CheckpointError(f"{flag} {given} does not fit {fqn}'s {counts[flag]} heads of {head_dim} dims")
         args = dataclasses.replace(base, dim=dim, head_dim=head_dim, n_heads=counts["--n-heads"],
                                    n_kv_heads=counts["--n-kv-heads"], vocab_size=rows, vocab_padding=0,
-                                   n_layers=_n_layers(shapes))
+                                   n_layers=blocks_reached(shapes))
         experts = shapes.get("layers.0.moe.experts.w1")
         if experts is None:
             return dataclasses.replace(args, hidden_dim=shapes["layers.0.feed_forward.w1.weight"][0], num_experts=0,

@@ -31,7 +31,15 @@ from typing import Any
 import torch
 
 from torchtitan.errors import CheckpointError
-from torchtitan.models.hf_adapter import positive_int, positive_number, rope_rows_from_hf, rope_rows_to_hf
+from torchtitan.models.hf_adapter import (
+    agreed_rope_theta,
+    aliased_positive_int,
+    positive_int,
+    positive_number,
+    rope_dicts,
+    rope_rows_from_hf,
+    rope_rows_to_hf,
+)
 from torchtitan.models.hf_experts import stacked_experts_from_hf
 from torchtitan.models.qwen3.model import Qwen3ModelArgs
 
@@ -287,7 +295,7 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> Qwen3ModelArgs:
     )
     if not moe:
         return Qwen3ModelArgs(**common, hidden_dim=positive_int(cfg, "intermediate_size"))
-    n_experts = _num_experts(cfg)
+    n_experts = aliased_positive_int(cfg, ("num_experts", "num_local_experts"), _HF_DEFAULT_MOE["num_experts"])
     top_k = positive_int(cfg, "num_experts_per_tok", _HF_DEFAULT_MOE["num_experts_per_tok"])
     if top_k > n_experts:
         raise CheckpointError(f"num_experts_per_tok {top_k} is more than the {n_experts} experts")
@@ -326,33 +334,12 @@ def _check_supported(cfg: dict[str, Any]) -> bool:
     return moe
 
 
-def _num_experts(cfg: dict[str, Any]) -> int:
-    """The expert count, under the published name `num_experts` or transformers 5's alias
-    `num_local_experts` (which its save_pretrained writes); both must agree where both are set."""
-    given = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
-    if len(given) == 2 and given["num_experts"] != given["num_local_experts"]:
-        raise CheckpointError(f"num_experts {given['num_experts']!r} and num_local_experts "
-                              f"{given['num_local_experts']!r} disagree")
-    key = next(iter(given), "num_experts")
-    return positive_int({key: given.get(key, _HF_DEFAULT_MOE["num_experts"])}, key)
-
-
 def _rope_theta(cfg: dict[str, Any]) -> float:
     """RoPE theta, from `rope_parameters` and/or the older top-level `rope_theta` and `rope_scaling`.
     Only plain RoPE: the YaRN scaling Qwen3 documents for long contexts is refused. Every place that
     names a theta must name the same one: transformers 4 and 5 read different places."""
-    thetas: dict[str, float] = {}
-    if cfg.get("rope_theta") is not None:
-        thetas["rope_theta"] = positive_number(cfg, "rope_theta")
-    for key in ("rope_parameters", "rope_scaling"):
-        raw = cfg.get(key)
-        if raw is None:
-            continue
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{key} {raw!r} is not a JSON object")
-        if "type" in raw and "rope_type" in raw and raw["type"] != raw["rope_type"]:
-            raise CheckpointError(f"{key} type {raw['type']!r} and rope_type {raw['rope_type']!r} disagree")
-        kind = raw.get("rope_type", raw.get("type", "default"))  # `type` is the older spelling
+    dicts = rope_dicts(cfg)
+    for key, raw, kind in dicts:
         if kind != "default":
             raise CheckpointError(f"{key} rope_type {kind!r} is not supported (this Qwen3 computes plain RoPE, 'default')")
         unknown = sorted(set(raw) - _ROPE_KEYS, key=str)
@@ -362,10 +349,4 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
         if partial is not None and partial != 1:
             raise CheckpointError(f"{key} partial_rotary_factor {partial!r} is not supported (this Qwen3 rotates "
                                   "whole heads)")
-        if raw.get("rope_theta") is not None:
-            thetas[f"{key} rope_theta"] = positive_number(raw, "rope_theta", where=f"{key} ")
-    (first, theta), *others = [*thetas.items()] or [("", _HF_DEFAULT_ROPE_THETA)]
-    for name, other in others:
-        if other != theta:
-            raise CheckpointError(f"{first} {theta:g} and {name} {other:g} disagree; keep one, or make them equal")
-    return theta
+    return agreed_rope_theta(cfg, dicts, _HF_DEFAULT_ROPE_THETA)
