@@ -38,7 +38,7 @@ MATRIX_PROVES = {
     "dsv3_ep2": ({"model": "dsv3"}, ("ep",)),
     "dsv3_ep2_tp2": ({"model": "dsv3"}, ("ep", "tp")),
     "dsv3_tp2_no_sp": ({"model": "dsv3", "sp": "off"}, ("tp",)),
-    "dsv3_cp2": ({"model": "dsv3", "mtp": "off"}, ("cp",)),
+    "dsv3_cp2": ({"model": "dsv3", "mtp": "on", "ac": "full"}, ("cp",)),
     "dsv3_fsdp2_no_mtp": ({"model": "dsv3", "mtp": "off"}, ("dp_shard",)),
 }
 
