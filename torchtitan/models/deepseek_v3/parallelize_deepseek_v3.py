@@ -42,6 +42,7 @@ from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.expert_parallel import (
     apply_expert_parallel,
     check_moe_layout,
+    compile_moe_parts,
     configure_moe,
     moe_compiles_whole,
     moe_fsdp_units,
@@ -148,7 +149,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
             block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
     whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         lambda m: apply_compile(m, moe_whole=whole), offload=ac.offload,
+                         lambda m: apply_compile(m, moe_whole=whole, parallel_dims=parallel_dims), offload=ac.offload,
                          more_blocks=_mtp_block_slots(model))
     # Each MTP module (its norms, eh_proj, block and final norm) is an FSDP unit of its own after the
     # main blocks, in forward order; its MoE layer's units are among the MoE layers' (wrapped first).
@@ -157,11 +158,13 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     return model
 
 
-def apply_compile(model: nn.Module, moe_whole: bool = True) -> None:
+def apply_compile(model: nn.Module, moe_whole: bool = True, parallel_dims: ParallelDims | None = None) -> None:
     """Every block (the MTP modules' too) compiles whole, in one graph; with `moe_whole` False
-    (expert_parallel.moe_compiles_whole: EP or TP) MoE blocks compile their
-    attention and shared experts, their routed experts running eagerly."""
+    (expert_parallel.moe_compiles_whole: EP or TP) MoE blocks compile their attention and shared
+    experts, their MoE layer running eagerly but for the parts whose shapes the dropping mode fixes
+    under EP (expert_parallel.compile_moe_parts, given `parallel_dims`)."""
     blocks = _blocks(model)
+    parts = 0
     for block in blocks:
         if block.moe is None or moe_whole:
             block.compile(fullgraph=True)
@@ -169,8 +172,11 @@ def apply_compile(model: nn.Module, moe_whole: bool = True) -> None:
             block.attention.compile(fullgraph=True)
             if block.shared_experts is not None:
                 block.shared_experts.compile(fullgraph=True)
-    parts = "whole" if moe_whole else "whole but for the routed experts of MoE blocks"
-    logger.info(f"compiled {len(blocks)} DeepSeek-V3 blocks with torch.compile ({parts})")
+            if parallel_dims is not None:
+                parts += compile_moe_parts(block.moe, parallel_dims)
+    how = ("whole" if moe_whole else "whole but for the MoE layers of MoE blocks"
+           + (f", of which {parts} compile their router, placement, experts and read-back" if parts else ""))
+    logger.info(f"compiled {len(blocks)} DeepSeek-V3 blocks with torch.compile ({how})")
 
 
 # ---------------------------------------------------------------------------------------------
