@@ -149,6 +149,11 @@ SUITES: dict[str, list[Layout]] = {
         # accumulation 2) drop what one process's 8 sequences at once drop.
         L("moe_capacity_ep2_accum2", 2, "--training.expert_parallel_degree 2 --training.gradient_accumulation_steps 2",
           {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0}, shared=QWEN3_MOE_CAPACITY),
+        # The dropping mode compiled under EP: router, placement, experts (static all-to-alls) and
+        # read-back each in one graph around the eager MoE layer (expert_parallel.compile_moe_parts).
+        L("moe_capacity_ep2_compile", 2, "--training.expert_parallel_degree 2 --training.compile",
+          {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0, "compile.compiled_modules": POSITIVE},
+          shared=QWEN3_MOE_CAPACITY),
         L("qwen3_fsdp2_tp2", 4, "--training.tensor_parallel_degree 2",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_DENSE),
         L("qwen3_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=QWEN3_DENSE),
