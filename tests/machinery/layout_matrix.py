@@ -84,8 +84,9 @@ def _named(text: str, values: dict[str, str], **degrees: int) -> Goal:
     return dataclasses.replace(goal, met_by=lambda p, g=goal: p.degrees == d and g.met_by(p), named=True)
 
 
-# Combinations that broke or were untested before, required by name: issue 15's layouts, and issue
-# 52's crashes (all-gather CP under compile; replica groups sharded inside).
+# Combinations that broke or were untested before, required by name: issue 15's layouts, issue 52's
+# crashes (all-gather CP under compile; replica groups sharded inside), and issue 56's multi-token
+# prediction under context parallelism (refused before).
 NAMED_GOALS = (
     _named("replicate x context parallel (the KeyError report)", {}, dp_replicate=2, cp=2),
     _named("HSDP x context parallel (its 8-rank sibling)", {}, dp_replicate=2, dp_shard=2, cp=2),
@@ -99,6 +100,8 @@ NAMED_GOALS = (
            {"cp_method": "allgather", "compile": "on", "docmask": "on"}, cp=2),
     _named("replica groups with FSDP inside (issue 52)", {"groups": "on"}, dp_shard=2),
     _named("replica groups with TP inside (issue 52)", {"groups": "on"}, tp=2),
+    _named("multi-token prediction under context parallelism, its block checkpointed (issue 56)",
+           {"model": "dsv3", "mtp": "on", "ac": "full"}, cp=2),
 )
 
 

@@ -110,7 +110,9 @@ class Factor:
 
 
 def _even_blocks(ac: dict) -> list[str]:
-    return [b for b in ac["blocks"] if int(b.rsplit(".", 1)[1]) % 2 == 0]
+    """The blocks of even index: the main blocks by their key; the MTP module's block (`mtp.0.block`,
+    DeepSeek-V3) by its layer id, the model's block count, even in every deepseek_v3_matrix flavor."""
+    return [b for b in ac["blocks"] if b.startswith("mtp.0.") or int(b.rsplit(".", 1)[1]) % 2 == 0]
 
 
 # What activation checkpointing leaves on rank 0's blocks (setup record "activation_checkpoint").

@@ -2,7 +2,8 @@
 fails), for every family: Llama 3, Qwen3 dense and MoE, DeepSeek-V3 (dense, MoE and MTP blocks), in
 the dropping and the dropless MoE modes; each family through its own compile function, one forward
 and backward on CPU, losses and gradients equal to eager. Which layouts keep the MoE layer eager is
-`moe_compiles_whole`'s rule, tested last.
+`moe_compiles_whole`'s rule, tested last, and under EP the dropping mode's parts that compile on their
+own (`compile_moe_parts`), against eager on a one-rank process group.
 
 The family sweep compiles with the aot_eager backend (dynamo and AOTAutograd, the stages where graph
 breaks and data-dependent shapes fail; no code generation, so a few seconds per family). Inductor's
@@ -13,16 +14,22 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from tests.tolerances import assert_reordered, transformer_sums
 from torchtitan.models.deepseek_v3 import DeepSeekV3, DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.parallelize_deepseek_v3 import apply_compile as compile_deepseek_v3
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
+from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3 import Qwen3, Qwen3ModelArgs
 from torchtitan.models.qwen3.parallelize_qwen3 import apply_compile as compile_qwen3
-from torchtitan.parallelisms.expert_parallel import moe_compiles_whole
+from torchtitan.models.qwen3.parallelize_qwen3 import apply_compile_attention as compile_qwen3_under_ep
+from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, compile_moe_parts, moe_compiles_whole
 from torchtitan.parallelisms.tensor_parallel import apply_compile as compile_llama
 
 VOCAB, SEQ = 64, 16
@@ -129,3 +136,60 @@ def test_which_layouts_compile_the_moe_layer_whole():
     assert moe_compiles_whole(_dims())  # both modes: test_every_block_compiles_in_one_graph_and_trains_as_eager
     assert not moe_compiles_whole(_dims(ep=2))  # the experts are an FSDP unit inside the block
     assert not moe_compiles_whole(_dims(tp=2))  # so is the layer, and a checkpoint wraps the compiled block
+
+
+@pytest.fixture
+def expert_mesh():
+    """A one-rank gloo group and the experts' 2-D mesh (efsdp, ep) over it: expert parallelism's
+    dispatch and the experts' own FSDP unit run as on every rank, their all-to-alls sending to this one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("efsdp", "ep"))
+    finally:
+        dist.destroy_process_group()
+
+
+EP_COMPILE = {"qwen3_moe": (lambda: build(Qwen3, Qwen3ModelArgs(**QWEN3_MOE), 1.0), compile_qwen3_under_ep),
+              "deepseek_v3": (lambda: build(DeepSeekV3, DeepSeekV3ModelArgs(**DEEPSEEK_V3), 1.0),
+                              lambda m, dims: compile_deepseek_v3(m, moe_whole=False, parallel_dims=dims))}
+
+
+@pytest.mark.parametrize("family", sorted(EP_COMPILE))
+def test_the_dropping_mode_under_ep_compiles_its_moe_parts_and_trains_as_eager(monkeypatch, expert_mesh, family):
+    """Under EP the experts are an FSDP unit of their own, which a block's graph cannot hold; in the
+    dropping mode every shape is fixed by the batch and the capacity, so the router, the placement,
+    the experts (expert parallelism's all-to-alls of equal splits inside, FSDP's hooks outside, as
+    a block's) and the read-back each compile in one graph (fullgraph: a break fails), the layer's
+    forward around them eager. The loss and every gradient equal the eager layout's, the routing
+    statistics too; dropless compiles none of it (its dispatch reads counts to the host)."""
+    make, compile_family = EP_COMPILE[family]
+    eager = make()
+    compiled = copy.deepcopy(eager)
+    original = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **kw: original(fn, *a, **{**kw, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+    for model in (eager, compiled):
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        apply_expert_parallel(layers, expert_mesh["ep"])
+        if model is compiled:
+            compile_family(model, _dims(ep=2))  # the layout EP 2 would be: its rule, not this mesh's size
+        for layer in layers:
+            fully_shard(layer.experts, mesh=expert_mesh["efsdp"])  # as apply_data_parallel's units
+    layers = [m for m in compiled.modules() if isinstance(m, MoE)]
+    assert layers and all(m.router._compiled_call_impl is not None and m.experts._compiled_call_impl is not None
+                          and {"capacity_place", "capacity_combine"} <= vars(m).keys() for m in layers)
+    torch.manual_seed(1)
+    tokens, labels = torch.randint(0, VOCAB, (2, SEQ)), torch.randint(0, VOCAB, (2, SEQ))
+    (loss, grads), (compiled_loss, compiled_grads) = (loss_and_grads(m, tokens, labels) for m in (eager, compiled))
+    # aot_eager runs the traced ops eagerly: the same kernels, so only decompositions may differ.
+    assert_reordered(compiled_loss, loss, FORWARD_SUMS + VOCAB + 2 * SEQ)
+    assert compiled_grads.keys() == grads.keys()
+    for name in grads:
+        full = [g.full_tensor() if isinstance(g, DTensor) else g for g in (compiled_grads[name], grads[name])]
+        assert_reordered(*full, 2 * FORWARD_SUMS + 2 * SEQ, msg=name)
+    for mine, theirs in zip(compiled.modules(), eager.modules()):
+        if isinstance(mine, MoE):
+            assert all(torch.equal(a, b) for a, b in zip(mine.take_step_stats(), theirs.take_step_stats()))
+    dropless = make().layers[str(len(eager.layers) - 1)].moe
+    dropless.capacity_factor = 0.0
+    assert not compile_moe_parts(dropless, _dims(ep=2)) and not compile_moe_parts(layers[0], _dims(ep=2, tp=2))

@@ -15,7 +15,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.config.preflight import preflight
 from torchtitan.errors import ConfigError
 from torchtitan.models.deepseek_v3 import DeepSeekV3, DeepSeekV3ModelArgs, deepseek_v3_configs
-from torchtitan.models.deepseek_v3.model import YarnScaling, mtp_params, param_counts, rope_table
+from torchtitan.models.deepseek_v3.model import YarnScaling, labels_ahead, mtp_params, param_counts, rope_table
 
 # Every part at toy width: compressed queries, 2 dense + 2 MoE blocks, 8 experts in 4 groups, MTP 2.
 TINY = dict(dim=32, n_layers=4, n_dense_layers=2, n_heads=4, hidden_dim=48, vocab_size=64, max_seq_len=16,
@@ -186,6 +186,52 @@ def test_mtp_gradient_reaches_its_modules_only_in_training_and_scales_with_its_w
     torch.testing.assert_close(off["layers.0.attention.wo.weight"], evaluated["layers.0.attention.wo.weight"])
 
 
+def test_mtp_loss_of_ranks_with_uneven_ignored_targets_averages_into_one_process_loss():
+    """The trainer averages the ranks' losses (and gradients). Each rank divides its cross-entropy
+    sum by the valid targets of every rank (the model's `sum_over_loss_ranks` seam) and multiplies
+    by their number: the ranks' mean is then one process's mean over all targets, also when the
+    ranks hold different numbers of them (masked labels; under context parallelism the last
+    positions of each sequence lie on one rank). Two data-parallel "ranks" in this process, each
+    given the other's count as a process group would sum it; a mean of the two per-rank means
+    (what a mean per forward gives) misses by more than ten times the tolerance."""
+    torch.manual_seed(2)
+    tokens, labels = torch.randint(0, 64, (4, 12)), torch.randint(0, 64, (4, 12))
+    labels[:2, 1:9] = -100  # rank 0's rows carry few targets, rank 1's many
+    model = build(mtp_loss_weight=1.0)
+    with torch.no_grad():
+        model.output.weight.mul_(20)  # confident logits: the tokens' cross-entropies differ widely
+    model(tokens, labels=labels)
+    whole = model.take_mtp_loss()
+    parts = [(tokens[:2], labels[:2]), (tokens[2:], labels[2:])]
+    counts = [(model.labels_ahead(y, 2)[1:] != -100).flatten(1).sum(dim=1) for _, y in parts]
+    ranks = []
+    for rank, (x, y) in enumerate(parts):
+        model.sum_over_loss_ranks = lambda c, other=counts[1 - rank]: c + other
+        model.loss_ranks = 2
+        model(x, labels=y)
+        ranks.append(model.take_mtp_loss())
+    model.sum_over_loss_ranks, model.loss_ranks = (lambda c: c), 1
+    naive = []
+    for x, y in parts:
+        model(x, labels=y)
+        naive.append(model.take_mtp_loss())
+    # Rows in other batches: the blocks' sums over 2 rows instead of 4, and the cross-entropy's sum
+    # over the targets split in two.
+    forward = transformer_sums(n_layers=4 + 2, dim=32, hidden=48 + 32 + 8 + 16, seq=12, head_dim=12)
+    rtol = reordered_sums(torch.float32, forward + 64 + 48)["rtol"]
+    assert ((ranks[0] + ranks[1]) / 2).item() == pytest.approx(whole.item(), rel=rtol)
+    print(f"ranks' mean {((ranks[0] + ranks[1]) / 2).item()}, one process {whole.item()}, mean of per-rank means "
+          f"{((naive[0] + naive[1]) / 2).item()}")
+    assert abs(((naive[0] + naive[1]) / 2 - whole).item()) > 10 * rtol * whole.item()
+
+
+def test_labels_ahead_end_every_sequence_with_ignored_targets():
+    labels = torch.arange(10).view(2, 5)
+    ahead = labels_ahead(labels, 2)
+    assert ahead.shape == (3, 2, 5) and torch.equal(ahead[0], labels)
+    assert ahead[1, 0].tolist() == [1, 2, 3, 4, -100] and ahead[2, 1].tolist() == [7, 8, 9, -100, -100]
+
+
 # ---------------------------------------------------------------------------------------------
 # Refusals (one line each, before start-up)
 
@@ -195,11 +241,9 @@ def _preflight(*args, world_size=1):
                      world_size=world_size, device_type="cpu", check_memory=False)
 
 
-def test_mtp_with_context_parallelism_is_refused_and_runs_without_mtp():
-    with pytest.raises(ConfigError, match="model.mtp_depth 0"):
-        _preflight("--experimental.context_parallel_degree", "2", world_size=2)
-    assert _preflight("--experimental.context_parallel_degree", "2", "--model.mtp_depth", "0",
-                      world_size=2).model_args.mtp_depth == 0
+def test_mtp_with_context_parallelism_is_accepted():
+    """MTP takes the labels ahead from the next chunk's cp rank (test_mtp_context_parallel.py)."""
+    assert _preflight("--experimental.context_parallel_degree", "2", world_size=2).model_args.mtp_depth == 1
 
 
 def test_mtp_depth_for_a_family_without_mtp_is_refused():

@@ -10,9 +10,6 @@ from tests.machinery import layout_matrix as lm
 from tests.machinery.fake_runner import FakeRunner
 from tests.machinery.matrix_model import flavor_name
 from tests.machinery.matrix_space import FACTOR, GROUP_RANKS, cost, make_point
-from torchtitan.config.manager import parse_args
-from torchtitan.config.preflight import preflight
-from torchtitan.errors import UserError
 from torchtitan.tools.parity import ParityError, unmet
 from torchtitan.tools.parity_layouts import FLOAT8_SPLIT_TOLERANCE
 
@@ -82,12 +79,17 @@ def test_points_are_refused_exactly_when_planned_and_each_refusal_is_one_line(po
 
 
 def test_a_pair_the_product_cannot_hold_is_shown_refused(points):
-    """DeepSeek-V3's multi-token prediction under context parallelism (refused until MTP can take
-    the tokens ahead from the next CP rank): its goals are met only by refused points."""
-    with_cp = [p for p in points if p.mtp and p.degrees.over("cp")]
-    assert with_cp and all(p.refused_by_design for p in with_cp)
-    assert "set model.mtp_depth 0 to train with context parallelism" in lm.refusal(with_cp[0])
-    assert any(p.dsv3 and not p.mtp and p.degrees.over("cp") and not p.refused_by_design for p in points)
+    """DeepSeek-V3's multi-token prediction with the chunked loss (whose output head returns a
+    loss, where MTP needs logits): its goals are met only by refused points."""
+    chunked = [p for p in points if p.mtp and p.on("chunked")]
+    assert chunked and all(p.refused_by_design for p in chunked)
+    assert "does not compose with multi-token prediction" in lm.refusal(chunked[0])
+    assert any(p.dsv3 and not p.mtp and p.on("chunked") and not p.refused_by_design for p in points)
+
+
+def test_multi_token_prediction_trains_under_context_parallelism(points, ci):
+    """MTP takes the labels ahead from the next chunk's cp rank: the matrix trains it beside CP, in CI too."""
+    assert any(p.mtp and p.degrees.over("cp") and not p.refused_by_design for p in ci)
 
 
 def test_ci_subset(points, ci):
@@ -257,7 +259,7 @@ def test_a_resumed_point_must_repeat_its_losses_bit_for_bit(tmp_path):
 def test_a_deepseek_v3_point_expects_experts_and_mtp_where_they_were_applied():
     """The DeepSeek-V3 model: deepseek_v3_matrix with experts over every rank EP can borrow, and its
     MTP module on every rank, or on the last pipeline stage's ranks (pp rank 0's under a V schedule,
-    where the stages fold back); context parallelism runs it without MTP, which it refuses with."""
+    where the stages fold back); with MTP off, no MTP module is expected; context parallelism runs MTP too."""
     point = make_point({"model": "dsv3"}, dp_shard=2, tp=2)
     assert point.name == "fsdp2_tp2+dsv3" and point.flavor == "D2" and point.ep_degree == 4
     assert "deepseek_v3_matrix" in point.shared() and "--model.mtp_depth" not in point.shared()
@@ -271,8 +273,8 @@ def test_a_deepseek_v3_point_expects_experts_and_mtp_where_they_were_applied():
     with_cp = make_point({"model": "dsv3", "mtp": "off"}, dp_shard=2, cp=2)
     assert with_cp.model_args()[-2:] == ("--model.mtp_depth", "0") and dict(with_cp.expect())["mtp"] is None
     assert lm.refusal(with_cp) is None
-    with pytest.raises(UserError, match="set model.mtp_depth 0 to train with context parallelism"):
-        preflight(parse_args(lm.config_args(make_point({"model": "dsv3"}, dp_shard=2, cp=2))), 4)
+    with_mtp = make_point({"model": "dsv3"}, dp_shard=2, cp=2)
+    assert lm.refusal(with_mtp) is None and dict(with_mtp.expect())["mtp.ranks"] == [0, 1, 2, 3]
 
 
 def test_deepseek_v3_meets_every_dim_and_never_ties_embeddings(points, ci):
@@ -280,17 +282,18 @@ def test_deepseek_v3_meets_every_dim_and_never_ties_embeddings(points, ci):
     for dim in lm.DIMS:
         assert any(p.degrees.over(dim) for p in dsv3 if not p.refused_by_design), dim
     assert all(p.value("tied") != "tied" for p in dsv3)  # the family has no tied embeddings
-    assert any(p.dsv3 and p.degrees.over("cp") and not p.mtp for p in points if not p.refused_by_design)
+    assert any(p.dsv3 and p.degrees.over("cp") and p.mtp for p in ci if not p.refused_by_design)
 
 
 def test_gpt_oss_meets_every_dim_and_never_ties_embeddings(points, ci):
     """The gpt-oss variant (sinks, banded blocks, biased experts): trained beside every parallel dim
-    in the whole matrix, with the CI subset keeping it beside context parallelism (the banded ring)."""
+    in the whole matrix, and in the CI subset beside some (its parity rows, test_parity.py's 10-step
+    ones, train it beside each dim in CI, context parallelism's banded ring included)."""
     gpt = [p for p in points if p.gptoss]
     for dim in (*lm.DIMS, "ep"):
         assert any(dim in p.active_dims for p in gpt if not p.refused_by_design), dim
     assert all(p.value("tied") != "tied" for p in gpt)
-    assert any(p.gptoss and p.degrees.over("cp") for p in ci if not p.refused_by_design)
+    assert any(p.gptoss and p.active_dims for p in ci if not p.refused_by_design)
     point = make_point({"model": "gptoss"}, dp_shard=2, tp=2)
     assert point.name == "fsdp2_tp2+gptoss" and point.flavor == "G2" and point.ep_degree == 4
     assert "gpt_oss_matrix" in point.shared()

@@ -196,6 +196,10 @@ class GroupedExperts(nn.Module):
         # None: F.grouped_mm where `kernels.supported` says so; False: always the loop.
         self.use_grouped_mm: bool | None = None
         self.kernels = DEVICE_KERNELS  # a seam (module docstring): the dry run's differ
+        # The rank's own part of a stacked weight: a seam, duck-typed by default; expert parallelism,
+        # whose weights are DTensors, sets the DTensor method itself, which torch.compile traces (it
+        # answers a getattr on a DTensor parameter as on a plain tensor).
+        self.local: Callable[[torch.Tensor], torch.Tensor] = _local
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal(self.w1, 0.02)
@@ -208,7 +212,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
         """x (N, dim): tokens sorted by expert, `counts` (E_local,) per expert -> (N, dim); or
         `counts` a Python int, the rows of every expert (the dropping mode's padded layout)."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = self.local(self.w1), self.local(self.w2), self.local(self.w3)
         if torch.is_autocast_enabled(x.device.type):
             # The grouped matmul has no autocast rule: cast its operands as autocast casts any matmul.
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -420,8 +424,22 @@ class MoE(nn.Module):
                            bsz: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The dropping mode's experts (module docstring): tokens (B*S, dim), chosen experts and
         weights (B*S, k) -> combined outputs (B*S, dim), routed pairs per expert (E,) and the number
-        dropped (). Every shape is fixed by B, S, k, E and the capacity; nothing is read to the host."""
-        n_experts, k, dim = self.num_experts, self.top_k, tokens.shape[-1]
+        dropped (). Every shape is fixed by B, S, k, E and the capacity; nothing is read to the host.
+        In three calls: the placement into the padded buffer, the experts, the read-back. The first
+        and the last are pure functions of their tensors, so a layout that keeps the experts module
+        out of a compiled graph (expert parallelism: expert_parallel.compile_moe_parts) can compile
+        them on their own."""
+        cap = self.capacity(tokens.shape[0] // bsz)
+        routed, slot, kept, counts = self.capacity_place(tokens, experts, bsz)
+        out = self.experts(routed, bsz * cap)  # (E * B * cap, dim)
+        return self.capacity_combine(out, slot, kept, weights), counts, kept.numel() - kept.sum()
+
+    def capacity_place(self, tokens: torch.Tensor, experts: torch.Tensor,
+                       bsz: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The dropping mode's placement: the padded buffer routed to the experts (E * B * cap, dim),
+        each pair's slot in it and whether it was kept (B*S*k,), and the pairs routed to each expert
+        (E,), dropped ones included."""
+        n_experts, k = self.num_experts, self.top_k
         seqlen = tokens.shape[0] // bsz
         cap = self.capacity(seqlen)
         n_pairs = tokens.shape[0] * k
@@ -444,15 +462,17 @@ class MoE(nn.Module):
         source = (starts.unsqueeze(1) + slots).clamp(max=n_pairs - 1)  # (E*B, cap) index into the sorted pairs
         filled = (slots < sizes.unsqueeze(1)).flatten().unsqueeze(-1)
         routed = torch.where(filled, tokens[order[source.flatten()] // k], 0)
-        out = self.experts(routed, bsz * cap)  # (E * B * cap, dim)
-        # Each pair reads its slot back (a dropped pair any slot: its weight is zero), and each
-        # token adds its k outputs in a fixed order, as dropless does.
+        # Each pair's slot in the experts' output (a dropped pair any slot: its weight is zero).
         slot = torch.where(kept, group * cap + place, 0)
-        picked = out[slot].view(-1, k, dim)
+        return routed, slot, kept, sizes.view(n_experts, bsz).sum(dim=1)
+
+    def capacity_combine(self, out: torch.Tensor, slot: torch.Tensor, kept: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+        """The dropping mode's read-back: each pair reads its slot of the experts' output, and each
+        token adds its k outputs in a fixed order, as dropless does -> (B*S, dim)."""
+        picked = out[slot].view(-1, self.top_k, out.shape[-1])
         kept_weights = weights * kept.view_as(weights)
-        combined = (picked * kept_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
-        counts = sizes.view(n_experts, bsz).sum(dim=1)
-        return combined, counts, n_pairs - kept.sum()
+        return (picked * kept_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
     def _sequence_balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """This rank's share of coef x mean over the step's sequences of sum_e f_e P_e (module

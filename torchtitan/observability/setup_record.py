@@ -172,6 +172,12 @@ def _blocks(part: nn.Module) -> list[str]:
     return [f"layers.{name}" for name in layers.keys()] if isinstance(layers, nn.ModuleDict) else []
 
 
+def _checkpointable_blocks(part: nn.Module) -> list[str]:
+    """The blocks activation checkpointing wraps: `_blocks`, and the block of each multi-token
+    prediction module (DeepSeek-V3's `mtp.{k}.block`)."""
+    return _blocks(part) + [f"mtp.{k}.block" for k in range(len(getattr(part, "mtp", None) or ()))]
+
+
 def _mesh(mesh) -> dict[str, int] | None:
     return None if mesh is None else dict(zip(mesh.mesh_dim_names, (int(n) for n in mesh.shape)))
 
@@ -314,7 +320,7 @@ def _activation_checkpoint(model_parts: list[nn.Module], modules: list[tuple[str
     offloaded = {id(torch_compat_composable.wrapped_module(m)): name for name, m in modules if isinstance(m, OffloadWrapper)}
     wrappers = [(offloaded.get(id(m), name), m) for name, m in modules
                 if isinstance(m, torch_compat_composable.CheckpointWrapper)]
-    return {"blocks": [b for part in model_parts for b in _blocks(part)],
+    return {"blocks": [b for part in model_parts for b in _checkpointable_blocks(part)],
             "wrapped": [name for name, _ in wrappers],
             # Op-level selective checkpointing passes its save policy as the checkpoint's context_fn.
             "op_level": any("context_fn" in getattr(m.checkpoint_fn, "keywords", {}) for _, m in wrappers),

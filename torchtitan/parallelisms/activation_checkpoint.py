@@ -6,13 +6,16 @@ Three granularities, from most memory saved to least compute repeated:
 - selective 'op': every block keeps the outputs of its expensive ops (matmuls, attention, the TP
   reduce-scatter) and reruns only the cheap elementwise ones (norms, RoPE, SiLU, residual adds).
 
-Works on any model that keeps its blocks in `model.layers` (an nn.ModuleDict keyed by block index).
+Works on any model that keeps its blocks in `model.layers` (an nn.ModuleDict keyed by block index);
+blocks kept elsewhere (DeepSeek-V3's multi-token prediction modules) are named by the caller as
+`BlockSlot`s, with the index the selective option counts them by.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -64,8 +67,22 @@ def _op_sac_context_fn(low_rank: frozenset) -> functools.partial:
                              functools.partial(_save_expensive_ops, low_rank=low_rank))
 
 
-def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
-    """Wraps transformer blocks so their activations are recomputed in backward.
+class BlockSlot(NamedTuple):
+    """Where a block sits (`parent`'s child `name`) and its index (the block's layer id)."""
+
+    parent: nn.Module
+    name: str
+    index: int
+
+
+def block_slots(model: nn.Module, more: Sequence[BlockSlot] = ()) -> list[BlockSlot]:
+    """The blocks of `model.layers` (indexed by their keys), then `more`."""
+    return [*(BlockSlot(model.layers, name, int(name)) for name in model.layers.keys()), *more]
+
+
+def apply_ac(model: nn.Module, mode: str, selective_ac_option: str, more_blocks: Sequence[BlockSlot] = ()) -> None:
+    """Wraps transformer blocks (those of `model.layers`, then `more_blocks`) so their activations
+    are recomputed in backward.
 
     full: every block. selective with integer k: every k-th block (block index % k == 0),
     trading compute for memory in between the two extremes. The choice depends only on the
@@ -73,19 +90,18 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
     selective 'op': every block, keeping the outputs of the ops in `_SAVE_LIST` and recomputing
     the rest. All variants are non-reentrant: op-level needs it for its `context_fn`.
     """
+    slots = block_slots(model, more_blocks)
     if mode == "selective" and selective_ac_option == "op":
         context_fn = _op_sac_context_fn(frozenset(m.lora_a.weight.shape[0] for m in model.modules() if is_adapted(m)))
-        for name, block in list(model.layers.named_children()):
-            model.layers.register_module(
-                name, checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
-            )
-        n = len(model.layers)
-        logger.info(f"applied selective (op-level) activation checkpointing to {n} of {n} blocks")
+        for parent, name, _ in slots:
+            parent.register_module(name, checkpoint_wrapper(getattr(parent, name), context_fn=context_fn,
+                                                            preserve_rng_state=False))
+        logger.info(f"applied selective (op-level) activation checkpointing to {len(slots)} of {len(slots)} blocks")
         return
     every = 1 if mode == "full" else int(selective_ac_option)
     wrapped = 0
-    for name, block in list(model.layers.named_children()):
-        if int(name) % every == 0:
-            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+    for parent, name, index in slots:
+        if index % every == 0:
+            parent.register_module(name, checkpoint_wrapper(getattr(parent, name), preserve_rng_state=False))
             wrapped += 1
-    logger.info(f"applied {mode} activation checkpointing to {wrapped} of {len(model.layers)} blocks")
+    logger.info(f"applied {mode} activation checkpointing to {wrapped} of {len(slots)} blocks")

@@ -35,7 +35,7 @@ from torchtitan.parallelisms.ring_attention import chunk_spans, shard_sequence, 
 
 # torch 2.13 renamed the one-tensor collectives (`*_single`) and warns, once per process, on every
 # rank's console, at the old names; torch 2.11 has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -44,7 +44,7 @@ def _gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
     cp = dist.get_world_size(group)
     local = torch.stack([k, v])
     gathered = torch.empty((cp * 2, *k.shape), dtype=k.dtype, device=k.device)
-    _all_gather(gathered, local.contiguous(), group=group)
+    all_gather_single(gathered, local.contiguous(), group=group)
     return unshard_sequence(list(gathered.view(cp, *local.shape).unbind(0)), dim=3)
 
 

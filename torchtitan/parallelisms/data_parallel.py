@@ -3,7 +3,8 @@
 Which one applies, and over which mesh, follows from `ParallelDims` alone (its role meshes), so
 every model's parallelize function calls `apply_data_parallel` last and decides nothing itself.
 The model only has to keep its transformer blocks in `model.layers` (each block is wrapped on
-its own, then the root).
+its own, then the root); a model with more block-like modules (DeepSeek-V3's multi-token
+prediction modules) names them all as `blocks`, in forward order.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ class FSDPUnit:
 
 
 def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, training: Training,
-                        units: Sequence[FSDPUnit] = ()) -> None:
+                        units: Sequence[FSDPUnit] = (), blocks: Sequence[nn.Module] | None = None) -> None:
     """FSDP / HSDP when anything shards parameters (dp_shard or cp > 1), else DDP over the replicas.
 
     Replicas of a model that tensor or pipeline parallelism already touched use PyTorch's
     FSDP-based `replicate`, because the composable DDP does not accept DTensor parameters.
     `units` are wrapped first, each over its own mesh (also on layouts without FSDP otherwise).
+    `blocks`: the modules wrapped one by one before the root, in forward order (default
+    `model.layers`' blocks).
     """
+    blocks = list(model.layers.values()) if blocks is None else list(blocks)
     if units:
         _apply_fsdp_units(units, parallel_dims, training)
     if parallel_dims.fsdp_enabled:
@@ -66,10 +70,11 @@ def apply_data_parallel(model: nn.Module, parallel_dims: ParallelDims, training:
             reshard_after_forward=("never" if parallel_dims.pp_enabled and training.fsdp_reshard_after_forward == "default"
                                    else training.fsdp_reshard_after_forward),
             cpu_offload=training.enable_cpu_offload,
+            blocks=blocks,
         )
     elif parallel_dims.ddp_enabled and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
         apply_fsdp_replicate(model, parallel_dims.replicate_mesh,
-                             reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, "cpu"))
+                             reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, "cpu"), blocks=blocks)
     elif parallel_dims.ddp_enabled:
         apply_ddp(model, parallel_dims.replicate_mesh, bucket_cap_mb=training.ddp_bucket_cap_mb,
                   reduce_dtype=resolve_param_dtype(training.mixed_precision_reduce, "cpu"), compiled=training.compile)
@@ -128,16 +133,18 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, bucket_cap_mb: int, reduce_dty
     logger.info(f"applied DDP over mesh {_mesh_text(mesh)} (bucket {bucket_cap_mb} MB, reduce {reduce_dtype})")
 
 
-def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch.dtype) -> None:
+def apply_fsdp_replicate(model: nn.Module, mesh: DeviceMesh, reduce_dtype: torch.dtype,
+                         blocks: Sequence[nn.Module] | None = None) -> None:
     """Replicated data parallelism for a model that other parallelisms already touched: PyTorch's
-    FSDP-based `replicate`, per block and at the root. Unlike the composable DDP it accepts TP's
-    DTensor parameters, and a pipeline stage can defer its all-reduce to the last microbatch."""
+    FSDP-based `replicate`, per block (`blocks`, default `model.layers`' blocks) and at the root.
+    Unlike the composable DDP it accepts TP's DTensor parameters, and a pipeline stage can defer
+    its all-reduce to the last microbatch."""
     replicate_fsdp = torch_compat_composable.fsdp_based_replicate()
     if replicate_fsdp is None:
         raise ConfigError(f"DDP combined with tensor or pipeline parallelism needs PyTorch's FSDP-based replicate, "
                           f"which torch {torch.__version__} lacks; shard instead (training.data_parallel_shard_degree > 1)")
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
-    for block in model.layers.values():
+    for block in (model.layers.values() if blocks is None else blocks):
         replicate_fsdp(block, mesh=mesh, mp_policy=policy)
     replicate_fsdp(model, mesh=mesh, mp_policy=policy)
     logger.info(f"applied DDP (FSDP-based replicate) over mesh {_mesh_text(mesh)} (reduce {reduce_dtype})")
@@ -150,14 +157,16 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
     cpu_offload: bool = False,
+    blocks: Sequence[nn.Module] | None = None,
 ) -> None:
-    """FSDP2 `fully_shard` per transformer block, then at the root (embedding, norm, output).
+    """FSDP2 `fully_shard` per transformer block (`blocks`, in forward order; default
+    `model.layers`' blocks), then at the root (embedding, norm, output).
     A 2-D mesh gives HSDP: replicated over its first dim, sharded over its second."""
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         # Pinned host memory makes the host-device copies asynchronous; it needs an accelerator.
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
-    blocks = list(model.layers.values())
+    blocks = list(model.layers.values()) if blocks is None else list(blocks)
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
             # The last block's parameters would be gathered again at once for backward, so

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from torchtitan.config.job_config import JobConfig
@@ -128,6 +128,12 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
     return torch_compat_collectives.wait(back)
 
 
+def _to_local(weight: DTensor) -> torch.Tensor:
+    """The experts' `local` seam under EP: this rank's experts of a stacked weight. A method call on
+    the DTensor, which torch.compile traces (the unbound `DTensor.to_local` it skips)."""
+    return weight.to_local()
+
+
 def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> None:
     """Shards the experts of `layers` (MoE layers, torchtitan/models/moe.py) over `ep_mesh` and
     routes tokens to them (module docstring)."""
@@ -138,6 +144,7 @@ def apply_expert_parallel(layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> N
 
     for layer in layers:
         layer.experts.exchange_counts = exchange_counts  # a seam: the dry run's spreads tokens evenly
+        layer.experts.local = _to_local
         distribute_module(layer.experts, ep_mesh, shard_by_expert,
                           input_fn=lambda mod, inputs, mesh: _dispatch(mod, inputs, mesh),
                           output_fn=lambda mod, output, mesh: _combine(mod, output, mesh))
@@ -226,8 +233,29 @@ def moe_compiles_whole(parallel_dims: ParallelDims) -> bool:
     module inside a compiled block are excluded from the graph (PyTorch 2.13), whatever the mode;
     dropless EP also sizes its all-to-alls from counts read to the host; and under TP a checkpoint
     wraps the compiled block (tensor_parallel.apply_ac_and_compile), whose re-run in backward a
-    compiled layer could not tell from a forward, counting its routing statistics twice."""
+    compiled layer could not tell from a forward, counting its routing statistics twice. What of
+    such a layer compiles on its own in the dropping mode is `compile_moe_parts`'."""
     return not parallel_dims.tp_enabled and parallel_dims.ep == 1
+
+
+def compile_moe_parts(layer: nn.Module, parallel_dims: ParallelDims) -> bool:
+    """Compiles the parts of an MoE layer whose block cannot take it whole (`moe_compiles_whole`
+    False), where their shapes are fixed: in the dropping mode (`capacity_factor` > 0) under EP
+    without TP, each in one graph (fullgraph): the router, the placement into the padded buffer
+    (`MoE.capacity_place`), the experts (their FSDP unit's hooks stay outside the graph, as a
+    block's; EP's all-to-alls of equal splits, fixed by the batch and the capacity, inside) and the
+    read-back (`MoE.capacity_combine`). The layer's forward around them stays eager: it counts the
+    routing statistics once, also when a checkpoint re-runs the block in backward. Dropless keeps
+    the layer eager: its dispatch sizes the all-to-alls from counts read to the host, which a graph
+    cannot hold. Under TP (where the dropping mode is refused) nothing. Returns whether it compiled."""
+    if not (layer.capacity_factor > 0 and parallel_dims.ep > 1 and not parallel_dims.tp_enabled):
+        return False
+    layer.router.compile(fullgraph=True)
+    layer.experts.compile(fullgraph=True)
+    # Methods, not modules: compiled as the layer's own attributes (its state and names unchanged).
+    layer.capacity_place = torch.compile(layer.capacity_place, fullgraph=True)
+    layer.capacity_combine = torch.compile(layer.capacity_combine, fullgraph=True)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

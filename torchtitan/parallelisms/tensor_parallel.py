@@ -9,7 +9,7 @@ The root plan assumes the decoder layout both families use: `tok_embeddings`, `l
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from torchtitan.errors import ConfigError
-from torchtitan.parallelisms.activation_checkpoint import apply_ac
+from torchtitan.parallelisms.activation_checkpoint import BlockSlot, apply_ac
 from torchtitan.parallelisms.activation_offload import apply_offload
 from torchtitan.parallelisms.chunked_loss import ChunkedLossHead, apply_head_tp
 from torchtitan.runtime.torch_compat import compile as torch_compat_compile
@@ -104,7 +104,8 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
 
 
 def apply_ac_and_compile(model: nn.Module, tp_enabled: bool, ac_mode: str, selective_ac_option: str, compile: bool,
-                         compile_fn: Callable[[nn.Module], None] = apply_compile, offload: str = "none") -> None:
+                         compile_fn: Callable[[nn.Module], None] = apply_compile, offload: str = "none",
+                         more_blocks: Sequence[BlockSlot] = ()) -> None:
     """Activation checkpointing, torch.compile and activation offload of the blocks, in the order TP allows.
 
     PyTorch 2.13 cannot compile a block-level checkpoint around DTensor (TP) code: AOT autograd tries
@@ -112,11 +113,13 @@ def apply_ac_and_compile(model: nn.Module, tp_enabled: bool, ac_mode: str, selec
     around the compiled code (op-level AC keeps its policy inside the graph and compiles as usual).
     `compile_fn` compiles the model's blocks (or parts of them). Offload (`offload`: none, all or
     every k-th block) wraps last, outside both: its hooks then see what the compiled or
-    checkpointed block saves, and stay out of the compiled graph."""
+    checkpointed block saves, and stay out of the compiled graph. `more_blocks`: blocks outside
+    `model.layers` that checkpointing treats as the others (activation_checkpoint.apply_ac);
+    `compile_fn` compiles them too, and offload does not reach them."""
     op_level = ac_mode == "selective" and selective_ac_option == "op"
     checkpoint_compiled = compile and tp_enabled and not op_level
     if ac_mode != "none" and not checkpoint_compiled:
-        apply_ac(model, ac_mode, selective_ac_option)
+        apply_ac(model, ac_mode, selective_ac_option, more_blocks)
     if compile:
         if tp_enabled:
             bypass_autograd_cache_for_collectives()
@@ -127,7 +130,7 @@ def apply_ac_and_compile(model: nn.Module, tp_enabled: bool, ac_mode: str, selec
             # embedding's redistribute then receives a plain tensor. A copy breaks the alias.
             model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
     if ac_mode != "none" and checkpoint_compiled:
-        apply_ac(model, ac_mode, selective_ac_option)
+        apply_ac(model, ac_mode, selective_ac_option, more_blocks)
     if offload != "none":
         apply_offload(model, offload)
 

@@ -41,6 +41,7 @@ QWEN3_MOE_CAPACITY = f"{QWEN3_MOE} --moe.capacity_factor 1.0"
 # sigmoid routing), multi-token prediction (depth 1), auxiliary loss and bias both on.
 DEEPSEEK_V3 = ("--model.name deepseek_v3 --model.flavor tiny --moe.aux_loss_coef 0.001 --moe.bias_update_rate 0.001")
 DEEPSEEK_V3_NO_MTP = f"{DEEPSEEK_V3} --model.mtp_depth 0"
+DEEPSEEK_V3_MTP2 = f"{DEEPSEEK_V3} --model.mtp_depth 2"
 DEEPSEEK_V3_DEBUG = DEEPSEEK_V3.replace("tiny", "debugmodel")
 # gpt-oss's `tiny`: a banded block (window 8, shorter than any rank's share of the 64-token
 # sequences, so context parallelism's ring skips and masks key blocks) and a full one, sinks,
@@ -152,13 +153,19 @@ SUITES: dict[str, list[Layout]] = {
         # accumulation 2) drop what one process's 8 sequences at once drop.
         L("moe_capacity_ep2_accum2", 2, "--training.expert_parallel_degree 2 --training.gradient_accumulation_steps 2",
           {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0}, shared=QWEN3_MOE_CAPACITY),
+        # The dropping mode compiled under EP: router, placement, experts (static all-to-alls) and
+        # read-back each in one graph around the eager MoE layer (expert_parallel.compile_moe_parts).
+        L("moe_capacity_ep2_compile", 2, "--training.expert_parallel_degree 2 --training.compile",
+          {"moe.ep_mesh": {"ep": 2}, "moe.capacity_factor": 1.0, "compile.compiled_modules": POSITIVE},
+          shared=QWEN3_MOE_CAPACITY),
         L("qwen3_fsdp2_tp2", 4, "--training.tensor_parallel_degree 2",
           {"fsdp.mesh": {"dp_shard_cp": 2}, "tp.mesh": {"tp": 2}}, shared=QWEN3_DENSE),
         L("qwen3_pp2", 2, "--experimental.pipeline_parallel_degree 2", {"pipeline.stages": 2}, shared=QWEN3_DENSE),
     ],
     # DeepSeek-V3 (issue 39's rows): expert parallelism alone and with FSDP, TP and PP (MTP on the
     # last stage, its embedding copy tied to the first stage's), context parallelism (latent
-    # attention in the ring; MTP off, which context parallelism refuses), and MTP off under FSDP.
+    # attention in the ring, the MTP block's too; MTP's labels ahead from the next chunk's rank), and
+    # MTP off under FSDP.
     "deepseek_v3": [
         L("dsv3_ep2", 2, "--training.expert_parallel_degree 2", {"moe.ep_mesh": {"ep": 2}}, shared=DEEPSEEK_V3),
         L("dsv3_ep2_fsdp4", 4, "--training.expert_parallel_degree 2",
@@ -174,7 +181,22 @@ SUITES: dict[str, list[Layout]] = {
         # and MTP's per-token parts see whole sequences, the MTP loss whole logits.
         L("dsv3_tp2_no_sp", 2, "--training.tensor_parallel_degree 2 --training.disable_sequence_parallel "
           "--training.disable_loss_parallel", {"tp.mesh": {"tp": 2}, "tp.sequence_parallel": False}, shared=DEEPSEEK_V3),
-        L("dsv3_cp2", 2, "--experimental.context_parallel_degree 2", {"cp.mesh": {"cp": 2}}, shared=DEEPSEEK_V3_NO_MTP),
+        # MTP under CP 2 (FSDP over the cp ranks), full AC: the MTP module is an FSDP unit of its own
+        # (blocks, MTP module, root; the MoE layers' units are not counted there), its block
+        # checkpointed like the main blocks, its attention in the ring.
+        L("dsv3_cp2", 2, "--experimental.context_parallel_degree 2 --activation_checkpoint.mode full",
+          {"cp.mesh": {"cp": 2}, "cp.ring_attention_modules": 3, "mtp.depth": 1, "fsdp.modules": 4,
+           "activation_checkpoint.wrapped": ["layers.0", "layers.1", "mtp.0.block"]}, shared=DEEPSEEK_V3),
+        # MTP depth 2 under FSDP 2 x CP 2 with document masks and labels masked after each end of
+        # text: every rank holds its own number of valid targets (the masks, and the sequence's last
+        # two positions on cp rank 0), which the loss mesh's count turns into one process's mean;
+        # op-level AC keeps the MTP blocks' matmuls and ring attention.
+        L("dsv3_mtp2_fsdp2_cp2_masked", 4, "--training.data_parallel_shard_degree 2 "
+          "--experimental.context_parallel_degree 2 --activation_checkpoint.mode selective "
+          "--activation_checkpoint.selective_ac_option op",
+          {"cp.mesh": {"cp": 2}, "fsdp.mesh": {"dp_shard_cp": 4}, "mtp.depth": 2, "activation_checkpoint.op_level": True,
+           "activation_checkpoint.wrapped": ["layers.0", "layers.1", "mtp.0.block", "mtp.1.block"]},
+          shared=f"{DEEPSEEK_V3_MTP2} {DOCUMENT_MASK} {MASK_AFTER_EOS}"),
         # The dropping mode under a pipeline (MTP's MoE block on the last stage drops tokens too).
         L("dsv3_capacity_ep2_pp2", 4, "--training.expert_parallel_degree 2 --experimental.pipeline_parallel_degree 2 "
           "--experimental.pipeline_parallel_split_points layers.3",

@@ -17,9 +17,11 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 def deepseek_v3_after_step(model_parts: list[nn.Module], parallel_dims: ParallelDims, *,
                            log: bool) -> StepReport | None:
     """A TrainSpec AfterStepFn. The MTP loss is kept by the last pipeline stage's model part; every
-    rank adds what it holds (zero elsewhere) over the world and divides by the ranks of one stage,
-    each holding the mean over its own sequences (tensor-parallel ranks the same value, context
-    parallelism is refused with MTP), so the result is the mean over every sequence of the step."""
+    rank adds what it holds (zero elsewhere) over the world and divides by the ranks of one stage:
+    each rank of the loss mesh holds its part of the mean over the loss mesh's targets, times the
+    mesh's size (the model's `loss_ranks`; context-parallel ranks hold parts of the same sequences),
+    and tensor-parallel ranks the same value, so the result is that mean, over every sequence of
+    the step."""
     report = moe_after_step(model_parts, parallel_dims, log=log)
     with_mtp = [p for p in model_parts if getattr(p, "args", None) is not None and p.args.mtp_depth > 0]
     held = [p.take_mtp_loss() for p in with_mtp if p.mtp is not None]  # reset every step

@@ -23,9 +23,17 @@ model's last block output for k = 1) with the embedding of the token k positions
 (`eh_proj` over the two, each RMS-normalised), runs one transformer block and its own final norm,
 and reuses the main model's embedding and output projection. It needs the labels, which the
 trainer passes in training (`labels`); its loss, `mtp_loss_weight` times the mean over depths of
-each depth's cross-entropy, enters backward through `AuxLossGrad` like the MoE balancing loss, so
-the model's output stays the main logits and the trainer's loss the language-modelling loss; the
-value is kept (`take_mtp_loss`) for the logs.
+each depth's cross-entropy (a mean over the forward's valid targets), enters backward through
+`AuxLossGrad` like the MoE balancing loss, so the model's output stays the main logits and the
+trainer's loss the language-modelling loss; the value is kept (`take_mtp_loss`) for the logs.
+
+MTP's seams, set by the parallelize function where a layout spreads the tokens over ranks (one
+process needs neither): `labels_ahead` gives, for each position the forward holds, the labels
+1..depth positions further in the sequence (context parallelism fetches those held by the rank of
+the next positions); `sum_over_loss_ranks` adds up the valid targets of every rank whose losses the
+trainer averages (`loss_ranks` of them), so that each rank's sum of cross-entropies divided by that
+count, times `loss_ranks`, averages into the mean over all of them, however unevenly the ignored
+targets fall (the last positions of each sequence lie on one context-parallel rank).
 
 The idioms that let parallelism reach the model by module name are the Llama model's
 (torchtitan/models/llama/model.py): `view(..., -1, head_dim)`, blocks in a ModuleDict keyed by
@@ -47,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.datasets.text_dataset import IGNORE_INDEX
 from torchtitan.models.common import (
     AttentionMask,
     FeedForward,
@@ -164,6 +173,15 @@ def rope_table(args: DeepSeekV3ModelArgs, device: torch.device | None = None) ->
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def labels_ahead(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """(depth + 1, batch, seq): [k][b, i] is the label k positions after position i of labels (batch,
+    seq), IGNORE_INDEX past the sequence's end; [0] the labels themselves. MTP's default seam, for
+    a forward that holds whole sequences."""
+    seq = labels.shape[1]
+    padded = F.pad(labels, (0, depth), value=IGNORE_INDEX)
+    return torch.stack([padded[:, k:k + seq] for k in range(depth + 1)])
 
 
 class Attention(nn.Module):
@@ -339,6 +357,11 @@ class DeepSeekV3(nn.Module):
         self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)
         self.count_step_stats = True  # off in forwards that must not count (pipeline shape probing)
         self.sequences_per_step: int | None = None  # set by the trainer: batch x accumulation on this rank
+        # MTP's seams (module docstring): the labels ahead of each position this forward holds, and a
+        # count summed over the `loss_ranks` ranks whose losses the trainer averages.
+        self.labels_ahead: Callable[[torch.Tensor, int], torch.Tensor] = labels_ahead
+        self.sum_over_loss_ranks: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.loss_ranks = 1
 
     @classmethod
     def from_model_args(cls, args: DeepSeekV3ModelArgs) -> "DeepSeekV3":
@@ -386,22 +409,25 @@ class DeepSeekV3(nn.Module):
 
     def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, mask: AttentionMask | None) -> torch.Tensor:
         """This forward's share of the step's weighted MTP loss. With labels y (y[i] = token i + 1),
-        depth k at position i embeds y[i + k - 1] and predicts y[i + k]; the last k positions have
-        no target and are ignored."""
+        depth k at position i embeds y[i + k - 1] and predicts y[i + k]; the last k positions of a
+        sequence have no target and are ignored, as are ignored labels."""
         depth = len(self.mtp)
+        ahead = self.labels_ahead(labels, depth)  # (depth + 1, batch, seq): [k] the labels k positions ahead
+        # Each depth's valid targets over the ranks whose losses are averaged: the denominator of its mean.
+        targets = self.sum_over_loss_ranks((ahead[1:] != IGNORE_INDEX).flatten(1).sum(dim=1))
         total = torch.zeros((), device=h.device)
         for k, module in enumerate(self.mtp, start=1):
-            ahead = labels.roll(-(k - 1), dims=1)
-            targets = labels.roll(-k, dims=1)
-            targets[:, -k:] = -100  # F.cross_entropy's ignore index
-            valid = targets >= 0
-            h, normed = module(h, self.tok_embeddings(torch.where(ahead >= 0, ahead, 0)), self.rope_cache, mask)
+            embedded = self.tok_embeddings(torch.where(ahead[k - 1] != IGNORE_INDEX, ahead[k - 1], 0))
+            h, normed = module(h, embedded, self.rope_cache, mask)
             logits = self._logits(normed)
-            ce = F.cross_entropy(logits.flatten(0, 1).float(), torch.where(valid, targets, -100).flatten())
-            total = total + _full(ce)
-        # A mean over the step's sequences, as the main loss is (accumulation, pipeline microbatches).
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), ahead[k].flatten(), reduction="sum",
+                                 ignore_index=IGNORE_INDEX)
+            total = total + _full(ce) / targets[k - 1].clamp(min=1)
+        # The trainer averages the ranks' losses: `loss_ranks` times this rank's part of the sum makes
+        # their mean the mean over every rank's targets. And a mean over the step's sequences, as the
+        # main loss is (accumulation, pipeline microbatches).
         share = labels.shape[0] / (self.sequences_per_step or labels.shape[0])
-        mean_over_depths = total / depth * share
+        mean_over_depths = total * self.loss_ranks / depth * share
         counting = float(self.count_step_stats and not _in_backward())
         with torch.no_grad():
             # The flag is made on the device: a host tensor would be copied there with a blocking copy.

@@ -36,11 +36,13 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import ConfigError
 from torchtitan.models.deepseek_v3.model import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.pipeline_deepseek_v3 import stage_starts_for
-from torchtitan.parallelisms.context_parallel import apply_cp
+from torchtitan.parallelisms.activation_checkpoint import BlockSlot
+from torchtitan.parallelisms.context_parallel import apply_cp, labels_ahead_over_cp
 from torchtitan.parallelisms.data_parallel import apply_data_parallel
 from torchtitan.parallelisms.expert_parallel import (
     apply_expert_parallel,
     check_moe_layout,
+    compile_moe_parts,
     configure_moe,
     moe_compiles_whole,
     moe_fsdp_units,
@@ -56,6 +58,7 @@ from torchtitan.parallelisms.tensor_parallel import (
     apply_root_tp,
     check_tp_shapes,
 )
+from torchtitan.runtime.torch_compat import collectives as torch_compat_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +69,7 @@ def validate_deepseek_v3(args: DeepSeekV3ModelArgs, parallel_dims: ParallelDims,
     flavor = f"model {job_config.model.name} {job_config.model.flavor}"
     if plan is not None:
         stage_starts_for(args, job_config, plan)  # raises when the stages cannot be cut
-    tp, cp = parallel_dims.tp, parallel_dims.cp
-    if args.mtp_depth and cp > 1:
-        raise ConfigError(f"multi-token prediction (model.mtp_depth {args.mtp_depth}) needs the tokens ahead of each "
-                          f"position, which context parallelism ({cp}) spreads over other ranks; set model.mtp_depth 0 "
-                          "to train with context parallelism")
+    tp = parallel_dims.tp
     if args.mtp_depth and job_config.training.seq_len <= args.mtp_depth:
         raise ConfigError(f"model.mtp_depth {args.mtp_depth} needs training.seq_len above it "
                           f"({job_config.training.seq_len})")
@@ -86,9 +85,42 @@ def validate_deepseek_v3(args: DeepSeekV3ModelArgs, parallel_dims: ParallelDims,
     check_tp_shapes(tp, flavor, sizes, args.vocab_size + args.vocab_padding)
 
 
+def _mtp(model: nn.Module) -> list[nn.Module]:
+    """The MTP modules of this model part (none on a pipeline stage without them)."""
+    return list(getattr(model, "mtp", None) or ())
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """Every transformer block of this model part: the main ones, then the MTP modules' ones."""
-    return [*model.layers.values(), *(m.block for m in (getattr(model, "mtp", None) or ()))]
+    return [*model.layers.values(), *(m.block for m in _mtp(model))]
+
+
+def _mtp_block_slots(model: nn.Module) -> list[BlockSlot]:
+    """The MTP modules' blocks for activation checkpointing, indexed by their layer id (after the
+    main blocks'), so that a selective interval counts them as the blocks they follow."""
+    return [BlockSlot(module, "block", model.args.n_layers + k) for k, module in enumerate(_mtp(model))]
+
+
+def configure_mtp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """Sets the model's MTP seams (model.py) for this layout and batch: the step's sequences per
+    rank; under context parallelism the labels ahead, whose first ones past a rank's chunks the
+    next chunks' ranks hold; and the sum of valid targets over the loss mesh (the ranks whose
+    losses and gradients the trainer averages), which makes each rank's part of the loss a part of
+    the mean over all of their targets. The ignored targets fall unevenly: the last `depth`
+    positions of every sequence lie on cp rank 0 (its second chunk ends the sequence), and masked
+    labels wherever the data puts them."""
+    training = job_config.training
+    # MTP's loss is a mean over the step's sequences, like the main loss.
+    model.sequences_per_step = training.batch_size * training.gradient_accumulation_steps
+    if parallel_dims.cp_enabled:
+        model.labels_ahead = labels_ahead_over_cp(parallel_dims.cp_mesh)
+    mesh = parallel_dims.loss_mesh
+    if mesh is not None:
+        def sum_over_loss_ranks(counts: torch.Tensor) -> torch.Tensor:
+            return torch_compat_collectives.wait(torch_compat_collectives.all_reduce(counts, "sum", mesh.get_group()))
+
+        model.sum_over_loss_ranks = sum_over_loss_ranks
+        model.loss_ranks = mesh.size()
 
 
 def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -96,8 +128,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     ac = job_config.activation_checkpoint
     moe_layers = [block.moe for block in _blocks(model) if block.moe is not None]
     configure_moe(moe_layers, parallel_dims, job_config)
-    # MTP's loss is a mean over the step's sequences, like the main loss.
-    model.sequences_per_step = training.batch_size * training.gradient_accumulation_steps
+    configure_mtp(model, parallel_dims, job_config)
     if job_config.float8.enable_float8_linear:
         apply_float8(model, job_config)
     if parallel_dims.tp_enabled:
@@ -109,22 +140,31 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     if parallel_dims.ep > 1:
         apply_expert_parallel(moe_layers, parallel_dims.ep_mesh)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)
-        for block in model.layers.values():
+        # The MTP blocks' attention too: each MTP depth attends over the whole sequence, as the main blocks do.
+        named = [*((f"layers.{n}", b) for n, b in model.layers.items()),
+                 *((f"mtp.{k}.block", m.block) for k, m in enumerate(_mtp(model)))]
+        apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method,
+                 blocks=named)
+        for block in _blocks(model):
             block.attention.pad_values = True  # ring attention's block kernels need equal head sizes
     whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         lambda m: apply_compile(m, moe_whole=whole), offload=ac.offload)
-    # (The MTP modules' dense parts join the root's FSDP unit, beside the output projection they share.)
-    apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
+                         lambda m: apply_compile(m, moe_whole=whole, parallel_dims=parallel_dims), offload=ac.offload,
+                         more_blocks=_mtp_block_slots(model))
+    # Each MTP module (its norms, eh_proj, block and final norm) is an FSDP unit of its own after the
+    # main blocks, in forward order; its MoE layer's units are among the MoE layers' (wrapped first).
+    apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims),
+                        blocks=[*model.layers.values(), *_mtp(model)])
     return model
 
 
-def apply_compile(model: nn.Module, moe_whole: bool = True) -> None:
+def apply_compile(model: nn.Module, moe_whole: bool = True, parallel_dims: ParallelDims | None = None) -> None:
     """Every block (the MTP modules' too) compiles whole, in one graph; with `moe_whole` False
-    (expert_parallel.moe_compiles_whole: EP or TP) MoE blocks compile their
-    attention and shared experts, their routed experts running eagerly."""
+    (expert_parallel.moe_compiles_whole: EP or TP) MoE blocks compile their attention and shared
+    experts, their MoE layer running eagerly but for the parts whose shapes the dropping mode fixes
+    under EP (expert_parallel.compile_moe_parts, given `parallel_dims`)."""
     blocks = _blocks(model)
+    parts = 0
     for block in blocks:
         if block.moe is None or moe_whole:
             block.compile(fullgraph=True)
@@ -132,8 +172,11 @@ def apply_compile(model: nn.Module, moe_whole: bool = True) -> None:
             block.attention.compile(fullgraph=True)
             if block.shared_experts is not None:
                 block.shared_experts.compile(fullgraph=True)
-    parts = "whole" if moe_whole else "whole but for the routed experts of MoE blocks"
-    logger.info(f"compiled {len(blocks)} DeepSeek-V3 blocks with torch.compile ({parts})")
+            if parallel_dims is not None:
+                parts += compile_moe_parts(block.moe, parallel_dims)
+    how = ("whole" if moe_whole else "whole but for the MoE layers of MoE blocks"
+           + (f", of which {parts} compile their router, placement, experts and read-back" if parts else ""))
+    logger.info(f"compiled {len(blocks)} DeepSeek-V3 blocks with torch.compile ({how})")
 
 
 # ---------------------------------------------------------------------------------------------

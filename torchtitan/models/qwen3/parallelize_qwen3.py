@@ -23,6 +23,7 @@ from torchtitan.parallelisms.decoder_tp_plan import apply_decoder_tp, decoder_bl
 from torchtitan.parallelisms.expert_parallel import (
     apply_expert_parallel,
     check_moe_layout,
+    compile_moe_parts,
     configure_moe,
     moe_compiles_whole,
     moe_fsdp_units,
@@ -79,17 +80,23 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, job_config:
     # Every block compiles whole, but for MoE layers that EP or TP shard on their own (moe_compiles_whole).
     whole = not moe_layers or moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         apply_compile if whole else apply_compile_attention, offload=ac.offload)
+                         apply_compile if whole else lambda m: apply_compile_attention(m, parallel_dims),
+                         offload=ac.offload)
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 
 
-def apply_compile_attention(model: nn.Module) -> None:
+def apply_compile_attention(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """MoE blocks whose layer cannot compile whole (expert_parallel.moe_compiles_whole) compile their
-    attention only; their MoE layer runs eagerly (its expert matmuls are large already)."""
+    attention; their MoE layer runs eagerly, but for the parts whose shapes the dropping mode fixes
+    under EP (expert_parallel.compile_moe_parts)."""
+    parts = 0
     for block in model.layers.values():
         block.attention.compile(fullgraph=True)
-    logger.info(f"compiled the attention of {len(model.layers)} MoE blocks with torch.compile (MoE layers eager)")
+        if block.moe is not None:
+            parts += compile_moe_parts(block.moe, parallel_dims)
+    moe = f"router, placement, experts and read-back of {parts} MoE layers compiled" if parts else "MoE layers eager"
+    logger.info(f"compiled the attention of {len(model.layers)} MoE blocks with torch.compile ({moe})")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
