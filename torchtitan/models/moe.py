@@ -243,9 +243,8 @@ class GroupedExperts(nn.Module):
             return experts.repeat_interleave(counts)
         return experts.repeat_interleave(counts, output_size=x.shape[0])
 
-    @staticmethod
-    def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return _local(bias).to(like.dtype)[rows_expert]
+    def _bias_rows(self, bias: torch.Tensor, rows_expert: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return self.local(bias).to(like.dtype)[rows_expert]
 
 
 # ---------------------------------------------------------------------------------------------
