@@ -1,5 +1,6 @@
 """`training.compile` takes every transformer block whole, in one graph (fullgraph: a graph break
-fails), for every family: Llama 3, Qwen3 dense and MoE, DeepSeek-V3 (dense, MoE and MTP blocks), in
+fails), for every family: Llama 3, Qwen3 dense and MoE, DeepSeek-V3 (dense, MoE and MTP blocks), gpt-oss
+(sinks, a banded and a full block, biased clamped experts), in
 the dropping and the dropless MoE modes; each family through its own compile function, one forward
 and backward on CPU, losses and gradients equal to eager. Which layouts keep the MoE layer eager is
 `moe_compiles_whole`'s rule, tested last, and under EP the dropping mode's parts that compile on their
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from tests.tolerances import assert_reordered, transformer_sums
 from torchtitan.models.deepseek_v3 import DeepSeekV3, DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.parallelize_deepseek_v3 import apply_compile as compile_deepseek_v3
+from torchtitan.models.gpt_oss import GptOss, GptOssModelArgs
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
 from torchtitan.models.moe import MoE
@@ -41,6 +43,9 @@ DEEPSEEK_V3 = dict(dim=32, n_layers=2, n_dense_layers=1, n_heads=4, hidden_dim=4
                    q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                    num_experts=8, n_shared_experts=1, top_k=2, moe_hidden_dim=16, score_func="sigmoid", n_group=4,
                    topk_group=2, route_scale=2.5, mtp_depth=1)
+# A banded block (window 5, shorter than the sequence) and a full one, sinks, biased experts.
+GPT_OSS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=VOCAB, max_seq_len=SEQ,
+               sliding_window=5, num_experts=4, top_k=2, moe_hidden_dim=16)
 LLAMA3 = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=16)
 # The sums of a forward of the largest family here (Llama's feed-forward hidden size 176, the MTP block
 # a third), which the traced graph's decompositions may order otherwise; a backward runs them again
@@ -67,6 +72,9 @@ FAMILIES = {
     "qwen3_moe_dropless": (lambda: build(Qwen3, Qwen3ModelArgs(**QWEN3_MOE), 0.0), compile_qwen3),
     "deepseek_v3_capacity": (lambda: build(DeepSeekV3, DeepSeekV3ModelArgs(**DEEPSEEK_V3), 1.0), compile_deepseek_v3),
     "deepseek_v3_dropless": (lambda: build(DeepSeekV3, DeepSeekV3ModelArgs(**DEEPSEEK_V3), 0.0), compile_deepseek_v3),
+    # gpt-oss's parallelize compiles blocks with the shared apply_compile (Llama's).
+    "gpt_oss_capacity": (lambda: build(GptOss, GptOssModelArgs(**GPT_OSS), 1.0), compile_llama),
+    "gpt_oss_dropless": (lambda: build(GptOss, GptOssModelArgs(**GPT_OSS), 0.0), compile_llama),
 }
 
 
@@ -150,6 +158,8 @@ def expert_mesh():
 
 
 EP_COMPILE = {"qwen3_moe": (lambda: build(Qwen3, Qwen3ModelArgs(**QWEN3_MOE), 1.0), compile_qwen3_under_ep),
+              # gpt-oss's parallelize compiles its blocks under EP as Qwen3's does (its experts' biases too).
+              "gpt_oss": (lambda: build(GptOss, GptOssModelArgs(**GPT_OSS), 1.0), compile_qwen3_under_ep),
               "deepseek_v3": (lambda: build(DeepSeekV3, DeepSeekV3ModelArgs(**DEEPSEEK_V3), 1.0),
                               lambda m, dims: compile_deepseek_v3(m, moe_whole=False, parallel_dims=dims))}
 

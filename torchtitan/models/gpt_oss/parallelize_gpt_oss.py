@@ -75,7 +75,8 @@ def parallelize_gpt_oss(model: nn.Module, parallel_dims: ParallelDims, job_confi
         apply_cp(model, parallel_dims.cp_mesh, training.seq_len, job_config.experimental.context_parallel_method)
     whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
-                         apply_compile if whole else apply_compile_attention, offload=ac.offload)
+                         apply_compile if whole else lambda m: apply_compile_attention(m, parallel_dims),
+                         offload=ac.offload)
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims))
     return model
 
