@@ -102,6 +102,9 @@ NAMED_GOALS = (
     _named("replica groups with TP inside (issue 52)", {"groups": "on"}, tp=2),
     _named("multi-token prediction under context parallelism, its block checkpointed (issue 56)",
            {"model": "dsv3", "mtp": "on", "ac": "full"}, cp=2),
+    # test_fsdp_memory.py measures what ZeRO-1 splits over the replicas on a data-parallel point of CI's.
+    _named("ZeRO-1 over plain data-parallel replicas, all-gather CP eager", {"zero1": "on", "cp_method": "allgather"},
+           dp_replicate=2, cp=2),
 )
 
 
@@ -246,7 +249,12 @@ def ci_points(points: tuple[Point, ...] | None = None, budget: float | None = No
     trained = [p for p in points if not p.refused_by_design]
     values = [make_goal(f"{f.name} {v} trains", 10, {f.name: v}) for f in FACTORS for v in f.values]
     dim_pairs = [make_goal(f"{a} with {b}", 10, {}, (a, b)) for a, b in itertools.combinations(DIMS, 2)]
-    required = [g for g in [*NAMED_GOALS, *values, *dim_pairs] if g is not None]
+    # Each kind's main schedule (the one a user gets by its name) trains in CI, whichever concrete
+    # schedules the construction happened to give the points of that kind.
+    main_schedules = [dataclasses.replace(goal, met_by=lambda p, main=concrete[0]: p.schedule == main)
+                      for kind, concrete in SCHEDULES.items()
+                      if (goal := make_goal(f"schedule {concrete[0]} trains", 10, {"schedule": kind})) is not None]
+    required = [g for g in [*NAMED_GOALS, *values, *dim_pairs, *main_schedules] if g is not None]
     optional = [g for g in coverage_goals() if g not in NAMED_GOALS]
     chosen: list[Point] = []
     references: set[tuple[str, ...]] = set()
