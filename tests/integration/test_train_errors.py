@@ -8,7 +8,7 @@ CASES = {
     "missing tokenizer": (["--model.tokenizer_path", "no/such/tokenizer.model"], "tokenizer file not found: no/such/tokenizer.model"),
     "empty tokenizer": (["--model.tokenizer_path", "{empty}"], "tokenizer file is empty"),
     "corrupt tokenizer": (["--model.tokenizer_path", "{garbage}"], "is not a valid sentencepiece model"),
-    "unknown model": (["--model.name", "gpt5"], "unknown model.name 'gpt5'; registered: deepseek_v3, llama2, llama3"),
+    "unknown model": (["--model.name", "gpt5"], "unknown model.name 'gpt5'; registered: deepseek_v3, gpt_oss, llama2, llama3, qwen3"),
     "unknown flavor": (["--model.flavor", "5B"], "unknown model.flavor '5B' for model 'llama3'"),
     "unknown dataset": (["--training.dataset", "c4_nope"], "unknown training.dataset 'c4_nope'; known: c4, reverse_words, stdlib_docs"),
     "missing dataset file": (["--training.dataset_path", "no/such.jsonl"], "dataset file not found: no/such.jsonl"),
