@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from tests.tolerances import assert_reordered, transformer_sums
 from torchtitan.models.deepseek_v3 import DeepSeekV3, DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.parallelize_deepseek_v3 import apply_compile as compile_deepseek_v3
+from torchtitan.models.deepseek_v3.parallelize_deepseek_v3 import mtp_block_slots
 from torchtitan.models.gpt_oss import GptOss, GptOssModelArgs
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.models.loss import cross_entropy_loss
@@ -31,8 +32,10 @@ from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3 import Qwen3, Qwen3ModelArgs
 from torchtitan.models.qwen3.parallelize_qwen3 import apply_compile as compile_qwen3
 from torchtitan.models.qwen3.parallelize_qwen3 import apply_compile_attention as compile_qwen3_under_ep
+from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.expert_parallel import apply_expert_parallel, compile_moe_parts, moe_compiles_whole
 from torchtitan.parallelisms.tensor_parallel import apply_compile as compile_llama
+from torchtitan.runtime.torch_compat.composable import bare_name
 
 VOCAB, SEQ = 64, 16
 QWEN3 = dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=VOCAB,
@@ -75,6 +78,9 @@ FAMILIES = {
     # gpt-oss's parallelize compiles blocks with the shared apply_compile (Llama's).
     "gpt_oss_capacity": (lambda: build(GptOss, GptOssModelArgs(**GPT_OSS), 1.0), compile_llama),
     "gpt_oss_dropless": (lambda: build(GptOss, GptOssModelArgs(**GPT_OSS), 0.0), compile_llama),
+    # Full AC first, as parallelize_deepseek_v3 applies it: the MTP block's checkpoint compiles with it.
+    "deepseek_v3_checkpointed": (lambda: build(DeepSeekV3, DeepSeekV3ModelArgs(**DEEPSEEK_V3), 1.0),
+                                 lambda m: (apply_ac(m, "full", "", mtp_block_slots(m)), compile_deepseek_v3(m))),
 }
 
 
@@ -82,7 +88,7 @@ def loss_and_grads(model, tokens, labels):
     logits = model(tokens, labels=labels) if isinstance(model, DeepSeekV3) else model(tokens)
     loss = cross_entropy_loss(logits, labels)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {bare_name(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def compile_with_backend(monkeypatch, backend):
@@ -116,9 +122,9 @@ def test_every_block_compiles_in_one_graph_and_trains_as_eager(monkeypatch, fami
     assert compiled_grads.keys() == grads.keys()
     for name in grads:
         assert_reordered(compiled_grads[name], grads[name], 2 * FORWARD_SUMS + 2 * SEQ, msg=name)
-    for mine, theirs in zip(compiled.modules(), eager.modules()):  # routing statistics counted as eager
-        if hasattr(mine, "take_step_stats"):
-            assert all(torch.equal(a, b) for a, b in zip(mine.take_step_stats(), theirs.take_step_stats()))
+    moe = [[m for m in model.modules() if hasattr(m, "take_step_stats")] for model in (compiled, eager)]
+    for mine, theirs in zip(*moe):  # routing statistics counted as eager (once, under a checkpoint too)
+        assert all(torch.equal(a, b) for a, b in zip(mine.take_step_stats(), theirs.take_step_stats()))
 
 
 def test_a_graph_break_fails_the_compile(monkeypatch):

@@ -95,7 +95,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.layers.values(), *(m.block for m in _mtp(model))]
 
 
-def _mtp_block_slots(model: nn.Module) -> list[BlockSlot]:
+def mtp_block_slots(model: nn.Module) -> list[BlockSlot]:
     """The MTP modules' blocks for activation checkpointing, indexed by their layer id (after the
     main blocks'), so that a selective interval counts them as the blocks they follow."""
     return [BlockSlot(module, "block", model.args.n_layers + k) for k, module in enumerate(_mtp(model))]
@@ -150,7 +150,7 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_c
     whole = moe_compiles_whole(parallel_dims)
     apply_ac_and_compile(model, parallel_dims.tp_enabled, ac.mode, ac.selective_ac_option, training.compile,
                          lambda m: apply_compile(m, moe_whole=whole, parallel_dims=parallel_dims), offload=ac.offload,
-                         more_blocks=_mtp_block_slots(model))
+                         more_blocks=mtp_block_slots(model))
     # Each MTP module (its norms, eh_proj, block and final norm) is an FSDP unit of its own after the
     # main blocks, in forward order; its MoE layer's units are among the MoE layers' (wrapped first).
     apply_data_parallel(model, parallel_dims, training, units=moe_fsdp_units(moe_layers, parallel_dims),
