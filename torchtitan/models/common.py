@@ -62,6 +62,26 @@ def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
+def yarn_blend(freqs: torch.Tensor, theta: float, factor: float, original_max_position_embeddings: int,
+               beta_fast: float, beta_slow: float, truncate: bool = True) -> torch.Tensor:
+    """YaRN's frequencies (DeepSeek-V3, gpt-oss): each of `freqs` (head_dim / 2 RoPE frequencies)
+    blended between itself and itself / `factor` by a linear ramp over the dims between the
+    correction dims of `beta_fast` and `beta_slow` rotations; `truncate` rounds those bounds
+    outwards (DeepSeek's reference and transformers' default; gpt-oss's config turns it off)."""
+    dim = 2 * freqs.shape[0]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    span = max(high - low, 1e-3)  # equal bounds: a step at `low`, as the references do
+    ramp = ((torch.arange(dim // 2, device=freqs.device, dtype=freqs.dtype) - low) / span).clamp(0, 1)
+    return freqs / factor * ramp + freqs * (1 - ramp)
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotates adjacent feature pairs of x (batch, seq, heads, head_dim) by rope (seq, head_dim/2, 2).
 

@@ -66,6 +66,7 @@ from torchtitan.models.common import (
     document_causal_mask,
     reset_norm,
     trunc_normal,
+    yarn_blend,
 )
 from torchtitan.models.moe import AuxLossGrad, MoE, _in_backward
 
@@ -156,13 +157,7 @@ def rope_table(args: DeepSeekV3ModelArgs, device: torch.device | None = None) ->
     factor = 1.0
     y = args.rope_scaling
     if y is not None:
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low = max(math.floor(correction_dim(y.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
-        freqs = freqs / y.factor * ramp + freqs * (1 - ramp)
+        freqs = yarn_blend(freqs, theta, y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow)
         if y.mscale and y.mscale_all_dim:
             factor = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
         else:

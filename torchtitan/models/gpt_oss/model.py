@@ -47,7 +47,7 @@ try:  # PyTorch 2.9+ asks for the log-sum-exp this way (return_lse warns there);
 except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
-from torchtitan.models.common import PaddedVocabMask, build_norm, reset_norm, trunc_normal
+from torchtitan.models.common import PaddedVocabMask, build_norm, reset_norm, trunc_normal, yarn_blend
 from torchtitan.models.moe import MoE, _local
 
 
@@ -113,17 +113,8 @@ def yarn_rope_table(args: GptOssModelArgs, device: torch.device | None = None) -
     factor = 1.0
     y = args.rope_scaling
     if y is not None:
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
-        if y.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        freqs = freqs / y.factor * ramp + freqs * (1 - ramp)
+        freqs = yarn_blend(freqs, theta, y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow,
+                           y.truncate)
         factor = 0.1 * math.log(y.factor) + 1.0 if y.factor > 1 else 1.0
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float64), freqs)
     return (torch.stack((angles.cos(), angles.sin()), dim=-1) * factor).float()
